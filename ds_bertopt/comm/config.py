@@ -1,0 +1,27 @@
+"""Config of the bucket-wise gradient clipping hook (``"bertopt": {"bucket_clip": {...}}``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import check
+
+
+@dataclass(frozen=True)
+class BucketClipConfig:
+    enabled: bool = False
+    """Clip each gradient bucket on each rank before its allreduce (replaces DeepSpeed's
+    ``gradient_clipping``, which is then set to 0)."""
+    max_norm: float = 1.0
+    """Bound on the norm of each rank's whole local gradient."""
+    bucket_size: int = 5_000_000
+    """Elements per bucket (buckets are filled in reverse parameter registration order)."""
+    threshold: Literal["uniform", "proportional"] = "uniform"
+    """Per-bucket threshold: ``uniform`` τ_b = max_norm/√B; ``proportional`` τ_b = max_norm·√(n_b/n)."""
+    eps: float = 1e-6
+    """Added to the bucket norm before dividing."""
+
+    def validate(self) -> None:
+        check(self.max_norm > 0, f"max_norm: must be positive, got {self.max_norm}")
+        check(self.bucket_size > 0, f"bucket_size: must be positive, got {self.bucket_size}")
+        check(self.eps >= 0, f"eps: must be >= 0, got {self.eps}")

@@ -1,0 +1,280 @@
+"""The ``"bertopt"`` section of a DeepSpeed JSON config, and the loader for the whole file.
+
+A config file is a normal DeepSpeed config plus one top-level ``"bertopt"`` object. DeepSpeed
+0.19.8 ignores unknown top-level keys, but we strip ours before handing the dict over anyway.
+Our section is parsed strictly (see :mod:`ds_bertopt.configlib`): an unknown or mistyped key
+is an error naming it. Capability sections live next to their code
+(``ds_bertopt/<capability>/config.py``) and are composed here.
+
+Values that depend on the world size (``train_batch_size = micro × accumulation × world``) are
+resolved by :func:`resolve_batch` before ``deepspeed.initialize``.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Optional
+
+from .comm.config import BucketClipConfig
+from .configlib import load_section, parse_override, set_dotted, to_dict
+from .data.config import SamplerConfig
+from .errors import ConfigError, check
+from .optim.config import OptimizerConfig, ScheduleConfig
+from .wtacrs.config import WtaCrsConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden_size: int = 256
+    """Width of the transformer (BERT-base: 768, BERT-large: 1024)."""
+    num_hidden_layers: int = 4
+    """Number of transformer layers (BERT-base: 12, BERT-large: 24)."""
+    num_attention_heads: int = 4
+    """Attention heads per layer; must divide ``hidden_size``."""
+    intermediate_size: int = 1024
+    """Width of the feed-forward layer (4 × hidden for standard BERT)."""
+    max_position_embeddings: int = 512
+    """Longest sequence the model can take; ``data.max_seq_length`` must not exceed it."""
+    hidden_dropout_prob: float = 0.1
+    """Dropout on hidden states."""
+    attention_probs_dropout_prob: float = 0.1
+    """Dropout on attention probabilities."""
+    objective: Literal["mlm", "mlm_nsp"] = "mlm"
+    """``mlm``: masked-LM only (``BertForMaskedLM``); ``mlm_nsp``: plus next-sentence prediction
+    (``BertForPreTraining``), with 50 % random second segments."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel used by transformers."""
+    init_checkpoint: Optional[str] = None
+    """Directory of a Hugging Face BERT checkpoint to start from instead of random init."""
+
+    def validate(self) -> None:
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "max_position_embeddings"):
+            check(getattr(self, name) > 0, f"{name}: must be positive, got {getattr(self, name)}")
+        check(self.hidden_size % self.num_attention_heads == 0,
+              f"num_attention_heads: {self.num_attention_heads} does not divide "
+              f"hidden_size {self.hidden_size}")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            value = getattr(self, name)
+            check(0.0 <= value < 1.0, f"{name}: must be in [0, 1), got {value}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: tuple[str, ...] = ()
+    """Text corpus files or globs: ``.txt`` (a document per blank-line-separated block, or per
+    line with ``txt_format: "line"``), ``.jsonl`` / ``.json`` (one object per line with
+    ``text_field``), optionally ``.gz``. Empty: the embedded corpus (Python stdlib docstrings)."""
+    dataset: Optional[str] = None
+    """A ``datasets`` name or a directory saved with ``save_to_disk``, used instead of files."""
+    dataset_split: str = "train"
+    """Split of ``dataset`` to read."""
+    text_field: str = "text"
+    """Field holding the document text in jsonl files and datasets."""
+    txt_format: Literal["paragraph", "line"] = "paragraph"
+    """How ``.txt`` files are split into documents: blank-line-separated blocks, or one per line."""
+    tokenizer: Optional[str] = None
+    """Tokenizer directory or name. Empty: a WordPiece tokenizer trained on the corpus and cached."""
+    tokenizer_vocab_size: int = 8192
+    """Vocabulary size of the trained default tokenizer."""
+    max_seq_length: int = 128
+    """Longest training sequence in tokens, [CLS] and [SEP]s included."""
+    short_seq_prob: float = 0.1
+    """Probability that a sequence targets a random shorter length (as in BERT's data builder)."""
+    mlm_probability: float = 0.15
+    """Fraction of tokens selected for masking (then 80 % [MASK], 10 % random, 10 % kept)."""
+    eval_fraction: float = 0.02
+    """Fraction of documents held out for evaluation (at least one document)."""
+    max_eval_samples: int = 512
+    """Cap on held-out sequences evaluated."""
+    max_documents: Optional[int] = None
+    """Read at most this many documents (quick experiments)."""
+    cache_dir: str = "~/.cache/ds_bertopt"
+    """Where the tokenizer, the extracted default corpus and the ``datasets`` caches go."""
+    seed: int = 1234
+    """Seed for sequence building (fixed per corpus so every rank builds the same samples)."""
+
+    def validate(self) -> None:
+        check(self.max_seq_length >= 8, f"max_seq_length: must be at least 8, got {self.max_seq_length}")
+        check(0.0 <= self.short_seq_prob <= 1.0, f"short_seq_prob: must be in [0, 1], got {self.short_seq_prob}")
+        check(0.0 < self.mlm_probability < 1.0, f"mlm_probability: must be in (0, 1), got {self.mlm_probability}")
+        check(0.0 < self.eval_fraction < 1.0, f"eval_fraction: must be in (0, 1), got {self.eval_fraction}")
+        check(self.max_eval_samples > 0, f"max_eval_samples: must be positive, got {self.max_eval_samples}")
+        check(self.tokenizer_vocab_size >= 1000,
+              f"tokenizer_vocab_size: must be at least 1000, got {self.tokenizer_vocab_size}")
+        check(self.max_documents is None or self.max_documents > 1,
+              f"max_documents: must be at least 2, got {self.max_documents}")
+        check(not (self.train_files and self.dataset),
+              "train_files: give either train_files or dataset, not both")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_steps: int = 300
+    """Optimizer steps to train for."""
+    output_dir: str = "runs/bert"
+    """Checkpoints, monitor logs and the final model go here."""
+    eval_every: int = 100
+    """Evaluate every this many steps (and at step 0 and the end); 0 disables periodic eval."""
+    log_every: int = 10
+    """Print a log line every this many steps."""
+    save_every: int = 0
+    """Checkpoint every this many steps (and at the end); 0 saves only at the end."""
+    keep_last: int = 3
+    """Keep this many most recent checkpoints."""
+    seed: int = 42
+    """Seed for model init, masking and data order."""
+    save_model: bool = True
+    """Also write the final model in Hugging Face format to ``output_dir/final``."""
+    dist_timeout_s: int = 120
+    """Process-group timeout: a collective waiting on a dead rank fails after this long."""
+    max_consecutive_nonfinite: int = 5
+    """Abort after this many consecutive steps with a non-finite loss or gradient."""
+    deterministic: bool = False
+    """Turn on ``torch.use_deterministic_algorithms`` (needed for bit-exact resume on GPU)."""
+
+    def validate(self) -> None:
+        check(self.max_steps > 0, f"max_steps: must be positive, got {self.max_steps}")
+        for name in ("eval_every", "save_every"):
+            check(getattr(self, name) >= 0, f"{name}: must be >= 0, got {getattr(self, name)}")
+        check(self.log_every > 0, f"log_every: must be positive, got {self.log_every}")
+        check(self.keep_last >= 1, f"keep_last: must be at least 1, got {self.keep_last}")
+        check(self.dist_timeout_s >= 10, f"dist_timeout_s: must be at least 10, got {self.dist_timeout_s}")
+        check(self.max_consecutive_nonfinite >= 1,
+              f"max_consecutive_nonfinite: must be at least 1, got {self.max_consecutive_nonfinite}")
+
+
+@dataclass(frozen=True)
+class BertOptConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model architecture."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer and sequence building."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Loop length, evaluation, checkpoints."""
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    """Length-aware batch planning (see ``ds_bertopt.data.plan``)."""
+    bucket_clip: BucketClipConfig = field(default_factory=BucketClipConfig)
+    """Bucket-wise gradient clipping before allreduce (see ``ds_bertopt.comm``)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """LAMB / AdamW (see ``ds_bertopt.optim``)."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Learning-rate schedule and batch-size scaling."""
+    wtacrs: WtaCrsConfig = field(default_factory=WtaCrsConfig)
+    """WTA-CRS sampled linears and the fine-tuning memory kit (see ``ds_bertopt.wtacrs``)."""
+
+    def validate(self) -> None:
+        check(self.data.max_seq_length <= self.model.max_position_embeddings,
+              f"data.max_seq_length: {self.data.max_seq_length} exceeds the model's "
+              f"max_position_embeddings {self.model.max_position_embeddings}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole config file: DeepSpeed's part (a plain dict) and ours (typed)."""
+
+    path: str
+    """The file it came from."""
+    deepspeed: dict
+    """Everything except ``"bertopt"``: handed to ``deepspeed.initialize`` after batch resolution."""
+    bertopt: BertOptConfig
+    """Our section."""
+
+    def with_deepspeed(self, ds: dict) -> "RunConfig":
+        return replace(self, deepspeed=ds)
+
+
+def read_json(path: str) -> dict:
+    """Read a JSON object from ``path`` with one-line errors for the usual mistakes."""
+    if not os.path.exists(path):
+        raise ConfigError(f"config file {path} does not exist")
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path} is a directory, not a JSON file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                          f"column {exc.colno}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a JSON object at the top level")
+    return data
+
+
+def load_config(path: str, overrides: tuple[str, ...] | list[str] = ()) -> RunConfig:
+    """Load a DeepSpeed JSON file with a ``"bertopt"`` section.
+
+    ``overrides`` are ``"key.path=value"`` strings applied to the ``bertopt`` section (or,
+    prefixed with ``deepspeed.``, to DeepSpeed's part) before validation.
+    """
+    raw = read_json(path)
+    ours = copy.deepcopy(raw.pop("bertopt", {}))
+    for text in overrides:
+        key, value = parse_override(text)
+        if key.startswith("deepspeed."):
+            set_dotted(raw, key[len("deepspeed."):], value)
+        else:
+            set_dotted(ours, key[len("bertopt."):] if key.startswith("bertopt.") else key, value)
+    bertopt = load_section(BertOptConfig, ours, "bertopt")
+    return RunConfig(path=path, deepspeed=raw, bertopt=bertopt)
+
+
+def resolve_batch(ds: dict, world_size: int) -> dict:
+    """Fill in and check DeepSpeed's batch triple for ``world_size`` data-parallel ranks.
+
+    ``train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × world``.
+    Any two determine the third; all three must agree. Returns a new dict.
+    """
+    ds = copy.deepcopy(ds)
+    tbs = ds.get("train_batch_size")
+    mbs = ds.get("train_micro_batch_size_per_gpu")
+    gas = ds.get("gradient_accumulation_steps")
+    for name, value in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", mbs),
+                        ("gradient_accumulation_steps", gas)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ConfigError(f"{name}: must be a positive integer, got {json.dumps(value)}")
+    if mbs is None and tbs is None:
+        raise ConfigError("train_micro_batch_size_per_gpu: give it (or train_batch_size)")
+    if mbs is not None and gas is None and tbs is None:
+        gas = 1
+    if tbs is not None and mbs is not None and gas is None:
+        if tbs % (mbs * world_size):
+            raise ConfigError(f"train_batch_size {tbs} is not divisible by "
+                              f"train_micro_batch_size_per_gpu {mbs} × world size {world_size}")
+        gas = tbs // (mbs * world_size)
+    if tbs is not None and mbs is None:
+        gas = gas or 1
+        if tbs % (gas * world_size):
+            raise ConfigError(f"train_batch_size {tbs} is not divisible by "
+                              f"gradient_accumulation_steps {gas} × world size {world_size}")
+        mbs = tbs // (gas * world_size)
+    if tbs is None:
+        tbs = mbs * gas * world_size
+    if tbs != mbs * gas * world_size:
+        raise ConfigError(f"train_batch_size {tbs} != train_micro_batch_size_per_gpu {mbs} × "
+                          f"gradient_accumulation_steps {gas} × world size {world_size} "
+                          f"(= {mbs * gas * world_size}); drop train_batch_size to let it follow")
+    ds.update(train_batch_size=tbs, train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=gas)
+    return ds
+
+
+def check_precision(ds: dict, device_type: str) -> str:
+    """Return ``"fp16"``, ``"bf16"`` or ``"fp32"``; refuse fp16 where DeepSpeed cannot run it."""
+    fp16 = bool(ds.get("fp16", {}).get("enabled", False))
+    bf16 = bool(ds.get("bf16", {}).get("enabled", False))
+    check(not (fp16 and bf16), "fp16 and bf16 are both enabled; enable one")
+    if fp16 and device_type == "cpu":
+        raise ConfigError("fp16 is not supported on CPU by DeepSpeed; set \"bf16\": {\"enabled\": true} "
+                          "and \"fp16\": {\"enabled\": false}")
+    return "fp16" if fp16 else "bf16" if bf16 else "fp32"
+
+
+def describe(cfg: RunConfig) -> dict:
+    """A JSON-able view of the resolved config, for logs and checkpoints."""
+    return {"deepspeed": cfg.deepspeed, "bertopt": to_dict(cfg.bertopt)}

@@ -1,0 +1,162 @@
+"""Strict loading of frozen dataclasses from JSON-like dicts.
+
+Each config section is a frozen dataclass whose fields carry a docstring (the string literal
+right after the field). ``load_section(cls, data, path)`` builds it and rejects, with one line
+naming the dotted key:
+
+* unknown keys (with a close-match suggestion, so ``"max_step"`` says ``did you mean max_steps``),
+* values of the wrong type (``true`` where a number is expected, ``"3"`` where an int is),
+* values a section's ``validate()`` method refuses.
+
+Nested dataclass fields are loaded recursively; ``Optional``, ``Literal``, ``tuple[...]``,
+``list[...]`` and ``dict[str, ...]`` are understood. Nothing here knows about DeepSpeed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
+
+from .errors import ConfigError
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against annotation ``tp``; convert lists to tuples and dicts to dataclasses."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else
+                          f"{path}: expected {_type_name(tp)}, got {json.dumps(value)}")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path}: {json.dumps(value)} is not one of "
+                              f"{', '.join(json.dumps(a) for a in allowed)}")
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {json.dumps(value)}")
+        args = get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{path}: expected {len(args)} values, got {len(value)}")
+            items = [_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
+        else:
+            item_tp = args[0] if args else Any
+            items = [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected an object, got {json.dumps(value)}")
+        _, val_tp = get_args(tp) or (str, Any)
+        return {str(k): _coerce(v, val_tp, f"{path}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        return load_section(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {json.dumps(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{path}: expected an integer, got {json.dumps(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {json.dumps(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {json.dumps(value)}")
+        return value
+    raise TypeError(f"configlib: unsupported annotation {tp!r} at {path}")
+
+
+def load_section(cls: type, data: Any, path: str) -> Any:
+    """Build dataclass ``cls`` from ``data`` (a dict), strictly. ``path`` names it in errors."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected an object, got {json.dumps(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{path}: unknown key {key!r}{hint}; "
+                              f"known keys: {', '.join(sorted(fields))}")
+    kwargs = {name: _coerce(value, hints[name], f"{path}.{name}") for name, value in data.items()}
+    try:
+        obj = cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}.{exc}") from None
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ConfigError as exc:
+            raise ConfigError(f"{path}.{exc}") from None
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """Inverse of :func:`load_section` (tuples become lists), for logging and checkpoints."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    """``set_dotted(d, "train.max_steps", 5)`` sets ``d["train"]["max_steps"] = 5``."""
+    keys = dotted.split(".")
+    node = raw
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {dotted}: {key} is not an object")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse ``key.path=value``; the value is JSON when it parses, else a plain string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.path=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key, value

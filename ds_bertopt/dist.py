@@ -1,0 +1,174 @@
+"""Process topology: who am I, which node am I on, who are my node-mates.
+
+One place normalises the variables of every launcher we support:
+
+=================  =============  ==================  ==================  ============
+launcher           rank/world     local rank          ranks per node      node rank
+=================  =============  ==================  ==================  ============
+``deepspeed``      RANK/WORLD_SIZE LOCAL_RANK (+arg)  LOCAL_SIZE          CROSS_RANK
+``torchrun``       RANK/WORLD_SIZE LOCAL_RANK         LOCAL_WORLD_SIZE    GROUP_RANK
+Open MPI           OMPI_COMM_WORLD_RANK/_SIZE  OMPI_COMM_WORLD_LOCAL_RANK  OMPI_..._LOCAL_SIZE  rank // local size
+SLURM (srun)       SLURM_PROCID/SLURM_NTASKS   SLURM_LOCALID  SLURM_NTASKS_PER_NODE  SLURM_NODEID
+=================  =============  ==================  ==================  ============
+
+After the process group exists, :func:`verify_topology` all-gathers every rank's view once and
+fails with one line if nodes differ in size or ranks of a node are not contiguous, because the
+node-local data planner (``ds_bertopt.data.plan``) depends on ``node = rank // ranks_per_node``.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from .errors import BertOptError
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Number of ranks in the job."""
+    local_rank: int
+    """Rank within this node."""
+    ranks_per_node: int
+    """Ranks on every node (all nodes must have the same number)."""
+    node_rank: int
+    """Index of this node, 0 … num_nodes − 1."""
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def node_ranks(self) -> range:
+        """Global ranks on this node."""
+        start = self.node_rank * self.ranks_per_node
+        return range(start, start + self.ranks_per_node)
+
+
+def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> Optional[int]:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(str(value).split("(")[0])  # SLURM_NTASKS_PER_NODE may read "2(x2)"
+            except ValueError:
+                raise BertOptError(f"environment variable {name}={value!r} is not an integer") from None
+    return None
+
+
+def topology_from_env(env: Optional[Mapping[str, str]] = None, local_rank_arg: Optional[int] = None) -> Topology:
+    """Read the topology from launcher variables (see module docstring); a bare process is 0 of 1."""
+    env = os.environ if env is None else env
+    rank = _first_int(env, ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")) or 0
+    world = _first_int(env, ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")) or 1
+    local_rank = _first_int(env, ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"))
+    if local_rank is None:
+        local_rank = local_rank_arg if local_rank_arg is not None and local_rank_arg >= 0 else rank
+    local_size = _first_int(env, ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                  "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"))
+    if local_size is None:
+        nodes = _first_int(env, ("CROSS_SIZE", "GROUP_WORLD_SIZE", "SLURM_NNODES")) or 1
+        local_size = world // nodes if world % nodes == 0 else world
+    node_rank = _first_int(env, ("CROSS_RANK", "GROUP_RANK", "SLURM_NODEID"))
+    if node_rank is None:
+        node_rank = rank // local_size if local_size else 0
+    if not 0 <= rank < world:
+        raise BertOptError(f"rank {rank} is outside world size {world}")
+    if local_size <= 0 or world % local_size:
+        raise BertOptError(f"world size {world} is not a multiple of ranks per node {local_size}: "
+                           "every node must run the same number of ranks")
+    if not 0 <= local_rank < local_size:
+        raise BertOptError(f"local rank {local_rank} is outside ranks per node {local_size}")
+    return Topology(rank=rank, world_size=world, local_rank=local_rank,
+                    ranks_per_node=local_size, node_rank=node_rank)
+
+
+def set_cpu_thread_default(topo: Topology) -> None:
+    """On CPU, give each rank an equal share of the cores unless the user chose (OMP_NUM_THREADS)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // max(1, topo.ranks_per_node))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+def init_distributed(topo: Topology, timeout_s: int = 120) -> None:
+    """Create the default process group through DeepSpeed (gloo on CPU, nccl on CUDA)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    if topo.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s), verbose=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def verify_topology(topo: Topology) -> None:
+    """All-gather each rank's view once; fail on every rank with the same line if inconsistent."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() != topo.world_size or dist.get_rank() != topo.rank:
+        raise BertOptError(f"launcher says rank {topo.rank} of {topo.world_size}, the process group says "
+                           f"{dist.get_rank()} of {dist.get_world_size()}")
+    views: list = [None] * topo.world_size
+    dist.all_gather_object(views, (topo.rank, topo.node_rank, topo.local_rank, topo.ranks_per_node,
+                                   socket.gethostname()))
+    problems = []
+    for rank, node_rank, local_rank, local_size, host in views:
+        if local_size != topo.ranks_per_node:
+            problems.append(f"rank {rank} on {host} reports {local_size} ranks per node, rank {topo.rank} "
+                            f"reports {topo.ranks_per_node}: every node must run the same number of ranks")
+        elif node_rank != rank // local_size or local_rank != rank % local_size:
+            problems.append(f"rank {rank} on {host} is local rank {local_rank} of node {node_rank}; "
+                            f"expected node ranks to be contiguous (node {rank // local_size}, "
+                            f"local rank {rank % local_size})")
+    if problems:
+        raise BertOptError(f"inconsistent topology: {problems[0]}")
+
+
+_NODE_GROUP = None
+
+
+def node_group(topo: Topology):
+    """The intra-node process group of this rank (created once, collectively, on first call)."""
+    global _NODE_GROUP
+    import torch.distributed as dist
+
+    if _NODE_GROUP is None:
+        if topo.num_nodes == 1:
+            _NODE_GROUP = dist.group.WORLD
+        else:
+            _NODE_GROUP, _ = dist.new_subgroups(group_size=topo.ranks_per_node)
+    return _NODE_GROUP
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

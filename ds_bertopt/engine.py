@@ -1,0 +1,73 @@
+"""``ds_bertopt.initialize``: a drop-in for ``deepspeed.initialize`` that understands ``"bertopt"``.
+
+It takes the same arguments as ``deepspeed.initialize`` (``config`` may be a path, a dict with a
+``"bertopt"`` section, or a :class:`~ds_bertopt.config.RunConfig`), and:
+
+1. resolves the batch triple for the current world size and refuses fp16 on CPU,
+2. turns DeepSpeed's ``gradient_clipping`` off when our bucket-clip hook replaces it (logged),
+3. calls ``deepspeed.initialize`` with DeepSpeed's part of the config only,
+4. installs the engine extensions the config asks for: the bucket-clip hook
+   (:func:`ds_bertopt.comm.install_bucket_clip`) and any client optimizer that needs to see the
+   engine (an optimizer with an ``attach_engine(engine)`` method, e.g. LAMB under ZeRO 1/2).
+
+It returns DeepSpeed's 4-tuple unchanged in shape.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from .config import BertOptConfig, RunConfig, check_precision, load_config, resolve_batch
+from .configlib import load_section
+from .log import print0
+
+
+def _as_run_config(config: Any) -> RunConfig:
+    if isinstance(config, RunConfig):
+        return config
+    if isinstance(config, str):
+        return load_config(config)
+    if isinstance(config, dict):
+        raw = copy.deepcopy(config)
+        ours = load_section(BertOptConfig, raw.pop("bertopt", {}), "bertopt")
+        return RunConfig(path="<dict>", deepspeed=raw, bertopt=ours)
+    raise TypeError(f"config must be a path, a dict or a RunConfig, got {type(config).__name__}")
+
+
+def prepare_deepspeed_config(cfg: RunConfig, world_size: int, device_type: str) -> dict:
+    """DeepSpeed's part of ``cfg``, batch-resolved and adjusted for our extensions."""
+    ds = resolve_batch(cfg.deepspeed, world_size)
+    check_precision(ds, device_type)
+    if cfg.bertopt.bucket_clip.enabled and ds.get("gradient_clipping", 0):
+        print0(f"bucket_clip is on: DeepSpeed's gradient_clipping ({ds['gradient_clipping']}) set to 0; "
+               f"each rank clips each bucket to max_norm {cfg.bertopt.bucket_clip.max_norm} before allreduce")
+        ds["gradient_clipping"] = 0.0
+    return ds
+
+
+def initialize(*, config: Any, model, **kwargs):
+    """Like ``deepspeed.initialize(config=..., model=..., ...)`` plus our ``"bertopt"`` extensions."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    run = _as_run_config(config)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(verbose=False)
+    world = dist.get_world_size()
+    ds = prepare_deepspeed_config(run, world, get_accelerator().device_name())
+    engine, optimizer, dataloader, scheduler = deepspeed.initialize(model=model, config=ds, **kwargs)
+    attach_extensions(engine, run.bertopt)
+    return engine, optimizer, dataloader, scheduler
+
+
+def attach_extensions(engine, bertopt: BertOptConfig) -> None:
+    """Install what ``bertopt`` asks for into an initialised engine."""
+    if bertopt.bucket_clip.enabled:
+        from .comm import install_bucket_clip
+
+        install_bucket_clip(engine, bertopt.bucket_clip)
+    client = getattr(engine, "client_optimizer", None)
+    attach = getattr(client, "attach_engine", None)
+    if callable(attach):
+        attach(engine)
