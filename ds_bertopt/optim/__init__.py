@@ -48,3 +48,15 @@ def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int) -> float:
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, *, max_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, max_steps))
+
+
+def build(model: torch.nn.Module, bertopt, *, global_batch: int, zero_stage: int):
+    """Optimizer and LR scheduler for ``model`` from the ``"bertopt"`` section.
+
+    The single entry point the training loops call; returns ``(optimizer, lr_scheduler)`` to pass
+    to ``ds_bertopt.initialize(optimizer=..., lr_scheduler=...)``.
+    """
+    del global_batch, zero_stage  # used by LR scaling and LAMB (large-batch work)
+    optimizer = build_optimizer(model, bertopt.optimizer, lr=bertopt.optimizer.lr)
+    scheduler = build_lr_scheduler(optimizer, bertopt.schedule, max_steps=bertopt.train.max_steps)
+    return optimizer, scheduler

@@ -1,0 +1,38 @@
+"""``ds-bertopt``: the console script. Each subcommand lives next to its capability and is imported
+only when used, so ``ds-bertopt balance`` never imports DeepSpeed."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+from .errors import BertOptError
+
+# name -> ("module", "function(argv) -> exit code", "one-line help")
+COMMANDS = {
+    "balance": ("ds_bertopt.data.balance_cli", "main",
+                "plan batches for a corpus and world size; print load balance per strategy"),
+    "memory": ("ds_bertopt.wtacrs.memory_cli", "main",
+               "saved-activation bytes and peak memory of fine-tuning, full vs WTA-CRS / LoRA / kit"),
+    "config": ("ds_bertopt.config_cli", "main",
+               "validate a config file and print the resolved result"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: ds-bertopt COMMAND [args]\n\ncommands:")
+        for name, (_, _, help_text) in COMMANDS.items():
+            print(f"  {name:10s} {help_text}")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    module_name, func_name, _ = COMMANDS[argv[0]]
+    func = getattr(importlib.import_module(module_name), func_name)
+    try:
+        return int(func(argv[1:]) or 0)
+    except BertOptError as exc:
+        print(f"ds-bertopt {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

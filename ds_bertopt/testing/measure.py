@@ -1,0 +1,118 @@
+"""Shared measurement helpers for ``bench/`` scripts (never used by tests to assert on time).
+
+* :func:`interleaved` — A/B(/C…) timing with warm-up, variants interleaved round by round so drift
+  on a noisy machine hits all of them alike; report medians.
+* :func:`ratio_line` — the one-line summary every benchmark prints.
+* :func:`peak_rss_child` — peak resident memory of a function run in a fresh child process
+  (the only faithful CPU peak: the parent's allocator keeps freed pages).
+* :func:`environment` — versions, threads and machine, printed with every figure.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import statistics
+import time
+from typing import Any, Callable, Mapping
+
+
+def interleaved(variants: Mapping[str, Callable[[], Any]], repeats: int = 7, warmup: int = 1) -> dict[str, list[float]]:
+    """Run every variant ``warmup`` times, then ``repeats`` rounds of each, interleaved.
+
+    Returns seconds per call for each variant (warm-up excluded). A variant may return a float to
+    report its own measured time (e.g. the time of the steps inside it) instead of wall time.
+    """
+    for _ in range(warmup):
+        for fn in variants.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for round_index in range(repeats):
+        order = list(variants.items())
+        if round_index % 2:  # alternate who goes first
+            order.reverse()
+        for name, fn in order:
+            start = time.perf_counter()
+            result = fn()
+            elapsed = time.perf_counter() - start
+            times[name].append(float(result) if isinstance(result, (int, float)) and not isinstance(result, bool)
+                               else elapsed)
+    return times
+
+
+def median(values) -> float:
+    return float(statistics.median(values))
+
+
+def ratio_line(what: str, ours: list[float], theirs: list[float], baseline_name: str) -> str:
+    """``"<what> vs <baseline>: 0.83x (median of 7)"`` — ours/theirs of the medians."""
+    ratio = median(ours) / median(theirs)
+    return f"{what} vs {baseline_name}: {ratio:.2f}x (median of {min(len(ours), len(theirs))})"
+
+
+def _child_entry(queue, fn, args, kwargs):
+    try:
+        result = fn(*args, **kwargs)
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        queue.put(("ok", result, peak_kib * 1024))
+    except BaseException as exc:  # report, never hang the parent
+        queue.put(("error", f"{type(exc).__name__}: {exc}", 0))
+
+
+def peak_rss_child(fn: Callable, *args, env: Mapping[str, str] | None = None, timeout: float = 900, **kwargs):
+    """Run ``fn(*args, **kwargs)`` in a fresh spawned process; return ``(result, peak_rss_bytes)``.
+
+    ``env`` entries are set in the child before it starts (e.g. ``MALLOC_MMAP_THRESHOLD_=65536``
+    so glibc returns large blocks to the OS and ru_maxrss tracks the real tensor peak). ``fn``
+    must be importable (module-level).
+    """
+    ctx = mp.get_context("spawn")
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_child_entry, args=(queue, fn, args, kwargs))
+        proc.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    try:
+        status, result, peak = queue.get(timeout=timeout)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    if status != "ok":
+        raise RuntimeError(f"child failed: {result}")
+    return result, peak
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine facts to print next to every figure."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "unset"),
+    }
+    for module in ("torch", "deepspeed", "transformers", "datasets"):
+        try:
+            info[module] = __import__(module).__version__
+        except Exception:  # noqa: BLE001 - report what is missing, do not fail the benchmark
+            info[module] = "missing"
+    try:
+        import torch
+
+        info["torch_threads"] = torch.get_num_threads()
+        info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+def environment_line() -> str:
+    return "env: " + json.dumps(environment(), sort_keys=True)
