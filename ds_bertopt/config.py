@@ -22,6 +22,7 @@ from .configlib import load_section, parse_override, set_dotted, to_dict
 from .data.config import SamplerConfig
 from .errors import ConfigError, check
 from .optim.config import OptimizerConfig, ScheduleConfig
+from .train.finetune_config import FinetuneConfig
 from .wtacrs.config import WtaCrsConfig
 
 
@@ -164,6 +165,8 @@ class BertOptConfig:
     """Learning-rate schedule and batch-size scaling."""
     wtacrs: WtaCrsConfig = field(default_factory=WtaCrsConfig)
     """WTA-CRS sampled linears and the fine-tuning memory kit (see ``ds_bertopt.wtacrs``)."""
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    """Sequence-classification fine-tuning (``launch/finetune.py``)."""
 
     def validate(self) -> None:
         check(self.data.max_seq_length <= self.model.max_position_embeddings,
