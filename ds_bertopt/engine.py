@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .config import BertOptConfig, RunConfig, check_precision, load_config, resolve_batch
+from .config import BertOptConfig, RunConfig, apply_precision, load_config, resolve_batch
 from .configlib import load_section
 from .log import print0
 
@@ -37,7 +37,7 @@ def _as_run_config(config: Any) -> RunConfig:
 def prepare_deepspeed_config(cfg: RunConfig, world_size: int, device_type: str) -> dict:
     """DeepSpeed's part of ``cfg``, batch-resolved and adjusted for our extensions."""
     ds = resolve_batch(cfg.deepspeed, world_size)
-    check_precision(ds, device_type)
+    apply_precision(ds, cfg.bertopt.train.precision, device_type)
     if cfg.bertopt.bucket_clip.enabled and ds.get("gradient_clipping", 0):
         print0(f"bucket_clip is on: DeepSpeed's gradient_clipping ({ds['gradient_clipping']}) set to 0; "
                f"each rank clips each bucket to max_norm {cfg.bertopt.bucket_clip.max_norm} before allreduce")
@@ -55,7 +55,7 @@ def initialize(*, config: Any, model, **kwargs):
     if not dist.is_initialized():
         deepspeed.init_distributed(verbose=False)
     world = dist.get_world_size()
-    ds = prepare_deepspeed_config(run, world, get_accelerator().device_name())
+    ds = prepare_deepspeed_config(run, world, get_accelerator().device_name())  # idempotent
     engine, optimizer, dataloader, scheduler = deepspeed.initialize(model=model, config=ds, **kwargs)
     attach_extensions(engine, run.bertopt)
     return engine, optimizer, dataloader, scheduler

@@ -1,0 +1,85 @@
+"""Run a function on N real gloo ranks on loopback (tests and benchmarks; no mocks).
+
+``spawn_ranks(fn, world_size, *args)`` starts ``world_size`` spawned processes with the environment
+the ``deepspeed`` launcher would give them (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_RANK,
+MASTER_ADDR/PORT, DS_ACCELERATOR=cpu, OMP_NUM_THREADS=1), calls ``fn(rank, world_size, *args)`` in
+each after ``deepspeed.init_distributed`` (gloo), and returns the per-rank results. A rank that
+raises fails the call with that rank's traceback; a hang is killed after ``timeout`` seconds.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, ranks_per_node, port, env, args, results):
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank % ranks_per_node), "WORLD_SIZE": str(world_size),
+        "LOCAL_SIZE": str(ranks_per_node), "CROSS_RANK": str(rank // ranks_per_node),
+        "CROSS_SIZE": str(world_size // ranks_per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **env,
+    })
+    try:
+        import datetime
+
+        import deepspeed
+        import torch
+
+        torch.set_num_threads(1)
+        deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120), verbose=False)
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # report every failure to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            pass
+
+
+def spawn_ranks(fn: Callable, world_size: int, *args, ranks_per_node: int | None = None,
+                timeout: float = 240, env: dict | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``fn`` and ``args`` must be picklable (module-level function). ``ranks_per_node`` simulates
+    several nodes in the launcher variables (default: all ranks on one node).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    rpn = ranks_per_node or world_size
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, rpn, port, env or {}, args, results))
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    out: dict[int, Any] = {}
+    try:
+        while len(out) < world_size:
+            try:
+                rank, status, value = results.get(timeout=timeout)
+            except queue_mod.Empty:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish "
+                                   f"within {timeout:.0f} s") from None
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,158 @@
+"""Atomic, resumable checkpoints around ``engine.save_checkpoint`` / ``engine.load_checkpoint``.
+
+Layout under ``<output_dir>/checkpoints``::
+
+    step00000100/            a complete checkpoint (DeepSpeed's files + ours)
+        COMPLETE.json        written last: step, world size, what the sampler needs
+        rng_rank<r>.pt       python / numpy / torch (/ cuda) RNG states of every rank
+    step00000200.partial/    a save in progress, or one that died: never loaded
+    latest                   tag of the newest complete checkpoint (replaced atomically)
+
+A save writes into ``<tag>.partial``; only when every rank has finished (barrier) does local rank 0
+of each node write ``COMPLETE.json``, rename the directory to ``<tag>`` and switch ``latest``. A
+crash at any point leaves the previous checkpoint complete and ``latest`` pointing at it. Resume
+reads ``latest``; if it names something missing or incomplete, or loading fails on any rank, it
+falls back to the newest older complete checkpoint and says so. The last ``keep_last`` complete
+checkpoints are kept.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..errors import BertOptError
+from ..log import print0
+
+MARKER = "COMPLETE.json"
+LATEST = "latest"
+_TAG = re.compile(r"^step(\d{8})$")
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def checkpoint_root(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def complete_tags(root: str) -> list[str]:
+    """Complete checkpoint tags under ``root``, newest first."""
+    if not os.path.isdir(root):
+        return []
+    tags = [name for name in os.listdir(root)
+            if _TAG.match(name) and os.path.isfile(os.path.join(root, name, MARKER))]
+    return sorted(tags, reverse=True)
+
+
+def _barrier() -> None:
+    from ..dist import barrier
+
+    barrier()
+
+
+def save(engine, output_dir: str, step: int, client_state: dict, *, rank: int, local_rank: int,
+         keep_last: int) -> str:
+    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    root = checkpoint_root(output_dir)
+    tag = tag_for(step)
+    partial = f"{tag}.partial"
+    if local_rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(os.path.join(root, partial), ignore_errors=True)  # a dead earlier attempt
+    _barrier()
+    engine.save_checkpoint(root, tag=partial, client_state=client_state, save_latest=False)
+    os.makedirs(os.path.join(root, partial), exist_ok=True)
+    torch.save(rng_state(), os.path.join(root, partial, f"rng_rank{rank}.pt"))
+    _barrier()
+    final = os.path.join(root, tag)
+    if local_rank == 0 and os.path.isdir(os.path.join(root, partial)):
+        marker = {"step": step, "tag": tag, **{k: client_state[k] for k in ("world_size", "sampler")
+                                              if k in client_state}}
+        _write_atomic(os.path.join(root, partial, MARKER), json.dumps(marker, indent=1))
+        if os.path.isdir(final):  # re-saving the same step (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.replace(os.path.join(root, partial), final)
+        _write_atomic(os.path.join(root, LATEST), tag)
+        for old in complete_tags(root)[keep_last:]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    _barrier()
+    return final
+
+
+def resolve_resume_dir(resume: str, output_dir: str) -> str:
+    """``--resume`` (``auto`` = this run's output dir) → the checkpoint root; must exist."""
+    base = output_dir if resume == "auto" else resume
+    root = base if os.path.basename(os.path.normpath(base)) == "checkpoints" else checkpoint_root(base)
+    if not os.path.isdir(base):
+        raise BertOptError(f"resume directory {base} does not exist")
+    if not os.path.isdir(root):
+        raise BertOptError(f"resume directory {base} holds no checkpoints/ folder")
+    return root
+
+
+def load(engine, root: str, *, rank: int) -> Optional[dict]:
+    """Load the newest loadable complete checkpoint; returns its client state (with ``tag``).
+
+    Collective: ranks agree on success after each attempt so that all load the same one.
+    """
+    import torch.distributed as dist
+
+    tags = complete_tags(root)
+    if not tags:
+        raise BertOptError(f"no complete checkpoint under {root}")
+    latest_path = os.path.join(root, LATEST)
+    latest = open(latest_path, encoding="utf-8").read().strip() if os.path.isfile(latest_path) else None
+    if latest != tags[0]:
+        print0(f"checkpoint pointer 'latest' names {latest!r}, which is missing, partial or older; "
+               f"falling back to the newest complete checkpoint {tags[0]}")
+    for tag in tags:
+        client, error = None, None
+        try:
+            path, client = engine.load_checkpoint(root, tag=tag, load_lr_scheduler_states=True)
+            if path is None:
+                error = "DeepSpeed found nothing to load"
+            else:
+                set_rng_state(torch.load(os.path.join(root, tag, f"rng_rank{rank}.pt"), weights_only=False))
+        except Exception as exc:  # corrupt or truncated files: try the next older checkpoint
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        ok = torch.tensor([0.0 if error else 1.0])
+        if dist.is_initialized():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item() == 1.0:
+            client = dict(client or {})
+            client["tag"] = tag
+            return client
+        print0(f"checkpoint {tag} could not be loaded ({error or 'failed on another rank'}); trying an older one")
+    raise BertOptError(f"none of the checkpoints under {root} could be loaded")

@@ -1,0 +1,102 @@
+"""Corpus files: formats that work, and one-line errors for the ones that do not."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import pytest
+
+from ds_bertopt.config import DataConfig
+from ds_bertopt.data.corpus import expand_train_files, load_documents
+from ds_bertopt.errors import DataError
+
+TEXT = "The cat sat on the mat. It was warm.\n\nA second paragraph follows here.\n\n\n\nAnd a third one."
+
+
+def test_txt_paragraphs_and_lines(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text(TEXT)
+    docs = load_documents(DataConfig(train_files=(str(path),)), str(tmp_path / "cache"))
+    assert docs["text"] == ["The cat sat on the mat. It was warm.", "A second paragraph follows here.",
+                            "And a third one."]
+    (tmp_path / "b.txt").write_text("line one\nline two\n\n\nline three\n")
+    lines = load_documents(DataConfig(train_files=(str(tmp_path / "b.txt"),), txt_format="line"),
+                           str(tmp_path / "cache"))
+    assert lines["text"] == ["line one", "line two", "line three"]  # empty lines skipped
+
+
+def test_jsonl_gz_and_globs(tmp_path):
+    for i in range(2):
+        with gzip.open(tmp_path / f"part{i}.jsonl.gz", "wt", encoding="utf-8") as fh:
+            for j in range(3):
+                fh.write(json.dumps({"body": f"document {i}-{j} text.", "id": j}) + "\n")
+            fh.write(json.dumps({"body": "   ", "id": 9}) + "\n")
+    docs = load_documents(DataConfig(train_files=(str(tmp_path / "part*.jsonl.gz"),), text_field="body"),
+                          str(tmp_path / "cache"))
+    assert len(docs) == 6 and docs.column_names == ["text"]
+
+
+def bad(tmp_path, name, content):
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    return str(path)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("empty.txt", "", "is empty"),
+    ("blank.txt", "  \n\n \n", "holds only white space"),
+    ("latin.txt", "caf\xe9 au lait is nice. " .encode("latin-1") * 3, "is not UTF-8 text"),
+    ("data.csv", "a,b\n1,2\n", "unsupported extension"),
+    ("trunc.jsonl.gz", b"\x1f\x8b\x08\x00garbage", "cannot be read"),
+])
+def test_bad_files(tmp_path, name, content, message):
+    with pytest.raises(DataError, match=message) as info:
+        expand_train_files([bad(tmp_path, name, content)])
+    assert name in str(info.value)
+
+
+def test_missing_and_directory_and_glob(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        expand_train_files([str(tmp_path / "nope.txt")])
+    (tmp_path / "dir.txt").mkdir()
+    with pytest.raises(DataError, match="is not a regular file"):
+        expand_train_files([str(tmp_path / "dir.txt")])
+    with pytest.raises(DataError, match="matches no files"):
+        expand_train_files([str(tmp_path / "*.jsonl")])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files regardless of permissions")
+def test_unreadable(tmp_path):
+    path = bad(tmp_path, "locked.txt", "text here.")
+    os.chmod(path, 0)
+    with pytest.raises(DataError, match="not readable"):
+        expand_train_files([path])
+
+
+def test_jsonl_without_text_field(tmp_path):
+    path = bad(tmp_path, "docs.jsonl", json.dumps({"body": "hello there."}) + "\n")
+    with pytest.raises(DataError, match="has no field 'text' \\(fields: body\\); set data.text_field"):
+        load_documents(DataConfig(train_files=(path,)), str(tmp_path / "cache"))
+
+
+def test_jsonl_that_is_not_json(tmp_path):
+    path = bad(tmp_path, "docs.jsonl", "{\"text\": \"ok\"}\nthis is not json\n")
+    with pytest.raises(DataError, match="cannot be parsed"):
+        load_documents(DataConfig(train_files=(path,)), str(tmp_path / "cache"))
+
+
+def test_single_document_is_not_enough(tmp_path):
+    path = bad(tmp_path, "one.txt", "Just one paragraph of text.")
+    with pytest.raises(DataError, match="need at least 2"):
+        load_documents(DataConfig(train_files=(path,)), str(tmp_path / "cache"))
+
+
+def test_mixed_kinds_refused(tmp_path):
+    a = bad(tmp_path, "a.txt", "Some text.")
+    b = bad(tmp_path, "b.jsonl", json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(DataError, match="mix .txt and .jsonl"):
+        load_documents(DataConfig(train_files=(a, b)), str(tmp_path / "cache"))
