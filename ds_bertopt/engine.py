@@ -56,9 +56,22 @@ def initialize(*, config: Any, model, **kwargs):
         deepspeed.init_distributed(verbose=False)
     world = dist.get_world_size()
     ds = prepare_deepspeed_config(run, world, get_accelerator().device_name())  # idempotent
+    _allow_our_optimizer_under_zero(ds, kwargs.get("optimizer"))
     engine, optimizer, dataloader, scheduler = deepspeed.initialize(model=model, config=ds, **kwargs)
     attach_extensions(engine, run.bertopt)
     return engine, optimizer, dataloader, scheduler
+
+
+def _allow_our_optimizer_under_zero(ds: dict, optimizer) -> None:
+    """DeepSpeed's ZeRO 1/2 refuses client optimizers it has not tested unless told otherwise
+    (``zero_allow_untested_optimizer``); our LAMB is made ZeRO-aware through ``attach_engine``."""
+    from .optim.lamb import Lamb
+
+    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    if isinstance(optimizer, Lamb) and stage in (1, 2) and not ds.get("zero_allow_untested_optimizer"):
+        print0(f"LAMB under ZeRO {stage}: zero_allow_untested_optimizer set to true "
+               "(ds_bertopt keeps the trust ratio layer-wise)")
+        ds["zero_allow_untested_optimizer"] = True
 
 
 def attach_extensions(engine, bertopt: BertOptConfig) -> None:

@@ -1,62 +1,149 @@
-"""Optimizers and LR schedules.
+"""Large-batch optimizers and LR schedules: LAMB (layer-wise, also under ZeRO 1/2) and AdamW.
 
-Foundation version: AdamW with the usual no-decay groups and warmup + polynomial decay.
-The large-batch work (LAMB, ZeRO layer-wise trust ratio, LR scaling) extends this module.
+The entry point the training loops call is :func:`build`; it returns ``(optimizer, lr_scheduler)``
+for ``ds_bertopt.engine.initialize(optimizer=..., lr_scheduler=...)``, which attaches LAMB to the
+engine so ZeRO 1/2 keep its trust ratio per layer (:mod:`ds_bertopt.optim.zero`).
+
+* :mod:`.lamb` — the LAMB math (pure functions) and the ``Lamb`` optimizer;
+* :mod:`.schedule` — ``lr_multiplier(step, cfg, max_steps)``, LR scaling, the torch scheduler;
+* :mod:`.zero` — DeepSpeed glue: fragment layouts from ``_hp_mapping``.
 """
 from __future__ import annotations
 
-import math
+from typing import Optional
 
 import torch
 
+from ..errors import ConfigError
+from ..log import print0
 from .config import OptimizerConfig, ScheduleConfig
+from .lamb import Lamb, describe_lamb
+from .schedule import WarmupDecayLR, build_lr_scheduler, describe_lr, lr_multiplier, scale_lr, warmup_length
+
+__all__ = ["build", "build_optimizer", "build_lr_scheduler", "param_groups", "lr_multiplier", "scale_lr",
+           "warmup_length", "Lamb", "WarmupDecayLR", "OptimizerConfig", "ScheduleConfig"]
 
 NO_DECAY_SUFFIXES = ("bias", "LayerNorm.weight", "layernorm.weight", "layer_norm.weight", "norm.weight")
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: decayed weights, and biases + LayerNorm weights without decay."""
+def is_no_decay(name: str, param: torch.Tensor) -> bool:
+    """Biases, LayerNorm weights and every other 1-D parameter take no weight decay."""
+    return param.ndim < 2 or name.endswith(NO_DECAY_SUFFIXES)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, *, decay_extra: Optional[dict] = None,
+                 no_decay_extra: Optional[dict] = None) -> list[dict]:
+    """Decayed weights, then biases + LayerNorm weights without decay; empty groups are left out
+    (DeepSpeed drops them, which would desynchronise a scheduler built on the groups)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        (no_decay if param.ndim < 2 or name.endswith(NO_DECAY_SUFFIXES) else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
+        if param.requires_grad:
+            (no_decay if is_no_decay(name, param) else decay).append(param)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay, **(decay_extra or {})})
     if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups.append({"params": no_decay, "weight_decay": 0.0, **(no_decay_extra or {})})
+    if not groups:
+        raise ConfigError("optimizer: the model has no trainable parameters")
     return groups
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float) -> torch.optim.Optimizer:
+def apex_fused_lamb():
+    """``apex.optimizers.FusedLAMB`` when apex is importable and a GPU is present, else None."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from apex.optimizers import FusedLAMB
+    except Exception:  # noqa: BLE001 - apex missing or built without its CUDA extensions
+        return None
+    return FusedLAMB
+
+
+def _build_lamb(model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float, zero_stage: int,
+                bucket_clip: bool) -> torch.optim.Optimizer:
+    if zero_stage >= 3:
+        raise ConfigError("optimizer.type: \"lamb\" is not supported under ZeRO stage 3 (parameters are "
+                          "partitioned); use zero_optimization.stage 0, 1 or 2, or type \"adamw\"")
+    max_grad_norm = cfg.max_grad_norm
+    if bucket_clip and max_grad_norm > 0:
+        print0(f"bucket_clip is on: LAMB's own global-norm clipping (max_grad_norm {max_grad_norm:g}) is off")
+        max_grad_norm = 0.0
+    groups = param_groups(model, cfg.weight_decay, decay_extra={"adapt": True},
+                          no_decay_extra={"adapt": cfg.adapt_no_decay})
+    clamped = cfg.min_trust_ratio is not None or cfg.max_trust_ratio is not None
+    fused = apex_fused_lamb() if cfg.implementation in ("auto", "apex") else None
+    if cfg.implementation == "apex":
+        problem = ("apex.optimizers.FusedLAMB is not importable on a GPU here" if fused is None else
+                   f"apex FusedLAMB sees ZeRO {zero_stage} shards, not layers; it runs at ZeRO 0 only"
+                   if zero_stage > 0 else "apex FusedLAMB has no trust-ratio clamps" if clamped else None)
+        if problem:
+            raise ConfigError(f"optimizer.implementation: \"apex\" requested but {problem}; use \"auto\" or \"ours\"")
+    if fused is not None and zero_stage == 0 and not clamped:
+        for group in groups:
+            group.pop("adapt")
+        print0(f"LAMB: apex FusedLAMB (found on this GPU machine; set optimizer.implementation \"ours\" to force "
+               f"ours), max_grad_norm {max_grad_norm:g}")
+        return fused(groups, lr=lr, bias_correction=cfg.bias_correction, betas=cfg.betas, eps=cfg.eps,
+                     weight_decay=cfg.weight_decay, max_grad_norm=max_grad_norm, use_nvlamb=cfg.adapt_no_decay)
+    if fused is not None:
+        why = f"ZeRO {zero_stage} shards" if zero_stage > 0 else "trust-ratio clamps"
+        print0(f"LAMB: apex FusedLAMB found but not used ({why}); using ours")
+    optimizer = Lamb(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                     bias_correction=cfg.bias_correction, min_trust_ratio=cfg.min_trust_ratio,
+                     max_trust_ratio=cfg.max_trust_ratio, max_grad_norm=max_grad_norm)
+    print0(describe_lamb(optimizer))
+    return optimizer
+
+
+def _deepspeed_fused_adam(groups: list[dict], cfg: OptimizerConfig, lr: float):
+    from deepspeed.ops.adam import FusedAdam
+
+    return FusedAdam(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, adam_w_mode=True)
+
+
+def _build_adamw(model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps)
+    device = next(model.parameters()).device
+    want_deepspeed = cfg.implementation == "deepspeed" or (cfg.implementation == "auto" and device.type == "cuda")
+    if want_deepspeed:
+        try:
+            optimizer = _deepspeed_fused_adam(groups, cfg, lr)
+            print0("AdamW: DeepSpeed FusedAdam")
+            return optimizer
+        except Exception as exc:  # noqa: BLE001 - the op is JIT-built; any build failure lands here
+            if cfg.implementation == "deepspeed":
+                raise ConfigError(f"optimizer.implementation: DeepSpeed FusedAdam could not be built: "
+                                  f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+            print0(f"AdamW: DeepSpeed FusedAdam did not build ({type(exc).__name__}); using torch's")
+    # torch's fused kernel exists for CPU and CUDA since 2.4; foreach elsewhere.
+    fused = device.type in ("cpu", "cuda")
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, fused=fused or None,
+                                  foreach=None if fused else True)
+    print0(f"AdamW: torch ({'fused' if fused else 'foreach'})")
+    return optimizer
 
 
-def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int) -> float:
-    """Pure ``step → multiplier of the peak LR``."""
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_fraction * max_steps)
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if cfg.type == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
-    end = cfg.end_lr_ratio
-    if cfg.type == "cosine":
-        return end + (1.0 - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return end + (1.0 - end) * (1.0 - progress) ** cfg.power
-
-
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, *, max_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, max_steps))
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float, zero_stage: int = 0,
+                    bucket_clip: bool = False) -> torch.optim.Optimizer:
+    """The optimizer ``cfg`` asks for over ``model``'s decay / no-decay groups, at peak ``lr``."""
+    if cfg.type == "lamb":
+        return _build_lamb(model, cfg, lr=lr, zero_stage=zero_stage, bucket_clip=bucket_clip)
+    return _build_adamw(model, cfg, lr=lr)
 
 
 def build(model: torch.nn.Module, bertopt, *, global_batch: int, zero_stage: int):
     """Optimizer and LR scheduler for ``model`` from the ``"bertopt"`` section.
 
     The single entry point the training loops call; returns ``(optimizer, lr_scheduler)`` to pass
-    to ``ds_bertopt.initialize(optimizer=..., lr_scheduler=...)``.
+    to ``ds_bertopt.engine.initialize(optimizer=..., lr_scheduler=...)``. ``global_batch`` is the
+    number of sequences per optimizer step (DeepSpeed's ``train_batch_size``).
     """
-    del global_batch, zero_stage  # used by LR scaling and LAMB (large-batch work)
-    optimizer = build_optimizer(model, bertopt.optimizer, lr=bertopt.optimizer.lr)
-    scheduler = build_lr_scheduler(optimizer, bertopt.schedule, max_steps=bertopt.train.max_steps)
+    if global_batch <= 0:
+        raise ConfigError(f"train_batch_size: must be positive, got {global_batch}")
+    ocfg, scfg = bertopt.optimizer, bertopt.schedule
+    lr = scale_lr(ocfg.lr, global_batch, scfg)
+    print0(f"optimizer {ocfg.type}: {describe_lr(ocfg.lr, global_batch, scfg)}")
+    optimizer = build_optimizer(model, ocfg, lr=lr, zero_stage=zero_stage, bucket_clip=bertopt.bucket_clip.enabled)
+    scheduler = build_lr_scheduler(optimizer, scfg, max_steps=bertopt.train.max_steps)
     return optimizer, scheduler

@@ -1,0 +1,307 @@
+"""LAMB (You et al., 2019): Adam directions scaled per layer by the trust ratio ‖w‖ / ‖update‖.
+
+The math is a set of pure functions over lists of tensors (vectorised with ``torch._foreach_*``):
+
+* :func:`adam_directions` — advance the moments, return ``u = m̂/(√v̂ + ε) + λw`` per tensor;
+* :func:`layer_sq_norms` — ``Σw²`` and ``Σu²`` per *layer* from the fragments that hold it;
+* :func:`trust_ratios` — ``‖w‖/‖u‖`` per layer, 1 where either norm is 0, optionally clamped;
+* :func:`lamb_update` — the whole step, with an optional ``allreduce`` of the per-layer sums.
+
+A *layer* is one model parameter. Normally each tensor the optimizer holds is a whole layer. Under
+DeepSpeed ZeRO 1/2 it holds one flat fp32 shard per param group instead, and each layer is a
+fragment of some rank's shard: :class:`Layout` says where, the per-layer sums are all-reduced over
+the data-parallel group, and every rank applies the same per-layer ratio — the step ZeRO-0 takes.
+:class:`Lamb` is the ``torch.optim.Optimizer`` glue; :meth:`Lamb.attach_engine` reads the layout
+from the engine (see :mod:`ds_bertopt.optim.zero`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+Tensors = Sequence[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """The part of one layer that lies in one held tensor."""
+
+    tensor: int
+    """Index of the held tensor (in the list passed to :func:`lamb_update`)."""
+    start: int
+    """First element of the fragment in the flattened tensor."""
+    numel: int
+    """Number of elements."""
+    layer: int
+    """Which layer (model parameter) it belongs to, 0 … num_layers − 1."""
+
+
+@dataclass
+class Layout:
+    """Where each layer of a param group lives in the tensors the optimizer holds."""
+
+    fragments: tuple[Fragment, ...]
+    num_layers: int
+    group: object = None
+    """Process group over which the per-layer sums are all-reduced; None: no reduction."""
+    _index: dict = field(default_factory=dict, repr=False)
+
+    @staticmethod
+    def whole(tensors: Tensors) -> "Layout":
+        """Every tensor is one whole layer (the unpartitioned case)."""
+        return Layout(tuple(Fragment(i, 0, t.numel(), i) for i, t in enumerate(tensors)), len(tensors))
+
+    def layer_index(self, device: torch.device) -> torch.Tensor:
+        """Layer of each fragment, as an index tensor on ``device`` (cached)."""
+        key = str(device)
+        if key not in self._index:
+            self._index[key] = torch.tensor([f.layer for f in self.fragments], dtype=torch.long, device=device)
+        return self._index[key]
+
+
+def adam_directions(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+                    steps: Sequence[int], *, beta1: float, beta2: float, eps: float, weight_decay: float,
+                    bias_correction: bool, grad_scale: float = 1.0,
+                    scratch: Optional[tuple[Tensors, Tensors]] = None) -> list[torch.Tensor]:
+    """Advance the moments in place with ``grad_scale × grad``; return ``m̂/(√v̂ + ε) + λw``.
+
+    ``steps`` are the step numbers (1-based, after this step) used for bias correction.
+    ``scratch``: two buffer lists shaped like ``params`` to compute into (the result is the
+    second); without it the temporaries are allocated.
+    """
+    # Few passes over memory (CPU steps are bandwidth-bound): m by lerp, bias corrections folded
+    # into ε and one per-tensor factor, u = λw + factor·m/(√v + ε') by one addcdiv.
+    if grad_scale == 1.0:
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    else:
+        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_add_(exp_avgs, grads, alpha=(1.0 - beta1) * grad_scale)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=(1.0 - beta2) * grad_scale * grad_scale)
+    # m̂/(√v̂ + ε) = (√(1−β₂ᵗ)/(1−β₁ᵗ)) · m/(√v + ε√(1−β₂ᵗ))
+    bc2_sqrt = [math.sqrt(1.0 - beta2 ** t) if bias_correction else 1.0 for t in steps]
+    factors = [b / (1.0 - beta1 ** t) if bias_correction else 1.0 for b, t in zip(bc2_sqrt, steps)]
+    if scratch is None:
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        updates = torch._foreach_mul(params, weight_decay)
+    else:
+        denom, updates = scratch
+        for v, d, p, u in zip(exp_avg_sqs, denom, params, updates):
+            torch.sqrt(v, out=d)
+            torch.mul(p, weight_decay, out=u)
+    torch._foreach_add_(denom, [eps * b for b in bc2_sqrt])
+    torch._foreach_addcdiv_(updates, exp_avgs, denom, factors)
+    return list(updates)
+
+
+def _fragment_views(tensors: Tensors, fragments: Sequence[Fragment]) -> list[torch.Tensor]:
+    # A whole tensor is used as is (it may be non-contiguous; only flat shards need views).
+    return [tensors[f.tensor] if f.start == 0 and f.numel == tensors[f.tensor].numel()
+            else tensors[f.tensor].view(-1).narrow(0, f.start, f.numel) for f in fragments]
+
+
+def layer_sq_norms(params: Tensors, updates: Tensors, layout: Layout) -> torch.Tensor:
+    """``[[Σw² per layer], [Σu² per layer]]`` (float64) over the fragments held here."""
+    views = _fragment_views(params, layout.fragments) + _fragment_views(updates, layout.fragments)
+    norms = torch.stack(torch._foreach_norm(views)).to(torch.float64).view(2, -1)
+    sums = torch.zeros(2, layout.num_layers, dtype=torch.float64, device=norms.device)
+    sums.index_add_(1, layout.layer_index(norms.device), norms * norms)
+    return sums
+
+
+def trust_ratios(weight_sq: torch.Tensor, update_sq: torch.Tensor, *, min_ratio: Optional[float] = None,
+                 max_ratio: Optional[float] = None) -> torch.Tensor:
+    """``‖w‖/‖u‖`` per layer from squared norms.
+
+    1 where either norm is 0 (a zero layer, e.g. a fresh bias, or a zero update: nothing to scale
+    against); only computed ratios are clamped to ``[min_ratio, max_ratio]``.
+    """
+    weight_norm, update_norm = weight_sq.sqrt(), update_sq.sqrt()
+    usable = (weight_norm > 0) & (update_norm > 0)
+    ratio = weight_norm / torch.where(usable, update_norm, torch.ones_like(update_norm))
+    if min_ratio is not None or max_ratio is not None:
+        ratio = ratio.clamp(min=min_ratio, max=max_ratio)
+    return torch.where(usable, ratio, torch.ones_like(ratio))
+
+
+def lamb_update(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, steps: Sequence[int],
+                *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, bias_correction: bool,
+                grad_scale: float = 1.0, adapt: bool = True, min_trust_ratio: Optional[float] = None,
+                max_trust_ratio: Optional[float] = None, layout: Optional[Layout] = None,
+                allreduce: Optional[Callable[[torch.Tensor], None]] = None,
+                scratch: Optional[tuple[Tensors, Tensors]] = None) -> torch.Tensor:
+    """One LAMB step on ``params`` in place; returns the per-layer trust ratios used.
+
+    ``layout`` (default: each tensor a whole layer) says which layer each fragment belongs to;
+    ``allreduce`` sums the ``[2, num_layers]`` float64 norm tensor in place across the ranks that
+    hold the other fragments. With ``adapt=False`` the ratio is 1 (plain AdamW step). ``scratch``
+    as in :func:`adam_directions`.
+    """
+    layout = layout or Layout.whole(params)
+    updates = adam_directions(params, grads, exp_avgs, exp_avg_sqs, steps, beta1=beta1, beta2=beta2, eps=eps,
+                              weight_decay=weight_decay, bias_correction=bias_correction, grad_scale=grad_scale,
+                              scratch=scratch)
+    device = params[0].device
+    if adapt:
+        sums = layer_sq_norms(params, updates, layout)
+        if allreduce is not None:
+            allreduce(sums)
+        ratios = trust_ratios(sums[0], sums[1], min_ratio=min_trust_ratio, max_ratio=max_trust_ratio)
+    else:
+        ratios = torch.ones(layout.num_layers, dtype=torch.float64, device=device)
+    # One host sync for the per-fragment scalars.
+    scales = (ratios * -lr).index_select(0, layout.layer_index(ratios.device)).tolist()
+    param_views, update_views = _fragment_views(params, layout.fragments), _fragment_views(updates, layout.fragments)
+    if device.type == "cpu":  # bandwidth-bound: one pass per tensor beats foreach's scale-then-add
+        for p, u, scale in zip(param_views, update_views, scales):
+            p.add_(u, alpha=scale)
+    else:  # launch-bound: two fused multi-tensor kernels
+        torch._foreach_mul_(update_views, scales)
+        torch._foreach_add_(param_views, update_views)
+    return ratios
+
+
+def global_grad_norm(grads: Tensors) -> float:
+    """L2 norm of all ``grads`` together."""
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(grads)))))
+
+
+def clip_factor(norm: float, max_norm: float) -> float:
+    """Scale that brings a gradient of global norm ``norm`` down to ``max_norm`` (1 if already below)."""
+    return max_norm / max(norm, max_norm)
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB with decoupled weight decay, per-layer trust ratio, optional global-norm clipping.
+
+    Param-group keys: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``, ``adapt``
+    (apply the trust ratio; False gives plain AdamW steps, used for biases and LayerNorm weights),
+    ``min_trust_ratio``, ``max_trust_ratio``. ``max_grad_norm`` (0: off) clips the global
+    gradient norm before the moments, as NVIDIA's and MLPerf's LAMB do.
+
+    Under DeepSpeed, call :meth:`attach_engine` after ``deepspeed.initialize`` (our
+    ``ds_bertopt.engine.initialize`` does): with ZeRO 1/2 the held tensors are flat shards and the
+    trust ratio would otherwise be per shard. Stepping an unattached flat shard raises.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.01, bias_correction: bool = True, adapt: bool = True,
+                 min_trust_ratio: Optional[float] = None, max_trust_ratio: Optional[float] = None,
+                 max_grad_norm: float = 0.0):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, adapt=adapt, min_trust_ratio=min_trust_ratio,
+                        max_trust_ratio=max_trust_ratio)
+        super().__init__(params, defaults)
+        self.max_grad_norm = float(max_grad_norm)
+        # Tensors known to be whole layers, and flat shards with their layouts (keyed by id: ZeRO
+        # hands us its param groups one at a time, so group indices are not stable).
+        self._whole_layers: set[int] = {id(p) for g in self.param_groups for p in g["params"]}
+        self._layouts: dict[int, Layout] = {}
+        self._grad_norm_source: Optional[Callable[[], float]] = None
+        # CPU only: reused buffers for √v and the update (fresh allocations page-fault every step);
+        # not optimizer state, so not checkpointed. GPU allocators cache, so there we allocate.
+        self._scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per-layer ratios of the last step, one tensor per group stepped (diagnostics and tests).
+        self.last_trust_ratios: list[torch.Tensor] = []
+        self.last_grad_scale = 1.0  # the clipping factor of the last step
+
+    # --- wiring ------------------------------------------------------------------------------
+    def set_layout(self, tensor: torch.Tensor, layout: Layout) -> None:
+        """Declare that ``tensor`` (a flat shard this optimizer holds) is made of ``layout``'s fragments."""
+        self._layouts[id(tensor)] = layout
+        self._whole_layers.discard(id(tensor))
+
+    def mark_whole_layers(self, tensors: Tensors) -> None:
+        """Declare that each of ``tensors`` is one whole layer (e.g. DeepSpeed's fp32 copies)."""
+        self._whole_layers.update(id(t) for t in tensors)
+
+    def set_grad_norm_source(self, source: Optional[Callable[[], float]]) -> None:
+        """Where the global gradient norm comes from when this optimizer sees only a shard of it."""
+        self._grad_norm_source = source
+
+    def attach_engine(self, engine) -> None:
+        """Called by ``ds_bertopt.engine.attach_extensions`` after ``deepspeed.initialize``."""
+        from .zero import attach_lamb
+
+        attach_lamb(self, engine)
+
+    # --- the step ----------------------------------------------------------------------------
+    def _clip_scale(self) -> float:
+        if self.max_grad_norm <= 0:
+            return 1.0
+        if self._grad_norm_source is not None:
+            norm = self._grad_norm_source()
+        else:
+            norm = global_grad_norm([p.grad for g in self.param_groups for p in g["params"] if p.grad is not None])
+        return clip_factor(norm, self.max_grad_norm)
+
+    def _layout_for(self, params: list[torch.Tensor]) -> Optional[Layout]:
+        flat = [p for p in params if id(p) in self._layouts]
+        if flat:
+            if len(params) != 1:
+                raise RuntimeError(f"LAMB: a param group mixes a flat shard with {len(params) - 1} other "
+                                   "tensors; DeepSpeed holds one flat shard per group")
+            return self._layouts[id(flat[0])]
+        unknown = [p for p in params if id(p) not in self._whole_layers]
+        if unknown:
+            raise RuntimeError(
+                f"LAMB was handed a tensor it was not built with (shape {tuple(unknown[0].shape)}): DeepSpeed "
+                "flattened the master weights, so the trust ratio would be per shard, not per layer. Create the "
+                "engine with ds_bertopt.engine.initialize, or call optimizer.attach_engine(engine) after "
+                "deepspeed.initialize")
+        return None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = self.last_grad_scale = self._clip_scale()
+        self.last_trust_ratios = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            layout = self._layout_for(params)
+            states = [self.state[p] for p in params]
+            for p, st in zip(params, states):
+                if not st:
+                    st["step"] = 0
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] += 1
+            reduce = None
+            if layout is not None and layout.group is not None:
+                process_group = layout.group
+                reduce = lambda t: torch.distributed.all_reduce(t, group=process_group)  # noqa: E731
+            beta1, beta2 = group["betas"]
+            scratch = None
+            if params[0].device.type == "cpu":
+                for p in params:
+                    if id(p) not in self._scratch or self._scratch[id(p)][0].shape != p.shape:
+                        self._scratch[id(p)] = (torch.empty_like(p), torch.empty_like(p))
+                buffers = [self._scratch[id(p)] for p in params]
+                scratch = ([b[0] for b in buffers], [b[1] for b in buffers])
+            ratios = lamb_update(
+                params, [p.grad for p in params], [st["exp_avg"] for st in states],
+                [st["exp_avg_sq"] for st in states], [st["step"] for st in states],
+                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                bias_correction=group["bias_correction"], grad_scale=grad_scale, adapt=group["adapt"],
+                min_trust_ratio=group["min_trust_ratio"], max_trust_ratio=group["max_trust_ratio"],
+                layout=layout, allreduce=reduce, scratch=scratch)
+            self.last_trust_ratios.append(ratios)
+        return loss
+
+
+def describe_lamb(optimizer: Lamb) -> str:
+    """One line: groups, which take the trust ratio, clipping."""
+    groups = ", ".join(f"{len(g['params'])} tensors wd {g['weight_decay']:g} "
+                       f"{'with' if g['adapt'] else 'without'} trust ratio" for g in optimizer.param_groups)
+    clip = f"global-norm clip {optimizer.max_grad_norm:g}" if optimizer.max_grad_norm > 0 else "no LAMB clipping"
+    return f"LAMB (ds_bertopt): {groups}; {clip}"

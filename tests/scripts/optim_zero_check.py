@@ -1,0 +1,169 @@
+"""LAMB under real DeepSpeed engines on gloo ranks: ZeRO 0/1/2 trajectories and checkpoint resume.
+
+Two ways in, same work (:func:`run_checks`), results written as ``.pt`` files by rank 0:
+
+* ``tests/test_optim_zero.py`` spawns ranks with torch.multiprocessing (:func:`spawn_worker`);
+* the real launcher: ``deepspeed --num_gpus 2 tests/scripts/optim_zero_check.py --out DIR [--checks ...]``.
+
+Model: a tiny BERT masked LM, fp32 (no bf16 block: ZeRO-0 vs ZeRO-1/2 is then exact up to the
+summation order of the per-layer norms), dropout off so every stage sees the same function.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+VOCAB, SEQ, MICRO = 97, 12, 2
+ALL_CHECKS = ("stages", "per_shard", "resume", "bf16")
+
+
+def tiny_bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=40, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0))
+
+
+def batch(step: int, rank: int) -> dict:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(5, VOCAB, (MICRO, SEQ), generator=gen)
+    labels = torch.where(torch.rand(MICRO, SEQ, generator=gen) < 0.3, ids, torch.full_like(ids, -100))
+    masked = torch.where(labels != -100, torch.full_like(ids, 4), ids)
+    return {"input_ids": masked, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def engine_for(stage: int, *, max_grad_norm: float, bf16: bool = False, max_steps: int = 8):
+    from ds_bertopt import optim
+    from ds_bertopt.config import BertOptConfig
+    from ds_bertopt.configlib import load_section
+    from ds_bertopt.engine import initialize
+
+    bertopt = {"optimizer": {"type": "lamb", "lr": 0.02, "weight_decay": 0.01, "max_grad_norm": max_grad_norm},
+               "schedule": {"type": "poly", "warmup_steps": 2}, "train": {"max_steps": max_steps}}
+    ds = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+          "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
+    if bf16:
+        ds["bf16"] = {"enabled": True}
+    model = tiny_bert()
+    if bf16:
+        model = model.to(torch.bfloat16)
+    optimizer, scheduler = optim.build(model, load_section(BertOptConfig, bertopt, "bertopt"),
+                                       global_batch=MICRO * torch.distributed.get_world_size(), zero_stage=stage)
+    engine, _, _, _ = initialize(config={**ds, "bertopt": bertopt}, model=model, optimizer=optimizer,
+                                 lr_scheduler=scheduler)
+    return engine, optimizer
+
+
+def train_steps(engine, lamb, first: int, last: int) -> list[float]:
+    """Steps ``first … last − 1``; returns LAMB's clipping factor of each."""
+    scales = []
+    for step in range(first, last):
+        out = engine(**batch(step, torch.distributed.get_rank()))
+        engine.backward(out.loss)
+        engine.step()
+        scales.append(lamb.last_grad_scale)
+    return scales
+
+
+def flat_params(engine) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
+
+
+def optimizer_state(lamb) -> torch.Tensor:
+    """This rank's LAMB moments, flattened (the shard under ZeRO 1/2)."""
+    tensors = [lamb.state[p][k].reshape(-1) for g in lamb.param_groups for p in g["params"]
+               for k in ("exp_avg", "exp_avg_sq")]
+    return torch.cat(tensors)
+
+
+def gather_state(tensor: torch.Tensor) -> list[torch.Tensor]:
+    parts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, tensor)
+    return parts
+
+
+def run_checks(out_dir: str, checks=ALL_CHECKS, steps: int = 4) -> None:
+    from ds_bertopt.optim.lamb import Layout
+
+    rank = torch.distributed.get_rank()
+    results: dict = {}
+    if "stages" in checks:
+        for stage in (0, 1, 2):
+            engine, lamb = engine_for(stage, max_grad_norm=0.05)
+            scales = train_steps(engine, lamb, 0, steps)
+            results[f"stage{stage}"] = {"params": flat_params(engine), "grad_scales": scales,
+                                        "lr": engine.get_lr()[0], "clip": lamb.max_grad_norm,
+                                        "attached": sorted(len(l.fragments) for l in lamb._layouts.values())}
+    if "per_shard" in checks:
+        # What a client LAMB does under ZeRO without our layouts: one "layer" per flat shard.
+        engine, lamb = engine_for(1, max_grad_norm=0.05)
+        for group in lamb.param_groups:
+            shard = group["params"][0]
+            lamb.set_layout(shard, Layout.whole([shard]))
+        train_steps(engine, lamb, 0, steps)
+        results["per_shard"] = {"params": flat_params(engine)}
+    if "resume" in checks:
+        ckpt_root = tempfile.mkdtemp(prefix="optim_resume_") if rank == 0 else None
+        holder = [ckpt_root]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        for stage in (0, 2):
+            engine, lamb = engine_for(stage, max_grad_norm=0.05)
+            train_steps(engine, lamb, 0, steps)
+            straight = {"params": flat_params(engine), "state": gather_state(optimizer_state(lamb)),
+                        "lr": engine.get_lr()[0], "sched": engine.lr_scheduler.state_dict()["last_epoch"]}
+            engine, lamb = engine_for(stage, max_grad_norm=0.05)
+            train_steps(engine, lamb, 0, steps // 2)
+            engine.save_checkpoint(holder[0], tag=f"stage{stage}")
+            engine, lamb = engine_for(stage, max_grad_norm=0.05)
+            engine.load_checkpoint(holder[0], tag=f"stage{stage}")
+            train_steps(engine, lamb, steps // 2, steps)
+            resumed = {"params": flat_params(engine), "state": gather_state(optimizer_state(lamb)),
+                       "lr": engine.get_lr()[0], "sched": engine.lr_scheduler.state_dict()["last_epoch"]}
+            results[f"resume{stage}"] = {"straight": straight, "resumed": resumed}
+    if "bf16" in checks:
+        engine, lamb = engine_for(1, max_grad_norm=1.0, bf16=True)
+        train_steps(engine, lamb, 0, 2)
+        results["bf16"] = {"params": flat_params(engine), "wrapper": type(engine.optimizer).__name__,
+                           "fragments": sum(len(l.fragments) for l in lamb._layouts.values())}
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "optim_zero_check.pt"))
+    torch.distributed.barrier()
+
+
+def spawn_worker(rank: int, world: int, port: int, out_dir: str, checks, steps: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    run_checks(out_dir, checks, steps)
+    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--checks", nargs="+", default=list(ALL_CHECKS), choices=ALL_CHECKS)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(verbose=False)
+    run_checks(args.out, tuple(args.checks), args.steps)
+
+
+if __name__ == "__main__":
+    main()

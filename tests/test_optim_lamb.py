@@ -1,0 +1,265 @@
+"""LAMB math against an independent float64 formula, per-layer trust ratio, groups, state."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ds_bertopt.optim import param_groups
+from ds_bertopt.optim.lamb import Fragment, Lamb, Layout, lamb_update, trust_ratios
+
+SHAPES = [(7,), (3, 5), (4, 3, 2), (1,), (16, 9)]
+
+
+class Reference:
+    """LAMB written out per tensor in float64, straight from the paper / MLPerf's reference."""
+
+    def __init__(self, params, *, lr, betas, eps, weight_decay, bias_correction, adapt=True,
+                 min_ratio=None, max_ratio=None, max_grad_norm=0.0):
+        self.w = [p.detach().double().clone() for p in params]
+        self.m = [torch.zeros_like(w) for w in self.w]
+        self.v = [torch.zeros_like(w) for w in self.w]
+        self.t = 0
+        self.lr, (self.b1, self.b2), self.eps, self.wd = lr, betas, eps, weight_decay
+        self.bc, self.adapt, self.min_ratio, self.max_ratio = bias_correction, adapt, min_ratio, max_ratio
+        self.max_grad_norm = max_grad_norm
+        self.ratios = []
+
+    def step(self, grads):
+        self.t += 1
+        grads = [g.double() for g in grads]
+        if self.max_grad_norm > 0:
+            total = sum(float((g * g).sum()) for g in grads) ** 0.5
+            if total > self.max_grad_norm:
+                grads = [g * (self.max_grad_norm / total) for g in grads]
+        self.ratios = []
+        for i, g in enumerate(grads):
+            self.m[i] = self.b1 * self.m[i] + (1 - self.b1) * g
+            self.v[i] = self.b2 * self.v[i] + (1 - self.b2) * g * g
+            m_hat = self.m[i] / (1 - self.b1 ** self.t) if self.bc else self.m[i]
+            v_hat = self.v[i] / (1 - self.b2 ** self.t) if self.bc else self.v[i]
+            update = m_hat / (v_hat.sqrt() + self.eps) + self.wd * self.w[i]
+            w_norm, u_norm = float(self.w[i].norm()), float(update.norm())
+            ratio = 1.0
+            if self.adapt and w_norm > 0 and u_norm > 0:
+                ratio = w_norm / u_norm
+                if self.min_ratio is not None:
+                    ratio = max(ratio, self.min_ratio)
+                if self.max_ratio is not None:
+                    ratio = min(ratio, self.max_ratio)
+            self.ratios.append(ratio)
+            self.w[i] = self.w[i] - self.lr * ratio * update
+
+
+def _params(seed=0, shapes=SHAPES):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+
+def _grads(params, gen, scale=1.0):
+    return [torch.randn(p.shape, generator=gen) * scale for p in params]
+
+
+def _run_both(params, steps=4, grad_scale=1.0, **kw):
+    ours_kw = {k: v for k, v in kw.items() if k not in ("min_ratio", "max_ratio")}
+    lamb = Lamb(params, min_trust_ratio=kw.get("min_ratio"), max_trust_ratio=kw.get("max_ratio"), **ours_kw)
+    ref = Reference(params, **kw)
+    gen = torch.Generator().manual_seed(123)
+    for _ in range(steps):
+        grads = _grads(params, gen, grad_scale)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        lamb.step()
+        ref.step(grads)
+    return lamb, ref
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_lamb_step_matches_formula_reference(weight_decay, bias_correction):
+    params = _params()
+    lamb, ref = _run_both(params, lr=0.02, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay,
+                          bias_correction=bias_correction)
+    for p, w in zip(params, ref.w):
+        torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-7)
+    torch.testing.assert_close(lamb.last_trust_ratios[0], torch.tensor(ref.ratios, dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+
+
+def test_trust_ratio_is_per_parameter():
+    params = _params(1, [(6, 4), (5,)])
+    before = [p.detach().clone() for p in params]
+    lamb, ref = _run_both(params, steps=1, lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+                          bias_correction=True)
+    # With the ratio ‖w‖/‖u‖ each layer moves by exactly lr·‖w‖, whatever its scale or gradient.
+    for p, b in zip(params, before):
+        assert float((p.detach() - b).norm() / b.norm()) == pytest.approx(0.01, rel=1e-5)
+    assert ref.ratios[0] != pytest.approx(ref.ratios[1], rel=1e-2)
+
+    # Scaling one layer by 1000 changes its own ratio and nothing about the other layer's step.
+    scaled = _params(1, [(6, 4), (5,)])
+    with torch.no_grad():
+        scaled[0].mul_(1000.0)
+    lamb2, _ = _run_both(scaled, steps=1, lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+                         bias_correction=True)
+    torch.testing.assert_close(scaled[1].detach(), params[1].detach(), rtol=0, atol=0)
+    # (bounded by 1/weight_decay once λw dominates the update)
+    assert float(lamb2.last_trust_ratios[0][0]) > 50 * float(lamb.last_trust_ratios[0][0])
+
+
+def test_zero_norm_layers_take_ratio_one():
+    zero_weight = torch.nn.Parameter(torch.zeros(4))
+    still = torch.nn.Parameter(torch.randn(3, 3))
+    lamb = Lamb([zero_weight, still], lr=0.1, weight_decay=0.0)
+    zero_weight.grad = torch.tensor([1.0, -2.0, 0.5, 0.0])
+    still.grad = torch.zeros(3, 3)
+    before = still.detach().clone()
+    lamb.step()
+    ratios = lamb.last_trust_ratios[0]
+    assert ratios.tolist() == [1.0, 1.0]
+    # First Adam step with bias correction moves each element by lr·sign(g) (ε aside).
+    torch.testing.assert_close(zero_weight.detach(), torch.tensor([-0.1, 0.1, -0.1, 0.0]), rtol=0, atol=1e-6)
+    assert torch.equal(still.detach(), before) and torch.isfinite(still).all()
+
+
+def test_trust_ratio_function_handles_zeros_and_clamps():
+    w_sq = torch.tensor([4.0, 0.0, 9.0, 1.0, 1e-8], dtype=torch.float64)
+    u_sq = torch.tensor([1.0, 1.0, 0.0, 1e4, 1.0], dtype=torch.float64)
+    assert trust_ratios(w_sq, u_sq).tolist() == pytest.approx([2.0, 1.0, 1.0, 0.01, 1e-4])
+    clamped = trust_ratios(w_sq, u_sq, min_ratio=0.05, max_ratio=1.5)
+    assert clamped.tolist() == pytest.approx([1.5, 1.0, 1.0, 0.05, 0.05])
+
+
+def test_clamped_ratios_match_reference():
+    params = _params(2)
+    _, ref = _run_both(params, lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01, bias_correction=True,
+                       min_ratio=0.5, max_ratio=2.0)
+    assert any(r in (0.5, 2.0) for r in ref.ratios), "clamps never engaged: the test proves nothing"
+    for p, w in zip(params, ref.w):
+        torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-7)
+
+
+@pytest.mark.parametrize("grad_scale", [0.01, 10.0])
+def test_global_norm_clipping_matches_reference(grad_scale):
+    params = _params(3)
+    _, ref = _run_both(params, grad_scale=grad_scale, lr=0.02, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+                       bias_correction=True, max_grad_norm=1.0)
+    unclipped = _params(3)
+    _run_both(unclipped, grad_scale=grad_scale, lr=0.02, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+              bias_correction=True)
+    for p, w in zip(params, ref.w):
+        torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-7)
+    moved_apart = any(not torch.allclose(a, b, rtol=1e-4) for a, b in zip(params, unclipped))
+    assert moved_apart == (grad_scale > 1), "clipping should act exactly when the norm exceeds max_grad_norm"
+
+
+def test_group_without_trust_ratio_takes_torch_adamw_steps():
+    params = _params(4, [(5, 3), (8,)])
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    lamb = Lamb([{"params": params, "weight_decay": 0.0, "adapt": False}], lr=0.003, eps=1e-6)
+    adamw = torch.optim.AdamW(twins, lr=0.003, eps=1e-6, weight_decay=0.0, foreach=False)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        for p, t, g in zip(params, twins, _grads(params, gen)):
+            p.grad, t.grad = g.clone(), g.clone()
+        lamb.step()
+        adamw.step()
+    for p, t in zip(params, twins):
+        torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
+
+
+def test_fragment_layout_equals_whole_layers():
+    """Layers split across two held tensors (as over two ranks' shards) step like whole layers."""
+    shapes = [(5, 4), (9,), (3, 7)]
+    whole = _params(6, shapes)
+    flat = torch.cat([p.detach().reshape(-1) for p in whole])
+    cut = 23  # inside the second layer
+    shards = [flat[:cut].clone(), torch.cat([flat[cut:], torch.zeros(3)])]  # padding at the end
+    fragments, offset = [], 0
+    for layer, p in enumerate(whole):
+        start, end = offset, offset + p.numel()
+        if start < cut:
+            fragments.append(Fragment(0, start, min(end, cut) - start, layer))
+        if end > cut:
+            fragments.append(Fragment(1, max(start, cut) - cut, end - max(start, cut), layer))
+        offset = end
+    layout = Layout(tuple(fragments), len(shapes))
+    moments = [[torch.zeros_like(s) for s in shards] for _ in range(2)]
+    lamb = Lamb(whole, lr=0.05, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(1, 4):
+        grads = _grads(whole, gen)
+        for p, g in zip(whole, grads):
+            p.grad = g
+        lamb.step()
+        flat_grad = torch.cat([g.reshape(-1) for g in grads])
+        shard_grads = [flat_grad[:cut], torch.cat([flat_grad[cut:], torch.zeros(3)])]
+        lamb_update(shards, shard_grads, moments[0], moments[1], [step, step], lr=0.05, beta1=0.9, beta2=0.999,
+                    eps=1e-6, weight_decay=0.01, bias_correction=True, layout=layout)
+    torch.testing.assert_close(torch.cat([shards[0], shards[1][:-3]]),
+                               torch.cat([p.detach().reshape(-1) for p in whole]), rtol=1e-6, atol=1e-7)
+    assert torch.equal(shards[1][-3:], torch.zeros(3)), "padding must not move"
+
+
+def test_unattached_flat_shard_is_refused():
+    params = _params(8, [(4, 4), (4,)])
+    lamb = Lamb(params)
+    flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))
+    lamb.param_groups[0]["params"] = [flat]  # what ZeRO 1/2 do to a client optimizer
+    flat.grad = torch.ones_like(flat)
+    with pytest.raises(RuntimeError, match="attach_engine"):
+        lamb.step()
+
+
+def _tiny_bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(vocab_size=97, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=32, max_position_embeddings=32))
+
+
+def test_param_groups_exclude_biases_and_layernorm():
+    model = _tiny_bert()
+    groups = param_groups(model, 0.01, decay_extra={"adapt": True}, no_decay_extra={"adapt": False})
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay = [names[id(p)] for p in groups[0]["params"]]
+    no_decay = [names[id(p)] for p in groups[1]["params"]]
+    assert groups[0]["weight_decay"] == 0.01 and groups[1]["weight_decay"] == 0.0
+    assert groups[0]["adapt"] and not groups[1]["adapt"]
+    assert all(n.endswith(".weight") and "LayerNorm" not in n for n in decay)
+    assert all(n.endswith(".bias") or "LayerNorm" in n for n in no_decay)
+    assert any("LayerNorm.weight" in n for n in no_decay) and any(n.endswith("dense.bias") for n in no_decay)
+    assert len(decay) + len(no_decay) == len(list(model.parameters()))
+
+
+def test_state_dict_resume_is_bit_exact():
+    def make():
+        params = _params(9)
+        return params, Lamb(params, lr=0.01, max_grad_norm=1.0)
+
+    gen = torch.Generator().manual_seed(11)
+    grads = [_grads(_params(9), gen, 3.0) for _ in range(6)]
+    straight, opt = make()
+    for g in grads:
+        for p, x in zip(straight, g):
+            p.grad = x.clone()
+        opt.step()
+    first, opt = make()
+    for g in grads[:3]:
+        for p, x in zip(first, g):
+            p.grad = x.clone()
+        opt.step()
+    saved = copy.deepcopy((opt.state_dict(), [p.detach().clone() for p in first]))
+    resumed, opt = make()
+    opt.load_state_dict(saved[0])
+    with torch.no_grad():
+        for p, w in zip(resumed, saved[1]):
+            p.copy_(w)
+    for g in grads[3:]:
+        for p, x in zip(resumed, g):
+            p.grad = x.clone()
+        opt.step()
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)

@@ -1,0 +1,99 @@
+"""LAMB inside real DeepSpeed engines on 2 gloo ranks: ZeRO-1/2 take ZeRO-0's steps; resume is exact.
+
+The work runs in ``tests/scripts/optim_zero_check.py`` (spawned here, and under the real
+``deepspeed`` launcher in the slow test); these tests judge the tensors it saves.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "optim_zero_check.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import optim_zero_check  # noqa: E402
+
+STEPS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("optim_zero")
+    mp.spawn(optim_zero_check.spawn_worker, args=(2, _free_port(), str(out), optim_zero_check.ALL_CHECKS, STEPS),
+             nprocs=2, join=True)
+    return torch.load(out / "optim_zero_check.pt", weights_only=False)
+
+
+def _initial_params() -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in optim_zero_check.tiny_bert().parameters()])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_lamb_takes_the_zero0_steps(results, stage):
+    zero0, zero_n = results["stage0"], results[f"stage{stage}"]
+    moved = float((zero0["params"] - _initial_params()).abs().max())
+    assert moved > 1e-2, "training barely moved the weights; the comparison would be vacuous"
+    # Same per-layer ratio on every stage: equal up to the summation order of the layer norms.
+    torch.testing.assert_close(zero_n["params"], zero0["params"], rtol=1e-5, atol=1e-6)
+    # LAMB's own clipping was active, and DeepSpeed's global norm fed it the same factor as ZeRO-0's.
+    assert all(s < 1.0 for s in zero0["grad_scales"])
+    assert zero_n["grad_scales"] == pytest.approx(zero0["grad_scales"], rel=1e-5)
+    assert zero_n["lr"] == pytest.approx(zero0["lr"])
+    assert zero_n["attached"] and zero0["attached"] == []  # layouts only where DeepSpeed flattened
+
+
+@pytest.mark.timeout(240)
+def test_per_shard_trust_ratio_would_differ(results):
+    """The control: ZeRO-1 with one trust ratio per flat shard (what a plain client LAMB gets)."""
+    gap = float((results["per_shard"]["params"] - results["stage0"]["params"]).abs().max())
+    assert gap > 1e-3
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [0, 2])
+def test_checkpoint_resume_is_bit_exact(results, stage):
+    straight, resumed = results[f"resume{stage}"]["straight"], results[f"resume{stage}"]["resumed"]
+    assert torch.equal(straight["params"], resumed["params"])
+    assert len(straight["state"]) == len(resumed["state"]) == 2
+    for a, b in zip(straight["state"], resumed["state"]):
+        assert torch.equal(a, b)
+    assert straight["lr"] == resumed["lr"] and straight["sched"] == resumed["sched"] == STEPS
+
+
+@pytest.mark.timeout(240)
+def test_bf16_zero1_lamb_attaches_and_trains(results):
+    bf16 = results["bf16"]
+    assert bf16["wrapper"] == "DeepSpeedZeroOptimizer" and bf16["fragments"] > 0
+    assert torch.isfinite(bf16["params"]).all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_deepspeed_launcher_zero_stages(tmp_path):
+    launcher = shutil.which("deepspeed")
+    assert launcher, "the deepspeed launcher is not on PATH"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(_free_port()), str(SCRIPT),
+                           "--out", str(tmp_path), "--checks", "stages", "per_shard"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "layer-wise trust ratio over DeepSpeedZeroOptimizer (ZeRO 2)" in proc.stdout
+    res = torch.load(tmp_path / "optim_zero_check.pt", weights_only=False)
+    for stage in (1, 2):
+        torch.testing.assert_close(res[f"stage{stage}"]["params"], res["stage0"]["params"], rtol=1e-5, atol=1e-6)
+    assert float((res["per_shard"]["params"] - res["stage0"]["params"]).abs().max()) > 1e-3
