@@ -130,7 +130,9 @@ class TrainConfig:
     save_model: bool = True
     """Also write the final model in Hugging Face format to ``output_dir/final``."""
     dist_timeout_s: int = 120
-    """Process-group timeout: a collective waiting on a dead rank fails after this long."""
+    """Process-group timeout: a collective waiting on a stuck peer fails after this long."""
+    dist_init_timeout_s: int = 60
+    """Start-up rendezvous: ranks that have not arrived after this long fail the job, naming them."""
     max_consecutive_nonfinite: int = 5
     """Abort after this many consecutive steps with a non-finite loss or gradient."""
     deterministic: bool = False
@@ -149,6 +151,8 @@ class TrainConfig:
         check(self.log_every > 0, f"log_every: must be positive, got {self.log_every}")
         check(self.keep_last >= 1, f"keep_last: must be at least 1, got {self.keep_last}")
         check(self.dist_timeout_s >= 10, f"dist_timeout_s: must be at least 10, got {self.dist_timeout_s}")
+        check(self.dist_init_timeout_s >= 5,
+              f"dist_init_timeout_s: must be at least 5, got {self.dist_init_timeout_s}")
         check(self.max_consecutive_nonfinite >= 1,
               f"max_consecutive_nonfinite: must be at least 1, got {self.max_consecutive_nonfinite}")
 

@@ -104,20 +104,81 @@ def set_cpu_thread_default(topo: Topology) -> None:
     torch.set_num_threads(threads)
 
 
-def init_distributed(topo: Topology, timeout_s: int = 120) -> None:
-    """Create the default process group through DeepSpeed (gloo on CPU, nccl on CUDA)."""
+def init_distributed(topo: Topology, timeout_s: int = 120, init_timeout_s: int = 60) -> None:
+    """Create the default process group (gloo on CPU, nccl on CUDA) and hand it to DeepSpeed.
+
+    Before the group forms, every rank publishes its view of the topology in the rendezvous store
+    and checks the others', so launchers that disagree (e.g. hostfiles with different slots) fail
+    within seconds naming the disagreement, and ranks that never arrive fail after
+    ``init_timeout_s`` naming the missing ranks, instead of hanging. ``timeout_s`` bounds every
+    later collective (a peer that is alive but stuck).
+    """
     import deepspeed
     import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
 
     if dist.is_available() and dist.is_initialized():
         return
     if topo.world_size == 1 and "MASTER_ADDR" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-    deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s), verbose=False)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+                          WORLD_SIZE="1")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise BertOptError(f"{name} is not set: start the job with the deepspeed launcher or torchrun")
+    backend = get_accelerator().communication_backend_name()
+    store = _rendezvous(topo, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), init_timeout_s)
+    dist.init_process_group(backend=backend, store=store, rank=topo.rank, world_size=topo.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    # deepspeed.comm.init_distributed adopts an existing torch group (its "initialized torch.dist
+    # themselves" branch) instead of creating its own.
+    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s), verbose=False)
+
+
+def _rendezvous(topo: Topology, addr: str, port: int, timeout_s: int):
+    """Connect to the TCP store and cross-check every rank's (world size, ranks per node) view."""
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout_s
+    view = {"rank": topo.rank, "world_size": topo.world_size, "ranks_per_node": topo.ranks_per_node,
+            "node_rank": topo.node_rank, "host": socket.gethostname()}
+    try:
+        store = dist.TCPStore(addr, port, world_size=topo.world_size, is_master=topo.rank == 0,
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    except Exception as exc:  # noqa: BLE001 - torch raises several types for an unreachable master
+        raise BertOptError(f"cannot reach the rendezvous at {addr}:{port} within {timeout_s} s "
+                           f"({type(exc).__name__}); check MASTER_ADDR/MASTER_PORT and that rank 0 started") from None
+    store.set(f"ds_bertopt/view/{topo.rank}", json.dumps(view))
+    seen: dict[int, dict] = {}
+    while True:
+        try:
+            for r in range(topo.world_size):
+                if r not in seen and store.check([f"ds_bertopt/view/{r}"]):
+                    seen[r] = json.loads(store.get(f"ds_bertopt/view/{r}"))
+            extra = store.check([f"ds_bertopt/view/{topo.world_size}"])
+        except Exception as exc:  # noqa: BLE001 - the store died with rank 0
+            raise BertOptError(f"lost the rendezvous store at {addr}:{port} ({type(exc).__name__}): "
+                               "another rank failed during start-up; see its message") from None
+        for r, other in sorted(seen.items()):
+            if (other["world_size"], other["ranks_per_node"]) != (topo.world_size, topo.ranks_per_node):
+                raise BertOptError(
+                    f"launchers disagree on the topology: rank {r} on {other['host']} was started with world size "
+                    f"{other['world_size']} and {other['ranks_per_node']} ranks per node, rank {topo.rank} on "
+                    f"{view['host']} with {topo.world_size} and {topo.ranks_per_node}; every node must use the "
+                    "same hostfile (same hosts, same slots)")
+        if extra:
+            raise BertOptError(f"a rank beyond world size {topo.world_size} joined the rendezvous: the launchers "
+                               "disagree on the world size; every node must use the same hostfile")
+        if len(seen) == topo.world_size:
+            return store
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(topo.world_size)) - set(seen))
+            raise BertOptError(f"only {len(seen)} of {topo.world_size} ranks joined within {timeout_s} s "
+                               f"(missing ranks {missing[:8]}{'…' if len(missing) > 8 else ''}); check that every "
+                               "node was started, with the same hostfile, and can reach MASTER_ADDR")
+        time.sleep(0.2)
 
 
 def _free_port() -> int:
@@ -137,9 +198,11 @@ def verify_topology(topo: Topology) -> None:
                            f"{dist.get_rank()} of {dist.get_world_size()}")
     views: list = [None] * topo.world_size
     dist.all_gather_object(views, (topo.rank, topo.node_rank, topo.local_rank, topo.ranks_per_node,
-                                   socket.gethostname()))
+                                   socket.gethostname(), os.getpid()))
+    _PEERS.clear()
+    _PEERS.update({v[0]: (v[4], v[5]) for v in views})
     problems = []
-    for rank, node_rank, local_rank, local_size, host in views:
+    for rank, node_rank, local_rank, local_size, host, _ in views:
         if local_size != topo.ranks_per_node:
             problems.append(f"rank {rank} on {host} reports {local_size} ranks per node, rank {topo.rank} "
                             f"reports {topo.ranks_per_node}: every node must run the same number of ranks")
@@ -152,6 +215,39 @@ def verify_topology(topo: Topology) -> None:
 
 
 _NODE_GROUP = None
+_PEERS: dict[int, tuple[str, int]] = {}  # rank -> (host, pid), filled by verify_topology
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """True for the errors a collective raises when a peer died or the network broke."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                      "gloo", "NCCL", "Timed out", "timed out"))
+
+
+def describe_dead_peers(rank: int) -> str:
+    """Which ranks on this host have exited (their pids are gone); rank(s) elsewhere are unknown."""
+    host = socket.gethostname()
+    dead = []
+    for other, (other_host, pid) in sorted(_PEERS.items()):
+        if other == rank or other_host != host:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            dead.append(f"rank {other} (pid {pid})")
+        except PermissionError:
+            pass
+    if dead:
+        return f"{', '.join(dead)} on {host} exited"
+    remote = sorted({h for r, (h, _) in _PEERS.items() if h != host})
+    return ("no rank on this host exited; a rank on " + ", ".join(remote) if remote
+            else "no rank exited; a peer") + " stopped responding"
 
 
 def node_group(topo: Topology):

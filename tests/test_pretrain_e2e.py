@@ -5,27 +5,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from _launch import deepspeed_cmd, metrics, run
 
 pytestmark = pytest.mark.slow
-
-
-def deepspeed_cmd(*args: str) -> list[str]:
-    return [os.path.join(os.path.dirname(sys.executable), "deepspeed"), *args]
-
-
-def run(cmd: list[str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return proc
-
-
-def metrics(out: Path) -> tuple[list[dict], list[dict]]:
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [x for x in lines if "loss" in x], [x for x in lines if "eval_loss" in x]
 
 
 @pytest.mark.timeout(420)
@@ -34,8 +18,7 @@ def test_two_rank_pretraining_checkpoint_and_resume(repo_root, tmp_path, cache_d
     common = ["launch/pretrain.py", "--deepspeed_config", "ds_configs/bert.json", "--output_dir", str(out),
               "--eval_every", "10", "--log_every", "2", "-o", f"data.cache_dir={cache_dir}",
               "-o", "data.max_documents=150"]
-    proc = run(deepspeed_cmd("--num_gpus", "2", *common, "--max_steps", "10", "--save_every", "5"),
-               repo_root, 300)
+    proc = run(deepspeed_cmd("--num_gpus", "2", *common, "--max_steps", "10", "--save_every", "5"), 300)
     assert "world 2 (1 node(s) × 2)" in proc.stdout
     train, evals = metrics(out)
     assert train[-1]["loss"] < train[0]["loss"] - 0.5
@@ -46,7 +29,7 @@ def test_two_rank_pretraining_checkpoint_and_resume(repo_root, tmp_path, cache_d
     assert json.loads((ckpt / "step00000010" / "COMPLETE.json").read_text())["step"] == 10
     assert (out / "final" / "model.safetensors").exists()
 
-    proc = run(deepspeed_cmd("--num_gpus", "2", *common, "--max_steps", "14", "--resume"), repo_root, 300)
+    proc = run(deepspeed_cmd("--num_gpus", "2", *common, "--max_steps", "14", "--resume"), 300)
     assert "resumed from step00000010: step 10" in proc.stdout
     train, evals = metrics(out)
     steps = [t["step"] for t in train]
@@ -61,8 +44,7 @@ def test_bare_command_trains_on_wikipedia(repo_root, tmp_path, cache_dir, shared
     proc = run(deepspeed_cmd("launch/pretrain.py", "--deepspeed_config", "ds_configs/bert.json",
                              "--train_file", str(shared_data / "wiki_sample.jsonl"), "--max_steps", "6",
                              "--eval_every", "6", "--log_every", "2", "--output_dir", str(out),
-                             "-o", f"data.cache_dir={cache_dir}", "-o", "data.max_documents=30"),
-               repo_root, 240)
+                             "-o", f"data.cache_dir={cache_dir}", "-o", "data.max_documents=30"), 240)
     assert "wiki_sample.jsonl" in proc.stdout and "world 1" in proc.stdout
     train, evals = metrics(out)
     assert train[-1]["loss"] < train[0]["loss"]

@@ -27,6 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .. import faults
 from ..errors import BertOptError
 from ..log import print0
 
@@ -95,6 +96,7 @@ def save(engine, output_dir: str, step: int, client_state: dict, *, rank: int, l
     engine.save_checkpoint(root, tag=partial, client_state=client_state, save_latest=False)
     os.makedirs(os.path.join(root, partial), exist_ok=True)
     torch.save(rng_state(), os.path.join(root, partial, f"rng_rank{rank}.pt"))
+    faults.inject("save", rank, step)
     _barrier()
     final = os.path.join(root, tag)
     marker = {"step": step, "tag": tag, **{k: client_state[k] for k in ("world_size", "sampler") if k in client_state}}

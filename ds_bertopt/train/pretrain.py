@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from ..config import RunConfig, describe, load_config
-from ..dist import Topology, init_distributed, set_cpu_thread_default, topology_from_env, verify_topology
+from ..dist import Topology, describe_dead_peers, init_distributed, is_comm_failure, set_cpu_thread_default, topology_from_env, verify_topology
+from .. import faults
 from ..errors import BertOptError
 from ..log import print0, print_all
 from . import checkpoint
@@ -178,6 +179,7 @@ def train(cfg: RunConfig, topo: Topology, resume: Optional[str]) -> dict:
     from ..data.sampler import PlanBatchSampler
     from ..engine import initialize
     from ..model import SparseMLMHead, build_pretraining_model
+    from .nonfinite import install_nonfinite_guard
 
     b = cfg.bertopt
     ds = cfg.deepspeed
@@ -201,6 +203,8 @@ def train(cfg: RunConfig, topo: Topology, resume: Optional[str]) -> dict:
     zero_stage = int(ds.get("zero_optimization", {}).get("stage", 0))
     optimizer, scheduler = optim.build(model, b, global_batch=global_batch, zero_stage=zero_stage)
     engine, _, _, _ = initialize(config=cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    print0(f"non-finite gradients skip the step ({install_nonfinite_guard(engine)}); "
+           f"{b.train.max_consecutive_nonfinite} in a row stop the job")
     seed_everything(b.train.seed + 7919 * (topo.rank + 1))  # distinct dropout per rank
     n_params = sum(p.numel() for p in model.parameters())
     print0(f"model: {type(model).__name__} {n_params / 1e6:.1f}M parameters; world {topo.world_size} "
@@ -243,43 +247,61 @@ def train(cfg: RunConfig, topo: Topology, resume: Optional[str]) -> dict:
                           buffering=1)
     bar = tqdm(total=b.train.max_steps, initial=step, disable=not topo.is_main or not sys.stderr.isatty(),
                desc="pretrain", dynamic_ncols=True)
-    window = {"loss": 0.0, "micro": 0, "tokens": 0, "t0": time.perf_counter()}
-    nonfinite_run = 0
+    window = {"loss": 0.0, "micro": 0, "tokens": 0, "skipped": 0, "t0": time.perf_counter()}
+    skipped_run = 0
+
+    def log_progress(step: int) -> None:
+        nonlocal window
+        loss_sum, micro_count, tokens = _all_reduce_sum(
+            [window["loss"], window["micro"], window["tokens"]], engine.device)
+        elapsed = time.perf_counter() - window["t0"]
+        record = {"step": step, "lr": engine.get_lr()[0], "tokens_per_s": tokens / max(elapsed, 1e-9),
+                  "epoch": sampler.epoch, "skipped": window["skipped"]}
+        if micro_count:  # every step of the window may have been skipped
+            record["loss"] = loss_sum / micro_count
+        metrics.write(record, step * global_batch)
+        loss_text = f"loss {record['loss']:.4f}" if "loss" in record else "all steps skipped"
+        bar.set_postfix_str(f"{loss_text}, lr {record['lr']:.2e}, {record['tokens_per_s']:.0f} tok/s")
+        if bar.disable:  # no terminal: a plain line instead of the bar
+            print0(f"step {step}/{b.train.max_steps}: {loss_text}, lr {record['lr']:.3e}, "
+                   f"{record['tokens_per_s']:.0f} tokens/s")
+        window = {"loss": 0.0, "micro": 0, "tokens": 0, "skipped": 0, "t0": time.perf_counter()}
+
     while step < b.train.max_steps:
         micro_batches = sampler.next_step()
         epoch = sampler.epoch  # next_step() may have started a new epoch
         if sample_log is not None:
-            sample_log.write(json.dumps({"step": step, "epoch": epoch, "rank": topo.rank, "node": topo.node_rank,
+            sample_log.write(json.dumps({"step": step + 1, "epoch": epoch, "rank": topo.rank, "node": topo.node_rank,
                                          "indices": micro_batches}) + "\n")
         step_loss = 0.0
         for m, indices in enumerate(micro_batches):
             batch = collator(_samples(data.train, indices, nsp), step_generator(b.train.seed, epoch, step, m, topo.rank))
             window["tokens"] += int(batch["attention_mask"].sum())
             out = engine(**_to_device(batch, engine.device))
-            engine.backward(out.loss)
+            loss = faults.inject("loss", topo.rank, step + 1, out.loss)
+            faults.inject("forward", topo.rank, step + 1)
+            engine.backward(loss)
             engine.step()
-            step_loss += out.loss.item()
+            step_loss += loss.item()
         step += 1
-        nonfinite_run = nonfinite_run + 1 if not math.isfinite(step_loss) else 0
-        if nonfinite_run >= b.train.max_consecutive_nonfinite:
-            raise BertOptError(f"loss was not finite for {nonfinite_run} consecutive steps (last: step {step}); "
-                               "lower the learning rate or check the data")
-        window["loss"] += step_loss
-        window["micro"] += len(micro_batches)
+        if engine.was_step_applied():
+            skipped_run = 0
+            window["loss"] += step_loss
+            window["micro"] += len(micro_batches)
+        else:
+            skipped_run += 1
+            window["skipped"] += 1
+            metrics.write({"step": step, "skipped": True, "step_loss": step_loss / len(micro_batches)},
+                          step * global_batch)
+            print0(f"step {step}: skipped, gradients not finite (loss {step_loss / len(micro_batches):.4g}); "
+                   f"{skipped_run} in a row")
+            if skipped_run >= b.train.max_consecutive_nonfinite:
+                raise BertOptError(f"{skipped_run} consecutive steps had non-finite gradients (steps "
+                                   f"{step - skipped_run + 1}-{step}); stopping. Lower the learning rate, check the "
+                                   "data, or resume from the last checkpoint")
         bar.update(1)
         if step % b.train.log_every == 0 or step == b.train.max_steps:
-            loss_sum, micro_count, tokens = _all_reduce_sum(
-                [window["loss"], window["micro"], window["tokens"]], engine.device)
-            elapsed = time.perf_counter() - window["t0"]
-            record = {"step": step, "loss": loss_sum / max(micro_count, 1), "lr": engine.get_lr()[0],
-                      "tokens_per_s": tokens / max(elapsed, 1e-9), "epoch": sampler.epoch}
-            metrics.write(record, step * global_batch)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
-                            tok_s=f"{record['tokens_per_s']:.0f}")
-            if bar.disable:  # no terminal: a plain line instead of the bar
-                print0(f"step {step}/{b.train.max_steps}: loss {record['loss']:.4f}, lr {record['lr']:.3e}, "
-                       f"{record['tokens_per_s']:.0f} tokens/s")
-            window = {"loss": 0.0, "micro": 0, "tokens": 0, "t0": time.perf_counter()}
+            log_progress(step)
         if b.train.eval_every and (step % b.train.eval_every == 0 or step == b.train.max_steps):
             record = {"step": step, **evaluate(engine, data, collator, micro, topo, b.train.seed, nsp)}
             history["eval"].append(record)
@@ -338,8 +360,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         topo = topology_from_env(local_rank_arg=args.local_rank)
         set_cpu_thread_default(topo)
         cfg = prepare(args, topo)  # identical on every rank: its errors are printed once
-        init_distributed(topo, timeout_s=cfg.bertopt.train.dist_timeout_s)
         started = True
+        init_distributed(topo, timeout_s=cfg.bertopt.train.dist_timeout_s,
+                         init_timeout_s=cfg.bertopt.train.dist_init_timeout_s)
         verify_topology(topo)
         history = train(cfg, topo, args.resume)
     except BertOptError as exc:
@@ -348,6 +371,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             print0(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - a dead peer: say who, then fail
+        if not started or not is_comm_failure(exc):
+            raise
+        print_all(f"error: lost contact with the other ranks: {describe_dead_peers(topo.rank)} "
+                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})", file=sys.stderr)
+        return 1
     evals = history["eval"]
     if evals:
         print0(f"done: {history['step']} steps; MLM accuracy {evals[0]['eval_accuracy']:.4f} -> "

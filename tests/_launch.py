@@ -1,0 +1,82 @@
+"""Helpers for tests that start the real launchers (imported by test modules in this folder)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def deepspeed_cmd(*args: str) -> list[str]:
+    return [os.path.join(os.path.dirname(sys.executable), "deepspeed"), *args]
+
+
+def pretrain_args(out: Path, cache_dir: Path, *extra: str, config: str = "ds_configs/bert.json") -> list[str]:
+    """Arguments for a small, quick pretraining run on the embedded corpus."""
+    return ["launch/pretrain.py", "--deepspeed_config", config, "--output_dir", str(out),
+            "-o", f"data.cache_dir={cache_dir}", "-o", "data.max_documents=150", *extra]
+
+
+def launcher_env(**extra: str) -> dict:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env.pop("DS_BERTOPT_FAULT", None)
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], timeout: int, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(**env), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def run_timed(cmd: list[str], timeout: int, marker: str, **env: str) -> tuple[int, str, float | None]:
+    """Run ``cmd``; return (exit code, output, seconds from the first line containing ``marker`` to exit)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=launcher_env(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    seen_at: list[float] = []
+
+    def pump():
+        for line in iter(proc.stdout.readline, ""):
+            lines.append(line)
+            if marker in line and not seen_at:
+                seen_at.append(time.monotonic())
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    ended = time.monotonic()
+    thread.join(timeout=10)
+    return proc.returncode, "".join(lines), (ended - seen_at[0]) if seen_at else None
+
+
+def metrics(out: Path) -> tuple[list[dict], list[dict]]:
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if "loss" in x], [x for x in lines if "eval_loss" in x]
+
+
+def processes_mentioning(token: str) -> list[str]:
+    """Command lines of live processes that mention ``token`` (orphan detection)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if token in cmdline:
+            found.append(f"{pid}: {cmdline}")
+    return found
