@@ -15,6 +15,8 @@ COMMANDS = {
                "saved-activation bytes and peak memory of fine-tuning, full vs WTA-CRS / LoRA / kit"),
     "config": ("ds_bertopt.config_cli", "main",
                "validate a config file and print the resolved result"),
+    "hostfile": ("ds_bertopt.hostfile", "main",
+                 "check a DeepSpeed hostfile (duplicates, bad lines, unequal slots) before launching"),
 }
 
 

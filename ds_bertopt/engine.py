@@ -19,6 +19,7 @@ from typing import Any
 
 from .config import BertOptConfig, RunConfig, apply_precision, load_config, resolve_batch
 from .configlib import load_section
+from .errors import ConfigError
 from .log import print0
 
 
@@ -34,8 +35,29 @@ def _as_run_config(config: Any) -> RunConfig:
     raise TypeError(f"config must be a path, a dict or a RunConfig, got {type(config).__name__}")
 
 
+def check_combinations(bertopt: BertOptConfig, ds: dict) -> None:
+    """Refuse, before anything starts, feature combinations that cannot work together."""
+    stage = int(ds.get("zero_optimization", {}).get("stage", 0) or 0)
+    if bertopt.optimizer.type == "lamb" and stage >= 3:
+        raise ConfigError("optimizer.type: \"lamb\" is not supported under ZeRO stage 3 (parameters are "
+                          "partitioned); use zero_optimization.stage 0, 1 or 2, or type \"adamw\"")
+    if bertopt.bucket_clip.enabled and stage >= 3:
+        raise ConfigError(f"bucket_clip: ZeRO stage {stage} is not supported; use zero_optimization.stage "
+                          "0, 1 or 2, or set bucket_clip.enabled false")
+
+
+def refuse_deepspeed_optimizer_blocks(ds: dict) -> None:
+    """Our entry points build the optimizer and schedule from ``"bertopt"``; a DeepSpeed block
+    would be silently overridden, so it is an error there (``initialize`` itself accepts it)."""
+    for block in ("optimizer", "scheduler"):
+        if block in ds:
+            raise ConfigError(f"the DeepSpeed \"{block}\" block is not used by ds_bertopt's entry points; "
+                              "configure \"bertopt\": {\"optimizer\": ..., \"schedule\": ...} instead")
+
+
 def prepare_deepspeed_config(cfg: RunConfig, world_size: int, device_type: str) -> dict:
     """DeepSpeed's part of ``cfg``, batch-resolved and adjusted for our extensions."""
+    check_combinations(cfg.bertopt, cfg.deepspeed)
     ds = resolve_batch(cfg.deepspeed, world_size)
     apply_precision(ds, cfg.bertopt.train.precision, device_type)
     if cfg.bertopt.bucket_clip.enabled and ds.get("gradient_clipping", 0):

@@ -74,8 +74,27 @@ def check_corpus_file(path: str) -> None:
             raise DataError(f"corpus file {path} is not UTF-8 text (invalid byte at offset {exc.start})") from None
 
 
-def expand_train_files(patterns: tuple[str, ...] | list[str]) -> list[str]:
-    """Expand globs (sorted, deduplicated) and check every file."""
+def check_json_field(path: str, field: str) -> None:
+    """The first non-empty line of a jsonl file must be an object with ``field``."""
+    with _open_bytes(path) as fh:
+        for number, raw in enumerate(fh, 1):
+            if raw.strip():
+                break
+        else:
+            return
+    try:
+        first = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DataError(f"corpus file {path} line {number} is not JSON (expected one object per line)") from None
+    if not isinstance(first, dict):
+        raise DataError(f"corpus file {path} line {number} is not a JSON object")
+    if field not in first:
+        raise DataError(f"corpus file {path} line {number} has no field {field!r} "
+                        f"(fields: {', '.join(first) or 'none'}); set data.text_field")
+
+
+def expand_train_files(patterns: tuple[str, ...] | list[str], text_field: str | None = None) -> list[str]:
+    """Expand globs (sorted, deduplicated) and check every file (and, for jsonl, ``text_field``)."""
     files: list[str] = []
     for pattern in patterns:
         expanded = os.path.expanduser(pattern)
@@ -87,6 +106,8 @@ def expand_train_files(patterns: tuple[str, ...] | list[str]) -> list[str]:
                 files.append(match)
     for path in files:
         check_corpus_file(path)
+        if text_field is not None and file_kind(path) == "json":
+            check_json_field(path, text_field)
     return files
 
 
@@ -146,7 +167,8 @@ def load_documents(data_cfg, cache_dir: str):
         ds = _load_named_dataset(data_cfg, hf_cache)
         source = data_cfg.dataset
     else:
-        files = expand_train_files(data_cfg.train_files) if data_cfg.train_files else [embedded_corpus_path(cache_dir)]
+        files = (expand_train_files(data_cfg.train_files, data_cfg.text_field) if data_cfg.train_files
+                 else [embedded_corpus_path(cache_dir)])
         source = ", ".join(files)
         kinds = {file_kind(f) for f in files}
         if len(kinds) > 1:

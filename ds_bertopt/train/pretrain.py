@@ -77,9 +77,10 @@ def prepare(args: argparse.Namespace, topo: Topology) -> RunConfig:
     from deepspeed.accelerator import get_accelerator
 
     from ..data.corpus import expand_train_files
-    from ..engine import prepare_deepspeed_config
+    from ..engine import prepare_deepspeed_config, refuse_deepspeed_optimizer_blocks
 
     cfg = load_config(args.deepspeed_config, overrides_from_args(args))
+    refuse_deepspeed_optimizer_blocks(cfg.deepspeed)
     ds = prepare_deepspeed_config(cfg, topo.world_size, get_accelerator().device_name())
     output_dir = os.path.abspath(os.path.expanduser(cfg.bertopt.train.output_dir))
     for monitor in ("csv_monitor", "tensorboard"):
@@ -87,7 +88,7 @@ def prepare(args: argparse.Namespace, topo: Topology) -> RunConfig:
         if isinstance(block, dict) and block.get("enabled") and not block.get("output_path"):
             block["output_path"] = os.path.join(output_dir, "monitor")
     if cfg.bertopt.data.train_files:
-        expand_train_files(cfg.bertopt.data.train_files)
+        expand_train_files(cfg.bertopt.data.train_files, cfg.bertopt.data.text_field)
     if args.resume is not None:
         checkpoint.resolve_resume_dir(args.resume, output_dir)
     return cfg.with_deepspeed(ds)
