@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
@@ -88,6 +89,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {json.dumps(value)}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}: expected a finite number, got {value}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds_bertopt.config import (BertOptConfig, apply_precision, load_config, resolve_batch)
 from ds_bertopt.configlib import load_section, parse_override
@@ -45,6 +47,7 @@ def test_defaults_and_nested_values(tmp_path):
     ({"data": {"mlm_probability": 1.5}}, "bertopt.data.mlm_probability: must be in (0, 1)"),
     ({"data": {"train_files": "a.txt"}}, "bertopt.data.train_files: expected a list"),
     ({"train": []}, "bertopt.train: expected an object"),
+    ({"optimizer": {"lr": float("inf")}}, "bertopt.optimizer.lr: expected a finite number"),
 ])
 def test_bad_bertopt_section_names_the_key(tmp_path, section, message):
     with pytest.raises(ConfigError) as info:
@@ -144,3 +147,35 @@ def test_load_section_roundtrip():
     from ds_bertopt.configlib import to_dict
 
     assert load_section(BertOptConfig, to_dict(cfg), "bertopt") == cfg
+
+
+def _field_names():
+    import dataclasses
+
+    names = set()
+    for section in dataclasses.fields(BertOptConfig):
+        names.add(section.name)
+        names.update(f.name for f in dataclasses.fields(section.default_factory()))
+    return sorted(names)
+
+
+
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-10 ** 6, 10 ** 6), st.floats(allow_nan=True),
+              st.text(max_size=8)),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6)
+keys = st.one_of(st.sampled_from(_field_names()), st.text(max_size=6))
+sections = st.dictionaries(keys, st.one_of(json_values, st.dictionaries(keys, json_values, max_size=6)), max_size=6)
+
+
+@settings(max_examples=400, deadline=None)
+@given(section=sections)
+def test_random_sections_only_raise_config_error(section):
+    """Property: whatever JSON the user writes, the loader succeeds or raises ConfigError."""
+    try:
+        cfg = load_section(BertOptConfig, section, "bertopt")
+    except ConfigError as exc:
+        assert str(exc).startswith("bertopt") and "\n" not in str(exc)
+    else:
+        assert isinstance(cfg, BertOptConfig)
