@@ -1,0 +1,78 @@
+"""Multi-node hostfile jobs, simulated as 2 nodes × 2 ranks with the real deepspeed launcher (--no_ssh)."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from _launch import metrics, pretrain_args, processes_mentioning
+
+from ds_bertopt.testing.multinode import run_local_multinode
+
+pytestmark = pytest.mark.slow
+STEPS = 6
+
+
+def samples(out: Path, world: int) -> dict[int, dict[int, list[int]]]:
+    """step -> rank -> flat sample indices."""
+    by_step: dict[int, dict[int, list[int]]] = {}
+    for rank in range(world):
+        for line in (out / "samples" / f"rank{rank}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            assert row["rank"] == rank and row["node"] == rank // 2
+            by_step.setdefault(row["step"], {})[rank] = [i for mb in row["indices"] for i in mb]
+    return by_step
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("strategy", ["random", "stratified_node_balance"])
+def test_two_nodes_by_two_ranks_match_one_node_by_four(tmp_path, cache_dir, repo_root, strategy):
+    from _launch import deepspeed_cmd, run
+
+    extra = ("--max_steps", str(STEPS), "--log_every", "1", "--eval_every", "0", "--sampler", strategy,
+             "-o", "train.log_samples=true", "-o", "deepspeed.train_micro_batch_size_per_gpu=8")
+    two = tmp_path / "2x2"
+    start = time.monotonic()
+    results = run_local_multinode(2, 2, pretrain_args(two, cache_dir, *extra), cwd=str(repo_root), timeout=300)
+    wall = time.monotonic() - start
+    assert [r.returncode for r in results] == [0, 0], results[0].output[-3000:] + results[1].output[-3000:]
+    assert "world 4 (2 node(s) × 2)" in results[0].output
+    train, _ = metrics(two)
+    assert train[-1]["loss"] < train[0]["loss"]
+    per_step = samples(two, 4)
+    assert sorted(per_step) == list(range(1, STEPS + 1))
+    for step, ranks in per_step.items():
+        flat = [i for r in range(4) for i in ranks[r]]
+        assert len(flat) == len(set(flat)) == 32, f"step {step}: a sample used twice or missing"
+    print(f"2 nodes x 2 ranks, {STEPS} steps ({strategy}): {wall:.1f} s wall")
+
+    one = tmp_path / "1x4"
+    run(deepspeed_cmd("--num_gpus", "4", *pretrain_args(one, cache_dir, *extra)), 300)
+    per_step_one = samples_one_node(one)
+    for step in per_step:
+        assert sorted(i for r in per_step[step].values() for i in r) == sorted(per_step_one[step]), \
+            f"step {step}: the 2x2 job and the 1x4 job saw different global batches"
+
+
+def samples_one_node(out: Path) -> dict[int, list[int]]:
+    by_step: dict[int, list[int]] = {}
+    for rank in range(4):
+        for line in (out / "samples" / f"rank{rank}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            by_step.setdefault(row["step"], []).extend(i for mb in row["indices"] for i in mb)
+    return by_step
+
+
+@pytest.mark.timeout(200)
+def test_misdeclared_topology_fails_fast_with_a_message(tmp_path, cache_dir, repo_root):
+    out = tmp_path / "mis"
+    start = time.monotonic()
+    results = run_local_multinode(2, 2, pretrain_args(out, cache_dir, "--max_steps", "2"), cwd=str(repo_root),
+                                  per_node_slots=[[2, 2], [2, 1]], timeout=150)
+    elapsed = time.monotonic() - start
+    assert any(r.returncode != 0 for r in results)
+    text = "".join(r.output for r in results)
+    assert "launchers disagree on the topology" in text and "same hostfile" in text, text[-3000:]
+    assert elapsed < 90, f"took {elapsed:.0f} s to fail"
+    assert not processes_mentioning(str(out))
