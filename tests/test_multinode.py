@@ -76,3 +76,28 @@ def test_misdeclared_topology_fails_fast_with_a_message(tmp_path, cache_dir, rep
     assert "launchers disagree on the topology" in text and "same hostfile" in text, text[-3000:]
     assert elapsed < 90, f"took {elapsed:.0f} s to fail"
     assert not processes_mentioning(str(out))
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+def test_two_nodes_with_their_own_addresses(tmp_path, cache_dir, repo_root):
+    """Each simulated node in its own network namespace (own IP, a veth link): traffic really crosses an
+    interface, and only the launcher's MASTER_ADDR / GLOO_SOCKET_IFNAME tell the ranks where to go."""
+    import subprocess
+
+    from ds_bertopt.testing.netns import NetNamespaces, netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "ns"
+    with NetNamespaces(2) as net:
+        results = run_local_multinode(
+            2, 2, pretrain_args(out, cache_dir, "--max_steps", "4", "--eval_every", "0", "--log_every", "1"),
+            cwd=str(repo_root), timeout=240, master_addr=net.addresses[0],
+            env={"GLOO_SOCKET_IFNAME": net.ifname}, node_prefix=[net.exec_argv(i, []) for i in range(2)])
+        rx = int(subprocess.run(net.exec_argv(1, ["cat", f"/sys/class/net/{net.ifname}/statistics/rx_bytes"]),
+                                capture_output=True, text=True, check=True).stdout)
+    assert [r.returncode for r in results] == [0, 0], results[0].output[-3000:] + results[1].output[-3000:]
+    assert "world 4 (2 node(s) × 2)" in results[0].output
+    assert rx > 1_000_000, f"only {rx} bytes reached node 1 over its interface"
