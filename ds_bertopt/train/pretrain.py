@@ -29,6 +29,7 @@ from ..config import RunConfig, describe, load_config
 from ..dist import Topology, describe_dead_peers, init_distributed, is_comm_failure, set_cpu_thread_default, topology_from_env, verify_topology
 from .. import faults
 from ..errors import BertOptError
+from ..data.collate import step_generator
 from ..log import print0, print_all
 from . import checkpoint
 
@@ -151,7 +152,7 @@ def evaluate(engine, data, collator, micro_batch: int, topo: Topology, seed: int
         chunk = mine[b * micro_batch:(b + 1) * micro_batch]
         weight = 1.0 if chunk else 0.0
         chunk = chunk or [0]  # keep collectives (ZeRO-3 gathers) in step with the other ranks
-        batch = collator(_samples(data.eval, chunk, nsp), checkpoint_free_generator(seed, chunk[0]))
+        batch = collator(_samples(data.eval, chunk, nsp), eval_generator(seed, chunk[0]))
         out = engine(**_to_device(batch, engine.device))
         logits, target = out.mlm_logits.float(), out.mlm_labels
         loss_sum += weight * torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
@@ -163,162 +164,189 @@ def evaluate(engine, data, collator, micro_batch: int, topo: Topology, seed: int
             "eval_tokens": int(count)}
 
 
-def checkpoint_free_generator(seed: int, key: int) -> torch.Generator:
+def eval_generator(seed: int, key: int) -> torch.Generator:
     """Eval masks depend only on (seed, sample), so every evaluation scores the same masked tokens."""
-    from ..data.collate import step_generator
-
     return step_generator(seed, 10 ** 9, key)
 
 
-def train(cfg: RunConfig, topo: Topology, resume: Optional[str]) -> dict:
-    import deepspeed  # noqa: F401  (import before the engine for its accelerator setup)
-    from tqdm.auto import tqdm
+class Pretrainer:
+    """One pretraining job on this rank: set-up in ``__init__``, the loop in :meth:`run`."""
 
-    from .. import optim
-    from ..data.collate import MLMCollator, step_generator
-    from ..data.pipeline import build_pretrain_data
-    from ..data.sampler import PlanBatchSampler
-    from ..engine import initialize
-    from ..model import SparseMLMHead, build_pretraining_model
-    from .nonfinite import install_nonfinite_guard
+    def __init__(self, cfg: RunConfig, topo: Topology, resume: Optional[str]):
+        from .. import optim
+        from ..data.collate import MLMCollator
+        from ..data.pipeline import build_pretrain_data
+        from ..data.sampler import PlanBatchSampler
+        from ..engine import initialize
+        from ..model import SparseMLMHead, build_pretraining_model
+        from .nonfinite import install_nonfinite_guard
 
-    b = cfg.bertopt
-    ds = cfg.deepspeed
-    output_dir = os.path.abspath(os.path.expanduser(b.train.output_dir))
-    if topo.is_main:
-        os.makedirs(output_dir, exist_ok=True)
-        with open(os.path.join(output_dir, "config.json"), "w", encoding="utf-8") as fh:
-            json.dump(describe(cfg), fh, indent=2)
-    if b.train.deterministic:
-        torch.use_deterministic_algorithms(True)
+        self.cfg, self.topo, self.b = cfg, topo, cfg.bertopt
+        b, ds = self.b, cfg.deepspeed
+        self.output_dir = os.path.abspath(os.path.expanduser(b.train.output_dir))
+        if topo.is_main:
+            os.makedirs(self.output_dir, exist_ok=True)
+            with open(os.path.join(self.output_dir, "config.json"), "w", encoding="utf-8") as fh:
+                json.dump(describe(cfg), fh, indent=2)
+        if b.train.deterministic:
+            torch.use_deterministic_algorithms(True)
 
-    data = build_pretrain_data(b, local_rank=topo.local_rank, distributed=topo.world_size > 1)
-    micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
-    global_batch = ds["train_batch_size"]
-    print0(f"corpus: {data.source}: {len(data.train)} training sequences "
-           f"(mean length {data.lengths.mean():.1f}, max {data.lengths.max()}), {len(data.eval)} held out; "
-           f"vocabulary {len(data.tokenizer)}")
+        self.data = build_pretrain_data(b, local_rank=topo.local_rank, distributed=topo.world_size > 1)
+        self.micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+        self.global_batch = ds["train_batch_size"]
+        lengths = self.data.lengths
+        print0(f"corpus: {self.data.source}: {len(self.data.train)} training sequences (mean length "
+               f"{lengths.mean():.1f}, max {lengths.max()}), {len(self.data.eval)} held out; "
+               f"vocabulary {len(self.data.tokenizer)}")
 
-    seed_everything(b.train.seed)  # identical init on every rank
-    model = SparseMLMHead(build_pretraining_model(b.model, data.tokenizer, b.data.max_seq_length))
-    zero_stage = int(ds.get("zero_optimization", {}).get("stage", 0))
-    optimizer, scheduler = optim.build(model, b, global_batch=global_batch, zero_stage=zero_stage)
-    engine, _, _, _ = initialize(config=cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
-    print0(f"non-finite gradients skip the step ({install_nonfinite_guard(engine)}); "
-           f"{b.train.max_consecutive_nonfinite} in a row stop the job")
-    seed_everything(b.train.seed + 7919 * (topo.rank + 1))  # distinct dropout per rank
-    n_params = sum(p.numel() for p in model.parameters())
-    print0(f"model: {type(model).__name__} {n_params / 1e6:.1f}M parameters; world {topo.world_size} "
-           f"({topo.num_nodes} node(s) × {topo.ranks_per_node}); global batch {global_batch} = "
-           f"{micro} × {accum} accumulation × {topo.world_size} ranks; ZeRO {zero_stage}")
+        seed_everything(b.train.seed)  # identical init on every rank
+        model = SparseMLMHead(build_pretraining_model(b.model, self.data.tokenizer, b.data.max_seq_length))
+        zero_stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+        optimizer, scheduler = optim.build(model, b, global_batch=self.global_batch, zero_stage=zero_stage)
+        self.engine, _, _, _ = initialize(config=cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+        print0(f"non-finite gradients skip the step ({install_nonfinite_guard(self.engine)}); "
+               f"{b.train.max_consecutive_nonfinite} in a row stop the job")
+        seed_everything(b.train.seed + 7919 * (topo.rank + 1))  # distinct dropout per rank
+        print0(f"model: {type(model.model).__name__} {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+               f"parameters; world {topo.world_size} ({topo.num_nodes} node(s) × {topo.ranks_per_node}); global "
+               f"batch {self.global_batch} = {self.micro} × {accum} accumulation × {topo.world_size} ranks; "
+               f"ZeRO {zero_stage}")
 
-    sampler = PlanBatchSampler(data.lengths, rank=topo.rank, world_size=topo.world_size,
-                               ranks_per_node=topo.ranks_per_node, micro_batch=micro, grad_accum=accum,
-                               cfg=b.sampler, seed=b.train.seed)
-    collator = MLMCollator(data.tokenizer, mlm_probability=b.data.mlm_probability,
-                           pad_multiple=b.sampler.pad_multiple, max_length=b.model.max_position_embeddings)
-    metrics = Metrics(engine, output_dir, topo.is_main)
-    nsp = b.model.objective == "mlm_nsp"
-    step = 0
-    if resume is not None:
-        client = checkpoint.load(engine, checkpoint.resolve_resume_dir(resume, output_dir), rank=topo.rank)
-        _check_resumable(client, sampler)
-        step = int(client["step"])
-        sampler.load_state_dict(client["sampler"])
-        print0(f"resumed from {client['tag']}: step {step}, epoch {sampler.epoch}, "
-               f"step {sampler.step} of {sampler.steps_per_epoch} in the epoch")
-    print0(f"plan: {sampler.steps_per_epoch} steps per epoch ({b.sampler.strategy}); "
-           f"{sampler.plan().dropped} sequences left out of each epoch's last partial global batch")
+        self.sampler = PlanBatchSampler(lengths, rank=topo.rank, world_size=topo.world_size,
+                                        ranks_per_node=topo.ranks_per_node, micro_batch=self.micro,
+                                        grad_accum=accum, cfg=b.sampler, seed=b.train.seed)
+        self.collator = MLMCollator(self.data.tokenizer, mlm_probability=b.data.mlm_probability,
+                                    pad_multiple=b.sampler.pad_multiple, max_length=b.model.max_position_embeddings)
+        self.metrics = Metrics(self.engine, self.output_dir, topo.is_main)
+        self.nsp = b.model.objective == "mlm_nsp"
+        self.step = 0
+        if resume is not None:
+            self._resume(resume)
+        print0(f"plan: {self.sampler.steps_per_epoch} steps per epoch ({b.sampler.strategy}); "
+               f"{self.sampler.plan().dropped} sequences left out of each epoch's last partial global batch")
+        self.history: dict = {"eval": []}
+        self.skipped_in_a_row = 0
+        self._reset_window()
 
-    def client_state() -> dict:
-        return {"step": step, "sampler": sampler.state_dict(), "world_size": topo.world_size,
-                "global_batch": global_batch}
+    def _resume(self, resume: str) -> None:
+        root = checkpoint.resolve_resume_dir(resume, self.output_dir)
+        client = checkpoint.load(self.engine, root, rank=self.topo.rank)
+        _check_resumable(client, self.sampler)
+        self.step = int(client["step"])
+        self.sampler.load_state_dict(client["sampler"])
+        print0(f"resumed from {client['tag']}: step {self.step}, epoch {self.sampler.epoch}, "
+               f"step {self.sampler.step} of {self.sampler.steps_per_epoch} in the epoch")
 
-    history = {"eval": []}
-    if step == 0 and b.train.eval_every:
-        record = {"step": 0, **evaluate(engine, data, collator, micro, topo, b.train.seed, nsp)}
-        history["eval"].append(record)
-        metrics.write(record, 0)
-        print0(f"step 0: eval loss {record['eval_loss']:.4f}, MLM accuracy {record['eval_accuracy']:.4f}")
+    def client_state(self) -> dict:
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "world_size": self.topo.world_size,
+                "global_batch": self.global_batch}
 
-    sample_log = None
-    if b.train.log_samples:
-        os.makedirs(os.path.join(output_dir, "samples"), exist_ok=True)
-        sample_log = open(os.path.join(output_dir, "samples", f"rank{topo.rank}.jsonl"), "a", encoding="utf-8",
-                          buffering=1)
-    bar = tqdm(total=b.train.max_steps, initial=step, disable=not topo.is_main or not sys.stderr.isatty(),
-               desc="pretrain", dynamic_ncols=True)
-    window = {"loss": 0.0, "micro": 0, "tokens": 0, "skipped": 0, "t0": time.perf_counter()}
-    skipped_run = 0
+    def _reset_window(self) -> None:
+        self.window = {"loss": 0.0, "micro": 0, "tokens": 0, "skipped": 0, "t0": time.perf_counter()}
 
-    def log_progress(step: int) -> None:
-        nonlocal window
-        loss_sum, micro_count, tokens = _all_reduce_sum(
-            [window["loss"], window["micro"], window["tokens"]], engine.device)
-        elapsed = time.perf_counter() - window["t0"]
-        record = {"step": step, "lr": engine.get_lr()[0], "tokens_per_s": tokens / max(elapsed, 1e-9),
-                  "epoch": sampler.epoch, "skipped": window["skipped"]}
-        if micro_count:  # every step of the window may have been skipped
-            record["loss"] = loss_sum / micro_count
-        metrics.write(record, step * global_batch)
-        loss_text = f"loss {record['loss']:.4f}" if "loss" in record else "all steps skipped"
-        bar.set_postfix_str(f"{loss_text}, lr {record['lr']:.2e}, {record['tokens_per_s']:.0f} tok/s")
-        if bar.disable:  # no terminal: a plain line instead of the bar
-            print0(f"step {step}/{b.train.max_steps}: {loss_text}, lr {record['lr']:.3e}, "
-                   f"{record['tokens_per_s']:.0f} tokens/s")
-        window = {"loss": 0.0, "micro": 0, "tokens": 0, "skipped": 0, "t0": time.perf_counter()}
-
-    while step < b.train.max_steps:
-        micro_batches = sampler.next_step()
-        epoch = sampler.epoch  # next_step() may have started a new epoch
+    def train_step(self, sample_log) -> None:
+        """One optimizer step: ``grad_accum`` micro-batches, then DeepSpeed's boundary step."""
+        engine, topo, seed = self.engine, self.topo, self.b.train.seed
+        micro_batches = self.sampler.next_step()
+        epoch = self.sampler.epoch  # next_step() may have started a new epoch
         if sample_log is not None:
-            sample_log.write(json.dumps({"step": step + 1, "epoch": epoch, "rank": topo.rank, "node": topo.node_rank,
-                                         "indices": micro_batches}) + "\n")
+            sample_log.write(json.dumps({"step": self.step + 1, "epoch": epoch, "rank": topo.rank,
+                                         "node": topo.node_rank, "indices": micro_batches}) + "\n")
         step_loss = 0.0
         for m, indices in enumerate(micro_batches):
-            batch = collator(_samples(data.train, indices, nsp), step_generator(b.train.seed, epoch, step, m, topo.rank))
-            window["tokens"] += int(batch["attention_mask"].sum())
+            batch = self.collator(_samples(self.data.train, indices, self.nsp),
+                                  step_generator(seed, epoch, self.step, m, topo.rank))
+            self.window["tokens"] += int(batch["attention_mask"].sum())
             out = engine(**_to_device(batch, engine.device))
-            loss = faults.inject("loss", topo.rank, step + 1, out.loss)
-            faults.inject("forward", topo.rank, step + 1)
+            loss = faults.inject("loss", topo.rank, self.step + 1, out.loss)
+            faults.inject("forward", topo.rank, self.step + 1)
             engine.backward(loss)
             engine.step()
             step_loss += loss.item()
-        step += 1
+        self.step += 1
         if engine.was_step_applied():
-            skipped_run = 0
-            window["loss"] += step_loss
-            window["micro"] += len(micro_batches)
+            self.skipped_in_a_row = 0
+            self.window["loss"] += step_loss
+            self.window["micro"] += len(micro_batches)
         else:
-            skipped_run += 1
-            window["skipped"] += 1
-            metrics.write({"step": step, "skipped": True, "step_loss": step_loss / len(micro_batches)},
-                          step * global_batch)
-            print0(f"step {step}: skipped, gradients not finite (loss {step_loss / len(micro_batches):.4g}); "
-                   f"{skipped_run} in a row")
-            if skipped_run >= b.train.max_consecutive_nonfinite:
-                raise BertOptError(f"{skipped_run} consecutive steps had non-finite gradients (steps "
-                                   f"{step - skipped_run + 1}-{step}); stopping. Lower the learning rate, check the "
-                                   "data, or resume from the last checkpoint")
-        bar.update(1)
-        if step % b.train.log_every == 0 or step == b.train.max_steps:
-            log_progress(step)
-        if b.train.eval_every and (step % b.train.eval_every == 0 or step == b.train.max_steps):
-            record = {"step": step, **evaluate(engine, data, collator, micro, topo, b.train.seed, nsp)}
-            history["eval"].append(record)
-            metrics.write(record, step * global_batch)
-            print0(f"step {step}: eval loss {record['eval_loss']:.4f}, MLM accuracy {record['eval_accuracy']:.4f}")
-        if (b.train.save_every and step % b.train.save_every == 0) or step == b.train.max_steps:
-            path = checkpoint.save(engine, output_dir, step, client_state(), rank=topo.rank,
-                                   local_rank=topo.local_rank, keep_last=b.train.keep_last)
-            print0(f"checkpoint saved: {path}")
-    bar.close()
-    if sample_log is not None:
-        sample_log.close()
-    if b.train.save_model:
-        _save_final_model(engine, data.tokenizer, os.path.join(output_dir, "final"), topo)
-    history["step"] = step
-    return history
+            self._skipped(step_loss / len(micro_batches))
+
+    def _skipped(self, loss: float) -> None:
+        self.skipped_in_a_row += 1
+        self.window["skipped"] += 1
+        self.metrics.write({"step": self.step, "skipped": True, "step_loss": loss}, self.step * self.global_batch)
+        print0(f"step {self.step}: skipped, gradients not finite (loss {loss:.4g}); {self.skipped_in_a_row} in a row")
+        if self.skipped_in_a_row >= self.b.train.max_consecutive_nonfinite:
+            first = self.step - self.skipped_in_a_row + 1
+            raise BertOptError(f"{self.skipped_in_a_row} consecutive steps had non-finite gradients (steps "
+                               f"{first}-{self.step}); stopping. Lower the learning rate, check the data, "
+                               "or resume from the last checkpoint")
+
+    def log_progress(self, bar) -> None:
+        window = self.window
+        loss_sum, micro_count, tokens = _all_reduce_sum([window["loss"], window["micro"], window["tokens"]],
+                                                        self.engine.device)
+        elapsed = time.perf_counter() - window["t0"]
+        record = {"step": self.step, "lr": self.engine.get_lr()[0], "tokens_per_s": tokens / max(elapsed, 1e-9),
+                  "epoch": self.sampler.epoch, "skipped": window["skipped"]}
+        if micro_count:  # every step of the window may have been skipped
+            record["loss"] = loss_sum / micro_count
+        self.metrics.write(record, self.step * self.global_batch)
+        loss_text = f"loss {record['loss']:.4f}" if "loss" in record else "all steps skipped"
+        bar.set_postfix_str(f"{loss_text}, lr {record['lr']:.2e}, {record['tokens_per_s']:.0f} tok/s")
+        if bar.disable:  # no terminal: a plain line instead of the bar
+            print0(f"step {self.step}/{self.b.train.max_steps}: {loss_text}, lr {record['lr']:.3e}, "
+                   f"{record['tokens_per_s']:.0f} tokens/s")
+        self._reset_window()
+
+    def evaluate(self) -> None:
+        record = {"step": self.step, **evaluate(self.engine, self.data, self.collator, self.micro, self.topo,
+                                                self.b.train.seed, self.nsp)}
+        self.history["eval"].append(record)
+        self.metrics.write(record, self.step * self.global_batch)
+        print0(f"step {self.step}: eval loss {record['eval_loss']:.4f}, MLM accuracy {record['eval_accuracy']:.4f}")
+
+    def save(self) -> None:
+        path = checkpoint.save(self.engine, self.output_dir, self.step, self.client_state(), rank=self.topo.rank,
+                               local_rank=self.topo.local_rank, keep_last=self.b.train.keep_last)
+        print0(f"checkpoint saved: {path}")
+
+    def run(self) -> dict:
+        from tqdm.auto import tqdm
+
+        t = self.b.train
+        if self.step == 0 and t.eval_every:
+            self.evaluate()
+        sample_log = None
+        if t.log_samples:
+            os.makedirs(os.path.join(self.output_dir, "samples"), exist_ok=True)
+            sample_log = open(os.path.join(self.output_dir, "samples", f"rank{self.topo.rank}.jsonl"), "a",
+                              encoding="utf-8", buffering=1)
+        bar = tqdm(total=t.max_steps, initial=self.step, desc="pretrain", dynamic_ncols=True,
+                   disable=not self.topo.is_main or not sys.stderr.isatty())
+        self._reset_window()
+        try:
+            while self.step < t.max_steps:
+                self.train_step(sample_log)
+                bar.update(1)
+                last = self.step == t.max_steps
+                if self.step % t.log_every == 0 or last:
+                    self.log_progress(bar)
+                if t.eval_every and (self.step % t.eval_every == 0 or last):
+                    self.evaluate()
+                if (t.save_every and self.step % t.save_every == 0) or last:
+                    self.save()
+        finally:
+            bar.close()
+            if sample_log is not None:
+                sample_log.close()
+        if t.save_model:
+            _save_final_model(self.engine, self.data.tokenizer, os.path.join(self.output_dir, "final"), self.topo)
+        return {**self.history, "step": self.step}
+
+
+def train(cfg: RunConfig, topo: Topology, resume: Optional[str]) -> dict:
+    return Pretrainer(cfg, topo, resume).run()
 
 
 def _check_resumable(client: dict, sampler) -> None:
