@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from transformers.utils import ModelOutput
 
 from .errors import ConfigError
 
@@ -44,12 +45,15 @@ def build_pretraining_model(model_cfg, tokenizer, max_seq_length: int):
 
 
 @dataclass
-class PretrainOutput:
-    loss: "torch.Tensor"
+class PretrainOutput(ModelOutput):
+    """A ``ModelOutput`` (a dict underneath), so DeepSpeed's ZeRO-3 hooks see its tensors
+    (``apply_to_tensors_only`` walks dicts, not arbitrary objects)."""
+
+    loss: "torch.Tensor" = None
     """MLM loss (mean over masked tokens), plus the NSP loss for ``mlm_nsp``."""
-    mlm_logits: "torch.Tensor"
+    mlm_logits: "torch.Tensor" = None
     """``[masked tokens, vocab]`` logits at the masked positions only."""
-    mlm_labels: "torch.Tensor"
+    mlm_labels: "torch.Tensor" = None
     """``[masked tokens]`` their target ids."""
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 from pathlib import Path
 
 import pytest
+from _launch import deepspeed_cmd
 
 from ds_bertopt.config import load_config
 from ds_bertopt.optim import lr_multiplier, scale_lr
@@ -35,8 +35,7 @@ def _free_port() -> int:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("config, stage", [("bert_lamb.json", 2), ("bert_adam.json", 1)])
 def test_pretrain_launcher_trains_with_config_optimizer(tmp_path, config, stage):
-    launcher = shutil.which("deepspeed")
-    assert launcher, "the deepspeed launcher is not on PATH"
+    launcher = deepspeed_cmd()[0]  # next to sys.executable: CI does not activate the venv
     overrides = TINY + [f"deepspeed.zero_optimization.stage={stage}", "train.log_every=1"]
     cmd = [launcher, "--num_gpus", "2", "--master_port", str(_free_port()), "launch/pretrain.py",
            "--deepspeed_config", f"ds_configs/{config}", "--max_steps", str(STEPS), "--eval_every", "4",

@@ -6,13 +6,13 @@ The work runs in ``tests/scripts/optim_zero_check.py`` (spawned here, and under 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _launch import deepspeed_cmd
 import torch
 import torch.multiprocessing as mp
 
@@ -85,8 +85,7 @@ def test_bf16_zero1_lamb_attaches_and_trains(results):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_deepspeed_launcher_zero_stages(tmp_path):
-    launcher = shutil.which("deepspeed")
-    assert launcher, "the deepspeed launcher is not on PATH"
+    launcher = deepspeed_cmd()[0]  # next to sys.executable: CI does not activate the venv
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(_free_port()), str(SCRIPT),
                            "--out", str(tmp_path), "--checks", "stages", "per_shard"],
