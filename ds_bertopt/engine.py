@@ -55,9 +55,24 @@ def refuse_deepspeed_optimizer_blocks(ds: dict) -> None:
                               "configure \"bertopt\": {\"optimizer\": ..., \"schedule\": ...} instead")
 
 
+# DeepSpeed monitor blocks and the package each imports when enabled (deepspeed/monitor/utils.py,
+# check_tb_availability / check_wandb_availability): fail before initialize with one line, not a traceback.
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
+
+
+def check_monitor_packages(ds: dict) -> None:
+    import importlib.util
+
+    for block, package in MONITOR_PACKAGES.items():
+        if (ds.get(block) or {}).get("enabled") and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"deepspeed.{block}: enabled but the '{package}' package is not installed "
+                              f"(pip install {package}, or -o deepspeed.{block}.enabled=false)")
+
+
 def prepare_deepspeed_config(cfg: RunConfig, world_size: int, device_type: str) -> dict:
     """DeepSpeed's part of ``cfg``, batch-resolved and adjusted for our extensions."""
     check_combinations(cfg.bertopt, cfg.deepspeed)
+    check_monitor_packages(cfg.deepspeed)
     ds = resolve_batch(cfg.deepspeed, world_size)
     apply_precision(ds, cfg.bertopt.train.precision, device_type)
     if cfg.bertopt.bucket_clip.enabled and ds.get("gradient_clipping", 0):
