@@ -64,6 +64,10 @@ CASES = [
     ("corpus-truncated-gz", ["--train_file", "{d}/trunc.txt.gz"], "cannot be read"),
     ("jsonl-no-text-field", ["--train_file", "{d}/body.jsonl"], "line 1 has no field 'text' (fields: body)"),
     ("jsonl-not-object", ["--train_file", "{d}/list.jsonl"], "line 1 is not a JSON object"),
+    ("bins-not-increasing", ["-o", "sampler.bins=[256, 128]"],
+     "bertopt.sampler.bins: edges must be strictly ascending, got [256, 128]"),
+    ("monitor-package-missing", ["-o", "deepspeed.tensorboard.enabled=true"],
+     "deepspeed.tensorboard: enabled but the 'tensorboard' package is not installed"),
     ("steps-zero", ["--max_steps", "0"], "bertopt.train.max_steps: must be positive"),
     ("bad-override-form", ["-o", "train.max_steps"], "is not of the form key.path=value"),
 ]

@@ -1,10 +1,11 @@
-"""Config of the length-aware batch planner (``"bertopt": {"sampler": {...}}``)."""
+"""Config of the length-aware batch planner (``"bertopt": {"sampler": {...}}``, see ``docs/data.md``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from ..errors import check
+from .cost import BERT_LARGE_QUADRATIC, CostModel
 
 STRATEGIES = ("random", "sorted_megabatch", "global_sort", "stratified",
               "stratified_node_sort", "stratified_node_balance")
@@ -14,9 +15,62 @@ STRATEGIES = ("random", "sorted_megabatch", "global_sort", "stratified",
 class SamplerConfig:
     strategy: Literal["random", "sorted_megabatch", "global_sort", "stratified",
                       "stratified_node_sort", "stratified_node_balance"] = "random"
-    """How samples are assigned to ranks and micro-batches each step."""
+    """How samples are assigned to ranks and micro-batches each step: ``random`` (DistributedSampler),
+    ``sorted_megabatch`` (Hugging Face ``group_by_length``), ``global_sort`` (sort the global batch, deal
+    across all ranks), ``stratified`` (same per-bin counts in every local batch), ``stratified_node_sort``
+    (plus snake dealing within each node), ``stratified_node_balance`` (plus cost-model dealing within
+    each node)."""
     pad_multiple: int = 8
     """Dynamic padding rounds each micro-batch's length up to a multiple of this."""
+    bins: tuple[int, ...] = ()
+    """Upper edges of the length bins for the stratified strategies, ascending, e.g. ``[128, 256, 384,
+    512]`` (bin 1 = lengths 1–128, …); the last edge must cover the longest sequence. Empty: ``num_bins``
+    bins at the corpus's length quantiles."""
+    num_bins: int = 4
+    """Number of quantile-derived bins when ``bins`` is empty (fewer if quantiles coincide, e.g. at a
+    spike of full-length sequences)."""
+    bin_counts: tuple[int, ...] = ()
+    """Samples per bin in every local batch (``micro × accumulation`` in total), e.g. ``[6, 3, 2, 5]``;
+    needs explicit ``bins``. Empty: proportional to each bin's share of the corpus, every step within
+    one of ``share × local batch`` so that an epoch uses all samples."""
+    cost_linear: float = 1.0
+    """Cost model ``a·L + b·L²``: ``a``, work per token (dense layers)."""
+    cost_quadratic: float = BERT_LARGE_QUADRATIC
+    """Cost model ``a·L + b·L²``: ``b``, work per token pair (attention). ``1/(6·hidden)`` relative to
+    ``a = 1``; the default is BERT-large (hidden 1024)."""
+    padded: bool = True
+    """Cost that ``stratified_node_balance`` balances. True — a micro-batch costs ``micro × cost(its
+    padded length)``, what kernels that compute on padding pay (Hugging Face BERT, which this package
+    trains): with accumulation, micro-batches are then runs of consecutive lengths (little padding)
+    dealt whole. False — per sample ``a·L + b·L²``, for kernels that skip padding (unpadded/varlen
+    attention): samples are dealt one by one."""
+    balance_each_micro_batch: bool = False
+    """``stratified_node_balance`` with accumulation: balance every micro-batch slot across ranks, not
+    only each step's total. Set it under ZeRO 2/3, which reduce gradients at every micro-step; ZeRO 0/1
+    communicate only at the accumulation boundary (``DeepSpeedEngine.allreduce_gradients``), where the
+    step total is what counts and balancing only it leaves more freedom."""
+    megabatch_mult: Optional[int] = None
+    """``sorted_megabatch``: local batches per sorted mega-batch. Empty: Hugging Face's default,
+    ``min(50, samples // (4 × local batch))``."""
 
     def validate(self) -> None:
         check(self.pad_multiple >= 1, f"pad_multiple: must be at least 1, got {self.pad_multiple}")
+        check(all(b >= 1 for b in self.bins), f"bins: edges must be positive, got {list(self.bins)}")
+        check(all(a < b for a, b in zip(self.bins, self.bins[1:])),
+              f"bins: edges must be strictly ascending, got {list(self.bins)}")
+        check(self.num_bins >= 1, f"num_bins: must be at least 1, got {self.num_bins}")
+        if self.bin_counts:
+            check(bool(self.bins), "bin_counts: needs explicit bins (bin counts for quantile bins are derived)")
+            check(len(self.bin_counts) == len(self.bins),
+                  f"bin_counts: {len(self.bin_counts)} counts for {len(self.bins)} bins")
+            check(all(c >= 0 for c in self.bin_counts) and sum(self.bin_counts) > 0,
+                  f"bin_counts: must be non-negative with a positive sum, got {list(self.bin_counts)}")
+        check(self.cost_linear >= 0 and self.cost_quadratic >= 0 and self.cost_linear + self.cost_quadratic > 0,
+              f"cost_linear/cost_quadratic: must be non-negative, not both 0, got {self.cost_linear}, "
+              f"{self.cost_quadratic}")
+        check(self.megabatch_mult is None or self.megabatch_mult >= 1,
+              f"megabatch_mult: must be at least 1, got {self.megabatch_mult}")
+
+    @property
+    def cost_model(self) -> CostModel:
+        return CostModel(linear=self.cost_linear, quadratic=self.cost_quadratic)

@@ -1,16 +1,26 @@
 """The batch sampler the training loop iterates: this rank's slice of the epoch plan, resumable.
 
-Yields one list of sample indices per micro-batch (``grad_accum`` of them per optimizer step).
-State is ``(epoch, step)``: the plan is a pure function of (seed, epoch), so resuming only needs
-the position. A new epoch re-plans with a new order.
+Every rank builds the same :func:`~ds_bertopt.data.plan.plan_epoch` from the shared seed and takes
+its own row, so no communication is needed and every rank gets exactly ``grad_accum`` micro-batches
+per optimizer step. ``next_step()`` returns one step's micro-batches; iterating the sampler (as a
+``torch.utils.data`` batch sampler) yields the rest of the epoch micro-batch by micro-batch.
+
+State is ``(epoch, step)`` plus a fingerprint of what the plan depends on (lengths, world, node size,
+batch shape, sampler config, seed): the plan is a pure function of these and the epoch, so resuming
+needs only the position, and a checkpoint from a different setup is refused instead of silently
+replaying other samples. A new epoch re-plans with a new order.
 """
 from __future__ import annotations
 
-from typing import Iterator
+import dataclasses
+import hashlib
+import json
+from typing import Iterator, Optional
 
 import numpy as np
 import torch.utils.data
 
+from ..errors import BertOptError
 from .config import SamplerConfig
 from .plan import Plan, plan_epoch
 
@@ -18,7 +28,9 @@ from .plan import Plan, plan_epoch
 class PlanBatchSampler(torch.utils.data.Sampler):
     def __init__(self, lengths: np.ndarray, *, rank: int, world_size: int, ranks_per_node: int,
                  micro_batch: int, grad_accum: int, cfg: SamplerConfig, seed: int):
-        self.lengths = np.asarray(lengths)
+        if not 0 <= rank < world_size:
+            raise BertOptError(f"sampler: rank {rank} is outside world size {world_size}")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
         self.rank = rank
         self.world_size = world_size
         self.ranks_per_node = ranks_per_node
@@ -28,13 +40,23 @@ class PlanBatchSampler(torch.utils.data.Sampler):
         self.seed = seed
         self.epoch = 0
         self.step = 0  # next step within the epoch
-        self._plan: Plan | None = None
+        self._plan: Optional[Plan] = None
+        self._edges: Optional[np.ndarray] = None
+        self.fingerprint = self._fingerprint()
+
+    def _fingerprint(self) -> str:
+        digest = hashlib.sha1(self.lengths.tobytes())
+        digest.update(json.dumps([self.world_size, self.ranks_per_node, self.micro_batch, self.grad_accum, self.seed,
+                                  dataclasses.asdict(self.cfg)], sort_keys=True, default=list).encode())
+        return digest.hexdigest()[:16]
 
     def plan(self) -> Plan:
+        """The current epoch's plan for all ranks (computed once per epoch)."""
         if self._plan is None:
             self._plan = plan_epoch(self.lengths, world_size=self.world_size, ranks_per_node=self.ranks_per_node,
-                                    micro_batch=self.micro_batch, grad_accum=self.grad_accum,
-                                    strategy=self.cfg.strategy, seed=self.seed, epoch=self.epoch)
+                                    micro_batch=self.micro_batch, grad_accum=self.grad_accum, cfg=self.cfg,
+                                    seed=self.seed, epoch=self.epoch, bin_edges=self._edges)
+            self._edges = self._plan.bin_edges  # quantile bins depend on the corpus only
         return self._plan
 
     @property
@@ -63,9 +85,17 @@ class PlanBatchSampler(torch.utils.data.Sampler):
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "strategy": self.cfg.strategy,
-                "num_samples": int(len(self.lengths)), "world_size": self.world_size}
+                "num_samples": int(len(self.lengths)), "world_size": self.world_size,
+                "fingerprint": self.fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
-        self.set_epoch(int(state["epoch"]))
-        self._plan = None
-        self.step = int(state["step"])
+        saved = state.get("fingerprint")
+        if saved is not None and saved != self.fingerprint:
+            raise BertOptError(f"sampler: the checkpoint's plan fingerprint {saved} differs from this run's "
+                               f"{self.fingerprint} (corpus, world size, ranks per node, batch shape, sampler config "
+                               "or seed changed); resume with the same setup or start a new output_dir")
+        epoch, step = int(state["epoch"]), int(state["step"])
+        self.epoch, self._plan = epoch, None
+        if not 0 <= step <= self.steps_per_epoch:
+            raise BertOptError(f"sampler: checkpoint step {step} is outside the epoch's {self.steps_per_epoch} steps")
+        self.step = step

