@@ -11,13 +11,16 @@ from ..errors import check
 class BucketClipConfig:
     enabled: bool = False
     """Clip each gradient bucket on each rank before its allreduce (replaces DeepSpeed's
-    ``gradient_clipping``, which is then set to 0)."""
+    ``gradient_clipping``, which is then set to 0). ZeRO stages 0, 1 and 2."""
     max_norm: float = 1.0
-    """Bound on the norm of each rank's whole local gradient."""
+    """Bound on the norm of each rank's whole local gradient (the per-bucket thresholds' squares
+    sum to ``max_norm**2``)."""
     bucket_size: int = 5_000_000
-    """Elements per bucket (buckets are filled in reverse parameter registration order)."""
+    """Elements per bucket. Stage 0: our buckets, filled in reverse parameter registration order.
+    Stages 1/2: DeepSpeed's IPG buckets; ``zero_optimization.reduce_bucket_size`` is set to this."""
     threshold: Literal["uniform", "proportional"] = "uniform"
-    """Per-bucket threshold: ``uniform`` τ_b = max_norm/√B; ``proportional`` τ_b = max_norm·√(n_b/n)."""
+    """Per-bucket threshold: ``uniform`` τ_b = max_norm/√B (B buckets); ``proportional``
+    τ_b = max_norm·√(n_b/n) (n_b elements in the bucket, n in all)."""
     eps: float = 1e-6
     """Added to the bucket norm before dividing."""
 

@@ -1,0 +1,395 @@
+"""Step time of bucket-wise clipping before allreduce vs DeepSpeed's global ``gradient_clipping``.
+
+    python bench/bucket_clip.py            # both settings, small BERT and BERT-base, ZeRO 0 and 2
+    python bench/bucket_clip.py --quick    # ZeRO 0, 3 rounds, small on loopback, base on the link (~3 min)
+    python bench/bucket_clip.py --sweep 1000000 2500000 5000000 10000000 25000000   # bucket sizes, emulated link
+    python bench/bucket_clip.py --convergence   # launch/pretrain.py on wiki_sample: hook vs global clipping
+
+Two gloo ranks, fp32, sequence length 128, random tokens, torch AdamW; the same model, data and
+seed for both variants, built side by side in the same processes and stepped interleaved
+(``ds_bertopt.testing.measure.interleaved``): median of ``--repeats`` steps after a warm-up step.
+``bucket_clip`` is ``ds_bertopt.engine.initialize`` with ``bertopt.bucket_clip`` on; ``deepspeed clip``
+is the same config with ``gradient_clipping: 1.0`` (norm after the allreduce). At ZeRO 2 both use
+``reduce_bucket_size`` = the clip bucket size, so the buckets are the same and only the clipping differs.
+
+Settings:
+1. loopback: both ranks in this network namespace (``GLOO_SOCKET_IFNAME=lo``);
+2. emulated inter-node link: one rank per network namespace, joined by a veth pair shaped with
+   ``tc ... tbf rate 1gbit burst 256kb latency 50ms`` on both ends (``ds_bertopt.testing.netns``);
+   needs root and iproute2, skipped with the reason otherwise.
+
+"Exposed communication" is the time from the end of autograd's backward to gradients ready: the
+time spent in ``engine.allreduce_gradients`` (ours: flush the last buckets and wait on the async
+allreduces; DeepSpeed's: flatten, allreduce, copy back). At ZeRO 1/2 DeepSpeed reduces inside
+backward and, on CPU, synchronously, so the time inside ``reduce_ipg_grads`` is reported too.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ds_bertopt.testing.distributed import free_port  # noqa: E402
+from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line  # noqa: E402
+from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers  # noqa: E402
+
+MODELS = {
+    # name: (BertConfig overrides, micro-batch, default bucket size in elements; see docs/bucket_clip.md
+    # for the sweep behind the bucket sizes)
+    "small": (dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
+                   vocab_size=8192, max_position_embeddings=512), 8, 1_000_000),
+    "base": (dict(), 2, 5_000_000),  # transformers' BertConfig() defaults: BERT-base, 110M parameters
+}
+SEQ = 128
+VARIANTS = ("bucket_clip", "deepspeed_clip")
+
+
+# ------------------------------------------------------------------------------------------------
+# worker: one rank (started by the orchestrator below, in this namespace or in its own)
+# ------------------------------------------------------------------------------------------------
+def build_model(name: str):
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    overrides = MODELS[name][0]
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(**overrides, attn_implementation="sdpa"))
+
+
+def build_engine(name: str, stage: int, variant: str, bucket_size: int):
+    import torch
+
+    from ds_bertopt.engine import initialize
+
+    model = build_model(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    cfg = {"train_micro_batch_size_per_gpu": MODELS[name][1], "gradient_accumulation_steps": 1,
+           "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+                                 "reduce_bucket_size": bucket_size}}
+    if variant == "bucket_clip":
+        cfg["bertopt"] = {"bucket_clip": {"enabled": True, "max_norm": 1.0, "bucket_size": bucket_size}}
+    engine, *_ = initialize(config=cfg, model=model, optimizer=optimizer)
+    return engine
+
+
+def instrument(engine) -> dict[str, list[float]]:
+    """Time ``engine.allreduce_gradients`` (and ZeRO's ``reduce_ipg_grads``) on each call."""
+    timings: dict[str, list[float]] = {"exposed": [], "reduce": []}
+
+    def timed(fn, key):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timings[key][-1] += time.perf_counter() - start
+        return wrapper
+
+    engine.allreduce_gradients = timed(engine.allreduce_gradients, "exposed")
+    if hasattr(engine.optimizer, "reduce_ipg_grads"):
+        engine.optimizer.reduce_ipg_grads = timed(engine.optimizer.reduce_ipg_grads, "reduce")
+    return timings
+
+
+def measure(name: str, stage: int, bucket_size: int, repeats: int, warmup: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    micro = MODELS[name][1]
+    engines, timings = {}, {}
+    for variant in VARIANTS:
+        engines[variant] = build_engine(name, stage, variant, bucket_size)
+        timings[variant] = instrument(engines[variant])
+    vocab = engines[VARIANTS[0]].module.config.vocab_size
+    gen = torch.Generator().manual_seed(100 + rank)
+    input_ids = torch.randint(5, vocab, (micro, SEQ), generator=gen)
+    labels = torch.where(torch.rand(micro, SEQ, generator=gen) < 0.15, input_ids, torch.full_like(input_ids, -100))
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+
+    def step(variant):
+        engine, timing = engines[variant], timings[variant]
+
+        def run():
+            dist.barrier()  # start together, outside the timed region
+            timing["exposed"].append(0.0)
+            timing["reduce"].append(0.0)
+            start = time.perf_counter()
+            engine.backward(engine(**batch).loss)
+            engine.step()
+            return time.perf_counter() - start
+        return run
+
+    times = interleaved({variant: step(variant) for variant in VARIANTS}, repeats=repeats, warmup=warmup)
+    ours = engines["bucket_clip"].bucket_clip
+    result = {"model": name, "stage": stage, "bucket_size": bucket_size, "micro_batch": micro,
+              "params": sum(p.numel() for p in engines[VARIANTS[0]].module.parameters()),
+              "buckets": len(ours.layout()), "times": times,
+              "exposed": {v: timings[v]["exposed"][warmup:] for v in VARIANTS},
+              "reduce": {v: timings[v]["reduce"][warmup:] for v in VARIANTS}}
+    return result
+
+
+def worker(args) -> int:
+    import deepspeed
+    import torch
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    import torch.distributed as dist
+
+    for name in args.models:
+        for stage in args.stages:
+            for bucket_size in args.bucket_sizes:
+                result = measure(name, stage, bucket_size, args.repeats, warmup=1)
+                if dist.get_rank() == 0:
+                    print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# orchestrator
+# ------------------------------------------------------------------------------------------------
+def worker_argv(args, models, stages, bucket_sizes) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", "--repeats", str(args.repeats),
+            "--models", *models, "--stages", *map(str, stages), "--bucket-sizes", *map(str, bucket_sizes)]
+
+
+def run_ranks(start, argv, master_addr: str, ifname: str, log_dir: Path, tag: str, timeout: float) -> list[dict]:
+    """Start rank 0 and 1 with ``start(rank, argv, env, stdout)``; return rank 0's RESULT lines."""
+    port = str(free_port())
+    procs, logs = [], []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR=master_addr, MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE="2", LOCAL_SIZE="2", GLOO_SOCKET_IFNAME=ifname, OMP_NUM_THREADS="1",
+                   DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+        log = open(log_dir / f"{tag}_rank{rank}.log", "w")
+        logs.append(log)
+        procs.append(start(rank, argv, env, subprocess.PIPE if rank == 0 else log))
+    results = []
+    deadline = time.time() + timeout
+    try:
+        for line in procs[0].stdout:
+            logs[0].write(line)
+            if line.startswith("RESULT "):
+                results.append(json.loads(line[len("RESULT "):]))
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+        remove_deepspeed_shm_buffers(master_addr, port)
+    if any(proc.returncode for proc in procs):
+        raise RuntimeError(f"{tag}: a rank failed (exit codes {[p.returncode for p in procs]}); logs in {log_dir}")
+    return results
+
+
+def report(setting: str, results: list[dict], sweep: bool) -> None:
+    for r in ([] if sweep else results):
+        label = (f"[{setting}, {'small BERT' if r['model'] == 'small' else 'BERT-base'} "
+                 f"{r['params'] / 1e6:.1f}M, mb {r['micro_batch']}, ZeRO {r['stage']}, "
+                 f"{r['buckets']} buckets of <= {r['bucket_size'] / 1e6:g}M]")
+        ours, theirs = r["times"]["bucket_clip"], r["times"]["deepspeed_clip"]
+        print(ratio_line(f"bucket_clip step time {label}", ours, theirs, "deepspeed clip"), flush=True)
+        print(f"    speedup {median(theirs) / median(ours):.2f}x; step median {median(ours):.3f} s vs "
+              f"{median(theirs):.3f} s; exposed comm (end of backward -> grads ready) "
+              f"{median(r['exposed']['bucket_clip']):.3f} s vs {median(r['exposed']['deepspeed_clip']):.3f} s"
+              + (f"; inside reduce_ipg_grads {median(r['reduce']['bucket_clip']):.3f} s vs "
+                 f"{median(r['reduce']['deepspeed_clip']):.3f} s" if r["stage"] else ""), flush=True)
+    if sweep:
+        for model in dict.fromkeys(r["model"] for r in results):
+            print(f"bucket size sweep, {model}, bucket_clip step median: " +
+                  ", ".join(f"{r['bucket_size'] / 1e6:g}M: {median(r['times']['bucket_clip']):.3f} s "
+                            f"(exposed {median(r['exposed']['bucket_clip']):.3f} s)"
+                            for r in results if r["model"] == model), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# convergence: launch/pretrain.py with the hook vs DeepSpeed's global clipping
+# ------------------------------------------------------------------------------------------------
+WIKI = ROOT.parent / "shared" / "data" / "wiki_sample.jsonl"
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    path = run_dir / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in lines if "loss" in r], [r for r in lines if "eval_loss" in r]
+
+
+def pretrain(run_dir: Path, seed: int, hook: bool, args) -> bool:
+    """Run one pretraining unless ``run_dir`` holds a complete one; return whether it ran."""
+    _, evals = read_metrics(run_dir)
+    if evals and evals[-1]["step"] == args.steps:
+        return False  # complete already (use a fresh --convergence-dir to redo)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    # the launcher next to this interpreter (the venv need not be on PATH)
+    port = free_port()
+    argv = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2",
+            "--master_port", str(port), "launch/pretrain.py", "--deepspeed_config", args.ds_config,
+            "--train_file", str(WIKI), "--max_steps", str(args.steps), "--output_dir", str(run_dir),
+            "--seed", str(seed), "-o", f"train.eval_every={args.eval_every}", "-o", "train.log_every=10",
+            "-o", "train.save_model=false"]
+    if hook:
+        argv += ["-o", "bucket_clip.enabled=true", "-o", f"bucket_clip.bucket_size={args.conv_bucket_size}"]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    try:
+        with open(f"{run_dir}.log", "w") as log:
+            subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+    finally:
+        remove_deepspeed_shm_buffers("127.0.0.1", port)  # the launcher's default master address
+    return True
+
+
+def convergence(args) -> None:
+    if not WIKI.exists():
+        print(f"convergence: skipped ({WIKI} is absent)")
+        return
+    out = Path(args.convergence_dir)
+    curves = {}
+    for seed in args.seeds:
+        for hook in (True, False):
+            run_dir = out / f"{'hook' if hook else 'global'}_s{seed}"
+            started = time.time()
+            ran = pretrain(run_dir, seed, hook, args)
+            curves[(hook, seed)] = read_metrics(run_dir)
+            print(f"    ({run_dir.name}: {f'{time.time() - started:.0f} s' if ran else 'complete run reused'})", flush=True)
+    final = {key: evals[-1]["eval_loss"] for key, (_, evals) in curves.items()}
+    hook_final = [final[(True, s)] for s in args.seeds]
+    global_final = [final[(False, s)] for s in args.seeds]
+    seeds = ", ".join(map(str, args.seeds))
+    print(f"convergence [wiki_sample.jsonl, {args.ds_config}, {args.steps} steps, seeds {seeds}]: final eval loss "
+          f"bucket_clip {' / '.join(f'{x:.4f}' for x in hook_final)} vs global clip "
+          f"{' / '.join(f'{x:.4f}' for x in global_final)}", flush=True)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    spread = [abs(final[(h, a)] - final[(h, b)]) for h in (True, False)
+              for a, b in zip(args.seeds, args.seeds[1:])]
+    print(f"    mean difference (bucket_clip - global) {mean(hook_final) - mean(global_final):+.4f}; "
+          f"seed-to-seed spread within a variant {max(spread):.4f}" if spread else "", flush=True)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(11, 4))
+    for (hook, seed), (train, evals) in sorted(curves.items()):
+        style = dict(color="tab:blue" if hook else "tab:orange", linestyle="-" if seed == args.seeds[0] else "--")
+        label = f"{'bucket_clip' if hook else 'global clip'} seed {seed}"
+        ax_train.plot([r["step"] for r in train], [r["loss"] for r in train], label=label, **style)
+        ax_eval.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], marker="o", label=label, **style)
+    ax_train.set(xlabel="step", ylabel="training MLM loss", title="training loss (mean of 10 steps)")
+    ax_eval.set(xlabel="step", ylabel="held-out MLM loss", title="eval loss")
+    for ax in (ax_train, ax_eval):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"bucket-wise clipping before allreduce vs global clipping ({args.steps} steps, 2 ranks)")
+    fig.tight_layout()
+    png = out / "convergence.png"
+    fig.savefig(png, dpi=120)
+    print(f"    curves: {png}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="ZeRO 0, 3 rounds, small BERT on loopback and BERT-base on the emulated link")
+    p.add_argument("--settings", nargs="+", default=["loopback", "emulated"], choices=["loopback", "emulated"])
+    p.add_argument("--models", nargs="+", default=["small", "base"], choices=sorted(MODELS))
+    p.add_argument("--stages", nargs="+", type=int, default=None, help="ZeRO stages (default 0 2; --quick: 0)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7; --quick: 3)")
+    p.add_argument("--bucket-sizes", nargs="+", type=int, default=None,
+                   help="clip bucket sizes in elements (default: 1M for small, 5M for base)")
+    p.add_argument("--sweep", nargs="+", type=int, default=None,
+                   help="bucket sizes to sweep at ZeRO 0 on the emulated link (models from --models)")
+    p.add_argument("--rate", default="1gbit", help="emulated link rate (tc tbf)")
+    p.add_argument("--log-dir", default=None, help="where the ranks' logs go (default: a temp dir)")
+    p.add_argument("--convergence", action="store_true",
+                   help="instead: pretrain with launch/pretrain.py, hook vs global clipping, and plot the curves")
+    p.add_argument("--convergence-dir", default=str(ROOT / "runs" / "bucket_clip_convergence"))
+    p.add_argument("--ds-config", default="ds_configs/bert.json", help="config for --convergence")
+    p.add_argument("--steps", type=int, default=400, help="pretraining steps for --convergence")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--seeds", type=int, nargs="+", default=[42, 7])
+    p.add_argument("--conv-bucket-size", type=int, default=250_000,
+                   help="bucket size for --convergence (the default config's model has 1.5M parameters)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.stages = args.stages or ([0] if args.quick else [0, 2])
+    args.repeats = args.repeats or (3 if args.quick else 7)
+    if args.worker:
+        return worker(args)
+    if args.convergence:
+        print(environment_line())
+        convergence(args)
+        return 0
+
+    import tempfile
+
+    from ds_bertopt.testing.netns import NetNamespaces, netns_unavailable_reason, remove_stale
+
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_bucket_clip_"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(environment_line())
+    print(f"fp32, seq {SEQ}, 2 gloo ranks, torch AdamW, median of {args.repeats} steps after 1 warm-up; "
+          f"ratio < 1: bucket_clip is faster; logs in {log_dir}")
+    if args.sweep:
+        plans = [("emulated", [(m, 0, size) for m in args.models for size in args.sweep], True)]
+    else:
+        plans = []
+        for setting in args.settings:
+            # --quick: the small model on loopback, BERT-base on the emulated link (the target case)
+            models = [m for m in args.models if not args.quick or m == ("small" if setting == "loopback" else "base")]
+            plans.append((setting, [(m, stage, size) for m in models for stage in args.stages
+                                    for size in (args.bucket_sizes or [MODELS[m][2]])], False))
+    for setting, combos, sweep in plans:
+        started = time.time()
+        if setting == "emulated" and netns_unavailable_reason(need_tc=True):
+            print(f"emulated link: skipped ({netns_unavailable_reason(need_tc=True)})")
+            continue
+        with contextlib.ExitStack() as stack:
+            if setting == "loopback":
+                title, master, ifname = "loopback", "127.0.0.1", "lo"
+
+                def start(rank, argv_, env, stdout):
+                    return subprocess.Popen(argv_, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
+                                            cwd=ROOT)
+            else:
+                remove_stale()
+                net = stack.enter_context(NetNamespaces(2, rate=args.rate, burst="256kb", latency="50ms"))
+                title, master, ifname = f"emulated {args.rate} link", net.addresses[0], net.ifname
+
+                def start(rank, argv_, env, stdout, net=net):
+                    return net.run(rank, argv_, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
+                                   cwd=ROOT)
+            results = []
+            for model, stage, size in combos:
+                # a fresh pair of processes per measurement: DeepSpeed engines are not freed reliably
+                tag = f"{setting}_{model}_zero{stage}_{size}"
+                argv_w = worker_argv(args, [model], [stage], [size])
+                new = run_ranks(start, argv_w, master, ifname, log_dir, tag, timeout=1800)
+                report(title, new, sweep=False)
+                results += new
+        if sweep:
+            report(title, results, sweep=True)
+        print(f"    ({setting}{' sweep' if sweep else ''}: {time.time() - started:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

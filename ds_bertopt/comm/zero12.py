@@ -1,0 +1,139 @@
+"""ZeRO stage 1/2 adapter: clip each of DeepSpeed's IPG buckets just before DeepSpeed reduces it.
+
+In DeepSpeed 0.19.8 every gradient reduction of ``DeepSpeedZeroOptimizer`` (stages 1 and 2) goes
+through ``DeepSpeedZeroOptimizer.reduce_ipg_grads(comm_dtype=None)``: the backward hooks
+(``reduce_independent_p_g_buckets_and_remove_grads``) call it for a full bucket, and the epilogue
+(``independent_gradient_partition_epilogue``) calls it for the last partial one. At that point the
+bucket ``optimizer.ipg_buckets[dtype]`` holds this rank's unreduced gradients: with
+``contiguous_gradients`` in ``bucket.buffer[bucket.index][:bucket.elements]`` (a parameter larger
+than the bucket is alone in ``bucket.grads``), otherwise as the tensors in ``bucket.grads``.
+We wrap that one method on the optimizer instance: clip, then call DeepSpeed's own.
+
+The ``1/world`` of the average is folded into the clip's multiply, and DeepSpeed's own division
+is switched off for the duration of that call (``optimizer.gradient_average``, read by
+``average_tensor``, ``gradient_reduction_w_predivide`` and ``allreduce_bucket`` in 0.19.8), so
+the bucket is scaled once instead of twice.
+
+The buckets are DeepSpeed's: filled in the order the gradients become ready, closed when the next
+one would overflow ``reduce_bucket_size``, which we set to ``bucket_clip.bucket_size``.
+
+What is clipped, with gradient accumulation (GAS micro-batches per step, each backward scaled by 1/GAS):
+
+* stage 1 reduces once, at the accumulation boundary: the bucket holds the locally accumulated
+  gradient, clipped to tau_b — the same quantity as at stage 0;
+* stage 2 reduces every micro-batch: the bucket holds that micro-batch's gradient (already
+  divided by GAS), clipped to tau_b / GAS. Each micro-batch is clipped as if it were a whole step,
+  and by the triangle inequality the rank's accumulated bucket still has norm <= tau_b.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..log import print0
+from .clip import assign_buckets, clip_bucket_, clip_tensors_
+from .config import BucketClipConfig
+from .zero0 import loss_scale_of
+
+
+class ZeroStage12BucketClip:
+    """Installed by :func:`ds_bertopt.comm.install_bucket_clip` at ZeRO stages 1 and 2."""
+
+    def __init__(self, engine, cfg: BucketClipConfig):
+        self.engine = engine
+        self.cfg = cfg
+        self.optimizer = opt = engine.optimizer
+        self.stage = engine.zero_optimization_stage()
+        if opt.reduce_bucket_size != cfg.bucket_size:
+            print0(f"bucket_clip: ZeRO reduce bucket size {opt.reduce_bucket_size} -> bucket_clip.bucket_size "
+                   f"{cfg.bucket_size} (the clip buckets are DeepSpeed's IPG buckets)")
+            # read again each time a bucket is filled and when its buffers are (re)allocated in
+            # DeepSpeedZeroOptimizer.setup_buckets, so setting it before the first backward is enough
+            opt.reduce_bucket_size = cfg.bucket_size
+        self.params = [p for group in opt.bit16_groups for p in group if p.requires_grad and p.numel() > 0]
+        self.total_numel = sum(p.numel() for p in self.params)
+        self.expected_layout = self._expected_layout()
+        self.num_buckets = len(self.expected_layout)
+        """B of the uniform threshold: the number of buckets DeepSpeed's rule gives in the expected order."""
+        self._micro_divisor = engine.gradient_accumulation_steps() if opt.partition_gradients else 1
+        self.post_scale = 1.0 / dist.get_world_size(group=opt.dp_process_group) if opt.gradient_average else 1.0
+        self._warned_layout = False
+        self._current: list[list[torch.nn.Parameter]] = []
+        self.last_layout: list[list[torch.nn.Parameter]] = []
+        """The parameters of each bucket reduced in the last backward, in reduction order."""
+        self.last_coefficients: list[torch.Tensor] = []
+        """Clip coefficient of each of those buckets (0-d tensors; 1 = not clipped)."""
+        self._coefficients: list[torch.Tensor] = []
+        self._original = opt.reduce_ipg_grads
+        opt.reduce_ipg_grads = self.reduce_ipg_grads
+
+    def _expected_layout(self) -> list[list[torch.nn.Parameter]]:
+        """Buckets as DeepSpeed will fill them: reverse registration order when the backward hooks
+        reduce (stage 2, or stage 1 with overlap_comm), group order otherwise (stage 1 reduces after
+        backward in ``DeepSpeedZeroOptimizer.reduce_gradients``)."""
+        opt = self.optimizer
+        hooks_reduce = opt.partition_gradients or opt.overlap_comm
+        if hooks_reduce:
+            registered = [p for p in self.engine.module.parameters() if p.requires_grad and p.numel() > 0]
+            order = list(reversed(registered))
+        else:
+            order = list(self.params)
+        buckets = assign_buckets([p.numel() for p in order], opt.reduce_bucket_size,
+                                 [opt.get_param_comm_dtype(p) for p in order])
+        return [[order[i] for i in members] for members in buckets]
+
+    def threshold(self, numel: int):
+        if self.cfg.threshold == "uniform":
+            tau = self.cfg.max_norm / math.sqrt(self.num_buckets)
+        else:
+            tau = self.cfg.max_norm * math.sqrt(numel / self.total_numel)
+        return tau * loss_scale_of(self.optimizer) / self._micro_divisor
+
+    def _clip(self, comm_dtype) -> None:
+        opt = self.optimizer
+        bucket = opt.ipg_buckets[comm_dtype]
+        if not bucket.params:
+            return
+        if opt.contiguous_gradients and comm_dtype not in opt.extra_large_param_to_reduce:
+            flat = bucket.buffer[bucket.index].narrow(0, 0, bucket.elements)
+            coef = clip_bucket_(flat, self.threshold(bucket.elements), eps=self.cfg.eps, post_scale=self.post_scale)
+        else:
+            coef = clip_tensors_(bucket.grads, self.threshold(sum(g.numel() for g in bucket.grads)),
+                                 eps=self.cfg.eps, post_scale=self.post_scale)
+        self._coefficients.append(coef)
+        self._current.append([opt.bit16_groups[g][i] for g, i, _ in bucket.params])
+
+    def reduce_ipg_grads(self, comm_dtype: Optional[torch.dtype] = None):
+        """Clip the bucket(s) about to be reduced, then run DeepSpeed's ``reduce_ipg_grads``."""
+        dtypes = [comm_dtype] if comm_dtype is not None else list(self.optimizer.ipg_buckets)
+        for dtype in dtypes:
+            self._clip(dtype)
+        averaging, self.optimizer.gradient_average = self.optimizer.gradient_average, False  # done in the clip
+        try:
+            result = self._original(comm_dtype=comm_dtype)
+        finally:
+            self.optimizer.gradient_average = averaging
+        if comm_dtype is None:  # the epilogue's call: this backward's reduction is complete
+            self._end_of_backward()
+        return result
+
+    def _end_of_backward(self) -> None:
+        if not self._current:
+            return  # stage 1 between accumulation boundaries reduces nothing
+        self.last_layout, self._current = self._current, []
+        self.last_coefficients, self._coefficients = self._coefficients, []
+        if not self._warned_layout and len(self.last_layout) != self.num_buckets:
+            self._warned_layout = True
+            print0(f"bucket_clip: warning: DeepSpeed reduced {len(self.last_layout)} buckets, expected "
+                   f"{self.num_buckets} (gradients became ready in an unexpected order); uniform thresholds keep "
+                   f"using B = {self.num_buckets}")
+
+    def layout(self) -> list[list[torch.nn.Parameter]]:
+        """The parameters of each bucket DeepSpeed is expected to reduce, in order."""
+        return self.expected_layout
+
+    def remove(self) -> None:
+        self.optimizer.__dict__.pop("reduce_ipg_grads", None)
