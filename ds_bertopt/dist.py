@@ -201,6 +201,7 @@ def verify_topology(topo: Topology) -> None:
                                    socket.gethostname(), os.getpid()))
     _PEERS.clear()
     _PEERS.update({v[0]: (v[4], v[5]) for v in views})
+    release_shm_buffer(topo.rank)  # every rank is past deepspeed.init_distributed now (the all-gather above)
     problems = []
     for rank, node_rank, local_rank, local_size, host, _ in views:
         if local_size != topo.ranks_per_node:
@@ -212,6 +213,23 @@ def verify_topology(topo: Topology) -> None:
                             f"local rank {rank % local_size})")
     if problems:
         raise BertOptError(f"inconsistent topology: {problems[0]}")
+
+
+def release_shm_buffer(rank: int) -> None:
+    """Unlink this rank's DeepSpeed CPU allreduce buffer from /dev/shm once all ranks have mapped it.
+
+    DeepSpeed 0.19.8's ``shm_initialize`` (ops/csrc/cpu/comm/shm.cpp, run from ``TorchBackend.__init__``
+    in deepspeed/comm/torch.py) creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``
+    (~66 MB) when all ranks share a node, maps every peer's, and never unlinks them, so each job left
+    ~66 MB per rank in RAM for good. Unlinking after every peer mapped it keeps the mappings valid and
+    lets the kernel free the memory when the ranks exit, even if they are killed.
+    """
+    path = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    try:
+        os.unlink(path)
+    except OSError:
+        pass  # not created (multi-node job, non-CPU accelerator) or already gone
 
 
 _NODE_GROUP = None

@@ -29,8 +29,20 @@ def launcher_env(**extra: str) -> dict:
     return env
 
 
+def release_shm(cmd: list[str]) -> None:
+    """Remove DeepSpeed's /dev/shm buffers of a finished launcher job (ranks killed before our code
+    unlinked them, or scripts that call deepspeed directly): see ``ds_bertopt.dist.release_shm_buffer``."""
+    from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers
+
+    port = cmd[cmd.index("--master_port") + 1] if "--master_port" in cmd else "29500"
+    remove_deepspeed_shm_buffers("127.0.0.1", port)
+
+
 def run(cmd: list[str], timeout: int, check: bool = True, **env: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(**env), capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(**env), capture_output=True, text=True, timeout=timeout)
+    finally:
+        release_shm(cmd)
     if check:
         assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
@@ -57,6 +69,7 @@ def run_timed(cmd: list[str], timeout: int, marker: str, **env: str) -> tuple[in
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait()
+        release_shm(cmd)
     ended = time.monotonic()
     thread.join(timeout=10)
     return proc.returncode, "".join(lines), (ended - seen_at[0]) if seen_at else None

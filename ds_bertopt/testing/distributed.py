@@ -15,6 +15,8 @@ import socket
 import traceback
 from typing import Any, Callable
 
+from ..dist import release_shm_buffer
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -37,6 +39,8 @@ def _worker(fn, rank, world_size, ranks_per_node, port, env, args, results):
 
         torch.set_num_threads(1)
         deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120), verbose=False)
+        torch.distributed.barrier()  # every rank has mapped every peer's shm buffer: unlink ours
+        release_shm_buffer(rank)
         results.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException:  # report every failure to the parent
         results.put((rank, "error", traceback.format_exc()))

@@ -5,7 +5,10 @@
 * :func:`ratio_line` — the one-line summary every benchmark prints.
 * :func:`peak_rss_child` — peak resident memory of a function run in a fresh child process
   (the only faithful CPU peak: the parent's allocator keeps freed pages).
+* :func:`peak_cuda_memory` — ``torch.cuda.max_memory_allocated`` around a function (GPU peak).
+* :func:`saved_tensor_bytes` — bytes autograd saves for backward while a function runs.
 * :func:`environment` — versions, threads and machine, printed with every figure.
+* :func:`record_results` — structured results for ``bench/run_all.py`` (plots and the report).
 """
 from __future__ import annotations
 
@@ -90,6 +93,55 @@ def peak_rss_child(fn: Callable, *args, env: Mapping[str, str] | None = None, ti
     if status != "ok":
         raise RuntimeError(f"child failed: {result}")
     return result, peak
+
+
+def peak_cuda_memory(fn: Callable, *args, **kwargs):
+    """Run ``fn`` on the current CUDA device; return ``(result, peak_allocated_bytes)`` over the call."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn(*args, **kwargs)
+    torch.cuda.synchronize()
+    return result, int(torch.cuda.max_memory_allocated())
+
+
+def saved_tensor_bytes(fn: Callable, *args, **kwargs):
+    """Run ``fn`` (a forward pass); return ``(result, bytes of distinct tensors saved for backward)``.
+
+    Tensors saved twice (the same storage) count once; views count their own size. For a per-layer
+    breakdown see ``ds_bertopt.wtacrs.memory.saved_tensor_bytes``.
+    """
+    import torch
+
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(tensor):
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        seen[key] = max(seen.get(key, 0), tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = fn(*args, **kwargs)
+    return result, sum(seen.values())
+
+
+def record_results(name: str, payload: Mapping[str, Any]) -> None:
+    """Write ``payload`` (JSON-able) to ``$DS_BERTOPT_BENCH_OUT/<name>.json`` when run by ``bench/run_all.py``.
+
+    Benchmarks call this with the numbers behind their printed lines; the report and its plots are
+    generated from these files, never typed in. A no-op when the variable is unset.
+    """
+    out_dir = os.environ.get("DS_BERTOPT_BENCH_OUT")
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    record = {"name": name, "environment": environment(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
+    tmp = os.path.join(out_dir, f".{name}.json.tmp")
+    with open(tmp, "w") as handle:
+        json.dump(record, handle, indent=1, default=float)
+    os.replace(tmp, os.path.join(out_dir, f"{name}.json"))
 
 
 def environment() -> dict[str, Any]:
