@@ -1,0 +1,154 @@
+"""Labelled text for sequence classification: ``.csv``, ``.jsonl`` or a ``datasets`` directory.
+
+``load_labelled(path, text_column, label_column)`` returns texts and integer labels, or raises
+:class:`~ds_bertopt.errors.DataError` with one line naming the file and, where it applies, the line,
+the column or the value: a missing or empty file, a missing text/label column, a label that is not
+an integer (``"1"`` and ``1.0`` are accepted, ``"pos"`` and ``1.5`` are not), a negative label, a
+missing value, or bytes that are not UTF-8.
+
+A directory is read with ``datasets.load_from_disk``; a ``DatasetDict`` needs ``split``.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional
+
+from ..errors import DataError
+
+
+@dataclass(frozen=True)
+class LabelledData:
+    texts: tuple[str, ...]
+    """Input texts, in file order."""
+    labels: tuple[int, ...]
+    """Integer class labels, ``>= 0``."""
+    source: str
+    """Where they came from (for log lines)."""
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    @property
+    def num_labels(self) -> int:
+        return max(self.labels) + 1
+
+
+def _as_label(value: Any, where: str, column: str) -> int:
+    if isinstance(value, bool):
+        raise DataError(f"{where}: {column} {value!r} is not an integer class label")
+    if isinstance(value, int):
+        label = value
+    elif isinstance(value, float) and value.is_integer():
+        label = int(value)
+    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        label = int(value.strip())
+    else:
+        raise DataError(f"{where}: {column} {value!r} is not an integer class label")
+    if label < 0:
+        raise DataError(f"{where}: {column} {label} is negative; class labels are 0, 1, 2, …")
+    return label
+
+
+def _collect(rows: Iterable[tuple[str, dict]], path: str, text_column: str, label_column: str,
+             columns: Optional[Iterable[str]] = None) -> LabelledData:
+    """``rows`` yields ``(where, record)``; ``columns`` (when known up front) are checked first."""
+    if columns is not None:
+        columns = list(columns)
+        for column in (text_column, label_column):
+            if column not in columns:
+                raise DataError(f"{path} has no column {column!r} (columns: {', '.join(map(str, columns)) or 'none'})")
+    texts, labels = [], []
+    for where, record in rows:
+        for column in (text_column, label_column):
+            if column not in record:
+                raise DataError(f"{where}: no {column!r} field (fields: {', '.join(map(str, record)) or 'none'})")
+            if record[column] is None:
+                raise DataError(f"{where}: {column} is empty")
+        text = record[text_column]
+        if not isinstance(text, str):
+            raise DataError(f"{where}: {text_column} must be a string, got {type(text).__name__}")
+        texts.append(text)
+        labels.append(_as_label(record[label_column], where, label_column))
+    if not texts:
+        raise DataError(f"{path} has no examples")
+    return LabelledData(tuple(texts), tuple(labels), path)
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
+        raise DataError(f"{path} cannot be read: {exc.strerror}") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DataError(f"{path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} on line {line})") from None
+
+
+def _csv_rows(path: str, text: str) -> tuple[list[str], Iterator[tuple[str, dict]]]:
+    reader = csv.DictReader(text.splitlines(keepends=True))
+    columns = list(reader.fieldnames or [])
+
+    def rows():
+        try:
+            for record in reader:
+                # reader.line_num counts physical lines, so quoted newlines keep line numbers right
+                yield f"{path} line {reader.line_num}", record
+        except csv.Error as exc:
+            raise DataError(f"{path} line {reader.line_num}: malformed CSV: {exc}") from None
+
+    return columns, rows()
+
+
+def _jsonl_rows(path: str, text: str) -> Iterator[tuple[str, dict]]:
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path} line {number} is not valid JSON: {exc.msg}") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{path} line {number}: expected a JSON object, got {type(record).__name__}")
+        yield f"{path} line {number}", record
+
+
+def load_labelled(path: str, text_column: str = "text", label_column: str = "label",
+                  split: Optional[str] = None) -> LabelledData:
+    """Read labelled examples from ``path`` (see the module docstring)."""
+    if not path:
+        raise DataError("no labelled data file given")
+    if not os.path.exists(path):
+        raise DataError(f"{path} does not exist")
+    if os.path.isdir(path):
+        return _load_dataset_dir(path, text_column, label_column, split)
+    if os.path.getsize(path) == 0:
+        raise DataError(f"{path} is empty")
+    lower = path.lower()
+    if lower.endswith(".csv"):
+        columns, rows = _csv_rows(path, _read_text(path))
+        return _collect(rows, path, text_column, label_column, columns)
+    if lower.endswith((".jsonl", ".json")):
+        return _collect(_jsonl_rows(path, _read_text(path)), path, text_column, label_column)
+    raise DataError(f"{path}: unsupported format; use .csv, .jsonl or a directory saved by datasets")
+
+
+def _load_dataset_dir(path: str, text_column: str, label_column: str, split: Optional[str]) -> LabelledData:
+    import datasets
+
+    try:
+        data = datasets.load_from_disk(path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise DataError(f"{path} is not a directory saved by datasets.save_to_disk ({exc})") from None
+    if isinstance(data, datasets.DatasetDict):
+        if split is None or split not in data:
+            raise DataError(f"{path} holds splits {', '.join(data)}; choose one with a split name"
+                            + (f" (not {split!r})" if split else ""))
+        data = data[split]
+    rows = ((f"{path} row {i}", record) for i, record in enumerate(data))
+    return _collect(rows, path, text_column, label_column, data.column_names)

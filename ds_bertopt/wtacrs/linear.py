@@ -1,0 +1,214 @@
+"""The WTA-CRS sampled linear: an ``nn.Linear`` whose backward keeps only ``k`` input rows.
+
+* :class:`SampledLinear` is a drop-in for ``nn.Linear`` (it *is* one: same parameters, same
+  state-dict keys, same forward). In training with grad enabled it saves, instead of the whole
+  input, the ``k`` rows chosen by :func:`~ds_bertopt.wtacrs.estimator.select_rows`, pre-scaled by
+  their weights, plus their indices. ``∇X`` and ``∇b`` are exact; ``∇W`` is the unbiased estimate.
+* :class:`BatchContext` carries what the layers cannot see themselves: which token rows are padding
+  (from the ``attention_mask`` keyword of the model's forward) and, for the gradient-norm cache,
+  which examples are in the batch (keyword ``wtacrs_example_ids``, removed before the model sees
+  it). :func:`install_context` hooks it onto the root module. It also shares one row selection
+  among sampled linears that read the *same* input tensor (q/k/v, or LoRA's A projections of q and
+  v): the stored rows are one tensor, saved once, otherwise three selections would store 3k rows.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import GradNormCache
+from .estimator import budget, row_probabilities, select_rows
+from .zero import autocast_dtype, gathered, no_autocast
+
+
+def rebind_linear(cls, linear: nn.Module) -> nn.Module:
+    """An instance of ``cls`` (an ``nn.Linear``-like class) on ``linear``'s own weight and bias, no copy:
+    state-dict keys and optimizer references stay valid. ``__init__`` is skipped (it would allocate)."""
+    module = cls.__new__(cls)
+    nn.Module.__init__(module)
+    module.in_features, module.out_features = linear.in_features, linear.out_features
+    module.weight, module.bias = linear.weight, linear.bias
+    module.train(linear.training)
+    return module
+
+EXAMPLE_IDS_KWARG = "wtacrs_example_ids"
+
+
+@dataclass
+class _SharedRows:
+    source: weakref.ref
+    version: int
+    key: tuple
+    stored: torch.Tensor
+    indices: torch.Tensor
+    row_weights: Optional[torch.Tensor]
+    cache_update: Optional[Callable]
+
+
+class BatchContext:
+    """Per-model state of the current forward: padding, example ids, shared selections."""
+
+    def __init__(self) -> None:
+        self.valid: Optional[torch.Tensor] = None
+        self.example_ids: Optional[torch.Tensor] = None
+        self._shared: dict[int, _SharedRows] = {}
+
+    def begin(self, attention_mask: Optional[torch.Tensor], example_ids: Optional[torch.Tensor]) -> None:
+        self._shared.clear()
+        self.valid = attention_mask.bool() if attention_mask is not None else None
+        self.example_ids = example_ids
+
+    def end(self) -> None:
+        self._shared.clear()  # the graph keeps what backward needs; drop our references
+
+    def rows_valid(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Per-row padding flags for ``x`` (``B × L × d``) when the mask matches its shape."""
+        if self.valid is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(self.valid.shape):
+            return self.valid.to(x.device)
+        return None
+
+    def lookup(self, x: torch.Tensor, key: tuple) -> Optional[_SharedRows]:
+        entry = self._shared.get(id(x))
+        if entry is not None and entry.source() is x and entry.version == x._version and entry.key == key:
+            return entry
+        return None
+
+    def remember(self, x: torch.Tensor, entry: _SharedRows) -> None:
+        self._shared[id(x)] = entry
+
+
+def _begin_hook(context: BatchContext, module, args, kwargs):
+    example_ids = kwargs.pop(EXAMPLE_IDS_KWARG, None)
+    context.begin(kwargs.get("attention_mask"), example_ids)
+    return args, kwargs
+
+
+def _end_hook(context: BatchContext, module, args, kwargs, output):
+    context.end()
+
+
+def install_context(model: nn.Module) -> BatchContext:
+    """Attach (once) a :class:`BatchContext` fed by ``model``'s forward keywords; return it."""
+    context = getattr(model, "_wtacrs_context", None)
+    if context is None:
+        context = BatchContext()
+        object.__setattr__(model, "_wtacrs_context", context)  # not a submodule, not in state_dict
+        model.register_forward_pre_hook(functools.partial(_begin_hook, context), with_kwargs=True)
+        model.register_forward_hook(functools.partial(_end_hook, context), with_kwargs=True)
+    return context
+
+
+class _SampledLinearFn(torch.autograd.Function):
+    """``y = x Wᵀ + b``; backward from the pre-scaled stored rows (see the module docstring).
+
+    ``row_weights`` is ``None`` when the rows are pre-scaled (fp32/bf16: one GEMM over k rows). In
+    fp16 an importance weight times an activation can overflow, so there the rows are stored as
+    they are and the weights are applied to the output-gradient rows inside an fp32 GEMM.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stored, indices, row_weights, cache_update):
+        ctx.save_for_backward(weight, stored, indices, row_weights)
+        ctx.has_bias = bias is not None
+        ctx.cache_update = cache_update
+        ctx.device_type = x.device.type
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, stored, indices, row_weights = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        rows = grad_out.reshape(-1, grad_out.shape[-1])
+        with no_autocast(ctx.device_type), gathered(weight):
+            if ctx.needs_input_grad[0]:
+                grad_x = grad_out.matmul(weight.to(grad_out.dtype))
+            if ctx.needs_input_grad[1]:
+                if row_weights is None:
+                    grad_w = rows[indices].t().matmul(stored.to(rows.dtype))
+                else:
+                    picked = rows[indices].float() * row_weights.unsqueeze(1)
+                    grad_w = picked.t().matmul(stored.float())
+                grad_w = grad_w.to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = rows.sum(0).to(weight.dtype)
+        if ctx.cache_update is not None:
+            ctx.cache_update(torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32))
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+class SampledLinear(nn.Linear):
+    """``nn.Linear`` with a WTA-CRS weight gradient; build it with :meth:`from_linear`."""
+
+    ratio: float
+    min_k: int
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, ratio: float, min_k: int = 32,
+                    context: Optional[BatchContext] = None, cache_capacity: int = 0) -> "SampledLinear":
+        """Wrap ``linear``'s own parameters (no copy: state dicts and optimizer references stay valid)."""
+        module = rebind_linear(cls, linear)
+        module.ratio, module.min_k = float(ratio), int(min_k)
+        module.generator = None
+        object.__setattr__(module, "context", context)
+        object.__setattr__(module, "cache", GradNormCache(cache_capacity) if cache_capacity > 0 else None)
+        return module
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, ratio={self.ratio}, min_k={self.min_k}"
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` on the same parameters."""
+        return rebind_linear(nn.Linear, self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and torch.is_grad_enabled() and self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)
+        device_type = x.device.type
+        compute_dtype = autocast_dtype(device_type) if x.is_floating_point() else None
+        weight, bias = self.weight, self.bias
+        if compute_dtype is not None:  # what F.linear does under autocast, done explicitly
+            weight, bias = weight.to(compute_dtype), bias.to(compute_dtype) if bias is not None else None
+        compute_x = x.to(compute_dtype) if compute_dtype is not None else x
+        stored, indices, row_weights, cache_update = self._select(x, compute_x.dtype)
+        with no_autocast(device_type):
+            return _SampledLinearFn.apply(compute_x, weight, bias, stored, indices, row_weights, cache_update)
+
+    @torch.no_grad()
+    def _select(self, x: torch.Tensor, dtype: torch.dtype):
+        """Stored rows, their indices, their weights when not pre-scaled (fp16), the cache update."""
+        key = (self.ratio, self.min_k, dtype)
+        context = self.context
+        if context is not None:
+            shared = context.lookup(x, key)
+            if shared is not None:
+                return shared.stored, shared.indices, shared.row_weights, None  # the first member updates the cache
+        rows = x.reshape(-1, x.shape[-1])
+        valid = context.rows_valid(x) if context is not None else None
+        scores, cache_update = None, None
+        if self.cache is not None and valid is not None and context.example_ids is not None:
+            ids = context.example_ids
+            scores = self.cache.scores(ids, valid).flatten()
+            cache_update = functools.partial(_update_cache, self.cache, ids, valid)
+        flat_valid = valid.flatten() if valid is not None else None
+        p = row_probabilities(rows, flat_valid, scores)
+        num_rows = int(flat_valid.sum()) if flat_valid is not None else rows.shape[0]
+        selection = select_rows(p, budget(num_rows, self.ratio, self.min_k), generator=self.generator)
+        if dtype == torch.float16:
+            stored, row_weights = rows[selection.indices].to(dtype), selection.weights.float()
+        else:
+            stored = (rows[selection.indices].float() * selection.weights.float().unsqueeze(1)).to(dtype)
+            row_weights = None
+        if context is not None:
+            context.remember(x, _SharedRows(weakref.ref(x), x._version, key, stored, selection.indices,
+                                            row_weights, cache_update))
+        return stored, selection.indices, row_weights, cache_update
+
+
+def _update_cache(cache: GradNormCache, example_ids, valid, row_norms):
+    cache.update(example_ids, valid, row_norms.reshape(valid.shape))

