@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ds_bertopt.testing.distributed import free_port  # noqa: E402
-from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line  # noqa: E402
+from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
 from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers  # noqa: E402
 
 MODELS = {
@@ -200,13 +200,24 @@ def run_ranks(start, argv, master_addr: str, ifname: str, log_dir: Path, tag: st
     return results
 
 
+SUMMARY: list[str] = []  # for bench/run_all.py's report (record_results)
+BREAKDOWN: list[dict] = []
+
+
 def report(setting: str, results: list[dict], sweep: bool) -> None:
     for r in ([] if sweep else results):
         label = (f"[{setting}, {'small BERT' if r['model'] == 'small' else 'BERT-base'} "
                  f"{r['params'] / 1e6:.1f}M, mb {r['micro_batch']}, ZeRO {r['stage']}, "
                  f"{r['buckets']} buckets of <= {r['bucket_size'] / 1e6:g}M]")
         ours, theirs = r["times"]["bucket_clip"], r["times"]["deepspeed_clip"]
-        print(ratio_line(f"bucket_clip step time {label}", ours, theirs, "deepspeed clip"), flush=True)
+        line = ratio_line(f"bucket_clip step time {label}", ours, theirs, "deepspeed clip")
+        print(line, flush=True)
+        SUMMARY.append(line)
+        short = f"{setting.split()[0]} {'small' if r['model'] == 'small' else 'base'} Z{r['stage']}"
+        for variant, times in (("bucket_clip", ours), ("deepspeed clip", theirs)):
+            exposed = median(r["exposed"][variant.replace(" ", "_")])
+            BREAKDOWN.append({"label": f"{short} {variant}", "compute and optimizer": median(times) - exposed,
+                              "exposed communication": exposed})
         print(f"    speedup {median(theirs) / median(ours):.2f}x; step median {median(ours):.3f} s vs "
               f"{median(theirs):.3f} s; exposed comm (end of backward -> grads ready) "
               f"{median(r['exposed']['bucket_clip']):.3f} s vs {median(r['exposed']['deepspeed_clip']):.3f} s"
@@ -282,6 +293,15 @@ def convergence(args) -> None:
               for a, b in zip(args.seeds, args.seeds[1:])]
     print(f"    mean difference (bucket_clip - global) {mean(hook_final) - mean(global_final):+.4f}; "
           f"seed-to-seed spread within a variant {max(spread):.4f}" if spread else "", flush=True)
+    series = [{"label": f"{'bucket_clip' if hook else 'global clip'} seed {seed}",
+               "x": [r["step"] for r in evals], "y": [r["eval_loss"] for r in evals]}
+              for (hook, seed), (_, evals) in sorted(curves.items())]
+    record_results("bucket_clip_convergence", {
+        "summary": [f"final eval loss bucket_clip {' / '.join(f'{x:.4f}' for x in hook_final)} vs global clip "
+                    f"{' / '.join(f'{x:.4f}' for x in global_final)} ({args.steps} steps, seeds {seeds})"],
+        "note": f"launch/pretrain.py, {args.ds_config}, wiki_sample.jsonl, 2 ranks, {args.steps} steps, seeds {seeds}",
+        "figures": [{"kind": "curves", "file": "eval_loss", "title": "Held-out MLM loss: bucket_clip vs global clipping",
+                     "xlabel": "step", "ylabel": "eval MLM loss", "series": series}]})
     import matplotlib
 
     matplotlib.use("Agg")
@@ -388,6 +408,13 @@ def main(argv=None) -> int:
         if sweep:
             report(title, results, sweep=True)
         print(f"    ({setting}{' sweep' if sweep else ''}: {time.time() - started:.0f} s)", flush=True)
+    if BREAKDOWN:
+        record_results("bucket_clip", {
+            "summary": SUMMARY, "note": f"2 gloo ranks, fp32, seq {SEQ}, median of {args.repeats} steps after 1 warm-up",
+            "figures": [{"kind": "bars", "file": "breakdown", "stack": ["compute and optimizer", "exposed communication"],
+                         "unit": "seconds per step (median)",
+                         "title": "Step time: bucket_clip vs DeepSpeed clipping (exposed communication on top)",
+                         "series": BREAKDOWN}]})
     return 0
 
 

@@ -13,7 +13,7 @@
 
     python bench/optim.py [--quick]
 
-``--quick`` (≤ ~3 min): a quarter of the sample budget, a lower target, the step-time part.
+``--quick`` (about 3 min on 2 cores): a tenth of the sample budget, a lower target, the step-time part.
 """
 from __future__ import annotations
 
@@ -30,11 +30,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line  # noqa: E402
+from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "wiki_sample.jsonl"
 SMALL_MODEL = ["model.hidden_size=128", "model.num_hidden_layers=2", "model.num_attention_heads=2",
                "model.intermediate_size=512", "train.save_model=false"]
+
+
+SUMMARY: list[str] = []  # for bench/run_all.py's report (record_results)
+CURVES: list[dict] = []
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+    SUMMARY.append(line)
 
 
 def _free_port() -> int:
@@ -98,27 +107,30 @@ def convergence_study(args) -> None:
                                    out=Path(tmp) / f"{optimizer}_{batch}", seed=args.seed,
                                    prefix=args.run_prefix.split())
                 step, best = first_reaching(records, args.target)
+                evals = [r for r in records if "eval_accuracy" in r]
+                CURVES.append({"label": f"{optimizer} batch {batch}", "x": [r["step"] * batch for r in evals],
+                               "y": [r["eval_accuracy"] for r in evals]})
                 minutes = (time.perf_counter() - start) / 60
                 if step is None:
-                    print(f"{optimizer} batch {batch}: did not reach {args.target} in {steps} steps "
-                          f"({steps * batch} samples); best {best:.4f} ({minutes:.1f} min)", flush=True)
+                    say(f"{optimizer} batch {batch}: did not reach {args.target} in {steps} steps "
+                        f"({steps * batch} samples); best {best:.4f} ({minutes:.1f} min)")
                 else:
-                    print(f"{optimizer} batch {batch}: MLM accuracy {args.target} at step {step} = {step * batch} "
-                          f"samples (best {best:.4f} of {steps} steps; {minutes:.1f} min)", flush=True)
+                    say(f"{optimizer} batch {batch}: MLM accuracy {args.target} at step {step} = {step * batch} "
+                        f"samples (best {best:.4f} of {steps} steps; {minutes:.1f} min)")
                 reached[(optimizer, batch)] = step
     for optimizer in ("lamb", "adam"):
         s_small, s_large = reached[(optimizer, small)], reached[(optimizer, large)]
         if s_small is None or s_large is None:
             print(f"{optimizer} samples to accuracy {args.target} at batch {large} vs batch {small}: n/a (not reached)")
             continue
-        print(ratio_line(f"{optimizer} samples to accuracy {args.target} at batch {large}", [s_large * large],
+        say(ratio_line(f"{optimizer} samples to accuracy {args.target} at batch {large}", [s_large * large],
                          [s_small * small], f"batch {small}"))
         print(ratio_line(f"{optimizer} steps to accuracy {args.target} at batch {large}", [s_large], [s_small],
                          f"batch {small}"))
     for batch in (small, large):
         lamb, adam = reached[("lamb", batch)], reached[("adam", batch)]
         if lamb is not None and adam is not None:
-            print(ratio_line(f"samples to accuracy {args.target} at batch {batch}: lamb", [lamb], [adam], "adam"))
+            say(ratio_line(f"samples to accuracy {args.target} at batch {batch}: lamb", [lamb], [adam], "adam"))
 
 
 def step_time_study(repeats: int) -> None:
@@ -156,19 +168,19 @@ def step_time_study(repeats: int) -> None:
     print(f"step time, BERT {n_params / 1e6:.1f}M parameters, 1 thread: "
           + ", ".join(f"{name} {median(t) * 1e3:.1f} ms" for name, t in times.items()))
     if "torch_optimizer" in times:
-        print(ratio_line("LAMB optimizer step time (ours)", times["ours"], times["torch_optimizer"],
+        say(ratio_line("LAMB optimizer step time (ours)", times["ours"], times["torch_optimizer"],
                          "torch_optimizer.Lamb"))
         print(ratio_line("LAMB optimizer step time (ours, with global-norm clipping)", times["ours+clip"],
                          times["torch_optimizer"], "torch_optimizer.Lamb"))
     else:
         print("LAMB optimizer step time (ours) vs torch_optimizer.Lamb: not available (torch_optimizer is not "
               "installed in this environment; see docs/optim.md for the separate bench venv)")
-    print(ratio_line("LAMB optimizer step time (ours)", times["ours"], times["adamw"], "torch fused AdamW"))
+    say(ratio_line("LAMB optimizer step time (ours)", times["ours"], times["adamw"], "torch fused AdamW"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="≤ ~3 minutes: smaller budget and target")
+    parser.add_argument("--quick", action="store_true", help="about 3 minutes: smaller budget and target")
     parser.add_argument("--micro", type=int, default=16, help="sequences per rank per micro-batch")
     parser.add_argument("--factor", type=int, default=8, help="large batch = factor × small (accumulation)")
     parser.add_argument("--samples", type=int, help="training samples per run")
@@ -192,11 +204,18 @@ def main() -> None:
         convergence_study(args)
     if not args.skip_step_time:
         step_time_study(repeats=7)
+    record_results("optim", {
+        "summary": SUMMARY,
+        "note": f"2 ranks ZeRO 1, small BERT, seq {args.seq}, seed {args.seed}, {args.samples} samples per run, "
+                f"LR sqrt-scaled from batch {args.micro * 2} (lamb {args.lamb_lr}, adam {args.adam_lr}); one run each",
+        "figures": [{"kind": "curves", "file": "convergence", "xlabel": "training samples",
+                     "ylabel": "held-out MLM accuracy", "reference": args.target,
+                     "title": "LAMB vs AdamW at two global batch sizes", "series": CURVES}] if CURVES else []})
 
 
 # LRs at the small batch (32): ds_configs/bert_{lamb,adam}.json's values (tuned at reference batch 32).
 FULL = {"samples": 24000, "eval_samples": 800, "target": 0.07, "lamb_lr": 5e-3, "adam_lr": 1e-3}
-QUICK = {"samples": 4000, "eval_samples": 400, "target": 0.05, "lamb_lr": 5e-3, "adam_lr": 1e-3}
+QUICK = {"samples": 2400, "eval_samples": 300, "target": 0.05, "lamb_lr": 5e-3, "adam_lr": 1e-3}
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,120 @@
+"""Render ``bench/report/REPORT.md`` and its PNGs from the benchmarks' recorded results.
+
+Every benchmark records, through ``ds_bertopt.testing.measure.record_results``, a JSON object with
+``summary`` (the lines it printed that matter), ``note`` (seeds, repeats, settings) and the series for
+its figures. The schema per figure kind:
+
+* ``bars``: ``[{"label", <value keys>...}]`` plus ``stack``: the value keys stacked in one bar, ``unit``.
+* ``curves``: ``[{"label", "x": [...], "y": [...]}]`` plus ``xlabel``, ``ylabel``.
+* ``errorbars``: ``[{"label", "mean", "std", "runs": [...]}]`` plus ``ylabel``.
+
+A benchmark lists its figures under ``figures``: ``[{"kind", "title", "file", ...schema}]``.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+RATIO = re.compile(r"\d+(\.\d+)?x \((median|mean) of \d+")
+
+
+def ratio_lines(lines: list[str]) -> list[str]:
+    """The headline lines of a benchmark's output: ``... vs ...: 0.83x (median of 7)`` and friends."""
+    return [line.strip() for line in lines if RATIO.search(line)]
+
+
+def _environment_caption(env: dict) -> str:
+    keys = ("machine", "cuda", "torch", "deepspeed", "transformers", "OMP_NUM_THREADS", "torch_threads")
+    return ", ".join(f"{key} {env[key]}" for key in keys if key in env)
+
+
+def _plot(figure: dict, caption: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kind = figure["kind"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if kind == "bars":
+        series = figure["series"]
+        labels = [item["label"] for item in series]
+        bottom = [0.0] * len(series)
+        for key in figure["stack"]:
+            values = [float(item.get(key, 0.0)) for item in series]
+            ax.bar(labels, values, bottom=bottom, label=key.replace("_", " "))
+            bottom = [b + v for b, v in zip(bottom, values)]
+        for x, total in enumerate(bottom):
+            ax.annotate(f"{total:.3g}", (x, total), ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel(figure.get("unit", ""))
+        if len(figure["stack"]) > 1:
+            ax.legend()
+        if figure.get("reference") is not None:
+            ax.axhline(figure["reference"], color="gray", linestyle="--", linewidth=1)
+        plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=8)
+    elif kind == "curves":
+        for item in figure["series"]:
+            ax.plot(item["x"], item["y"], marker=".", label=item["label"])
+        ax.set_xlabel(figure.get("xlabel", ""))
+        ax.set_ylabel(figure.get("ylabel", ""))
+        if figure.get("reference") is not None:
+            ax.axhline(figure["reference"], color="gray", linestyle="--", linewidth=1)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    elif kind == "errorbars":
+        series = figure["series"]
+        labels = [item["label"] for item in series]
+        ax.bar(labels, [item["mean"] for item in series], yerr=[item.get("std", 0.0) for item in series], capsize=5,
+               color="tab:blue", alpha=0.7)
+        for x, item in enumerate(series):
+            runs = item.get("runs") or []
+            ax.scatter([x] * len(runs), runs, color="black", s=10, zorder=3)
+        ax.set_ylabel(figure.get("ylabel", ""))
+        low = min(min(item.get("runs") or [item["mean"]]) for item in series)
+        ax.set_ylim(bottom=max(0.0, low - 0.1 * abs(low) - 0.02))
+        plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=8)
+    else:
+        raise ValueError(f"unknown figure kind {kind!r}")
+    ax.set_title(figure["title"], fontsize=11)
+    fig.text(0.01, 0.005, caption, fontsize=6, color="dimgray", wrap=True)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(out: Path, runs: dict) -> Path:
+    """Write ``out/REPORT.md`` (+ PNGs) from ``out/raw/<bench>.json`` and the run log ``runs``."""
+    raw = out / "raw"
+    sections: list[str] = []
+    table = ["| benchmark | mode | status | time | headline |", "|---|---|---|---|---|"]
+    for name, run in runs.items():
+        path = raw / f"{name}.json"
+        record = json.loads(path.read_text()) if path.exists() and run["status"] == "ok" else None
+        headline = (record or {}).get("summary") or run.get("ratio_lines") or []
+        table.append(f"| {name} | {run.get('mode', '?')} | {run['status']} | {run['seconds']:.0f} s | "
+                     + "<br>".join(line.replace("|", "/") for line in headline) + " |")
+        lines = [f"## {name}", "", f"`python bench/{run['command']}` — {run['status']} in {run['seconds']:.0f} s "
+                 f"(log: `logs/{name}.log`).", ""]
+        if record is None:
+            lines += ["No recorded results from this run" + (": the printed ratio lines follow." if headline else "."),
+                      ""]
+            lines += [f"    {line}" for line in headline] + [""]
+            sections.append("\n".join(lines))
+            continue
+        env = record.get("environment", {})
+        caption = f"{_environment_caption(env)}. {record.get('note', '')}".strip()
+        lines += ["```", *record.get("summary", []), "```", "", f"Measured {record.get('time', '')} on {caption}", ""]
+        for figure in record.get("figures", []):
+            png = f"{name}_{figure['file']}.png"
+            _plot(figure, f"{caption} {figure.get('note', '')}", out / png)
+            lines += [f"![{figure['title']}]({png})", "", f"*{figure['title']}.* {figure.get('note', '')}", ""]
+        for extra in record.get("tables", []):
+            lines += [extra, ""]
+        sections.append("\n".join(lines))
+    header = ["# ds_bertopt benchmark report", "",
+              "Generated by `bench/run_all.py` from the benchmarks' recorded results; do not edit by hand.", "",
+              *table, ""]
+    report = out / "REPORT.md"
+    report.write_text("\n".join(header + sections) + "\n")
+    return report

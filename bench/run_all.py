@@ -1,0 +1,109 @@
+"""Run every benchmark and write ``bench/report/REPORT.md`` with its plots.
+
+    python bench/run_all.py --quick      # about 15 minutes on 2 CPU cores
+    python bench/run_all.py              # full settings (an hour or more on 2 CPU cores)
+    python bench/run_all.py --report-only   # re-render the report from bench/report/raw/*.json
+
+Each benchmark runs as its own process with ``DS_BERTOPT_BENCH_OUT`` set; it prints its ratio lines
+and writes the numbers behind them with ``ds_bertopt.testing.measure.record_results``. The report and the
+figures are generated from those files only. A benchmark that fails or times out is reported as such;
+the others still run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import _report  # noqa: E402
+
+# report name -> (script, quick arguments, full arguments, quick timeout s, full timeout s)
+BENCHES: dict[str, tuple[str, list[str], list[str], int, int]] = {
+    "balance": ("balance", ["--quick", "--part", "planner", "--part", "ranks", "--repeats", "2"], [], 300, 3600),
+    "bucket_clip": ("bucket_clip", ["--quick"], [], 300, 7200),
+    "bucket_clip_convergence": ("bucket_clip", ["--convergence", "--steps", "100", "--eval-every", "25", "--seeds",
+                                                "42", "--convergence-dir", "{out}/runs/bucket_clip_convergence"],
+                                ["--convergence", "--convergence-dir", "{out}/runs/bucket_clip_convergence"], 240, 3600),
+    "optim": ("optim", ["--quick"], [], 330, 7200),
+    "wtacrs": ("wtacrs", ["--quick"], [], 300, 7200),
+}
+
+
+def run_bench(name: str, script: str, extra: list[str], timeout: int, raw_dir: Path, log_dir: Path) -> dict:
+    """Run ``bench/<script>.py``; stream its output to the console and ``log_dir/<name>.log``."""
+    cmd = [sys.executable, "-u", str(ROOT / "bench" / f"{script}.py"), *extra]
+    env = {**os.environ, "DS_BERTOPT_BENCH_OUT": str(raw_dir), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    print(f"\n=== {name}: {' '.join(cmd[2:])} (timeout {timeout} s)", flush=True)
+    start = time.monotonic()
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        lines: list[str] = []
+        # A watchdog, not a per-line check: a benchmark that hangs silently must still be stopped.
+        timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                log.write(line)
+                lines.append(line.rstrip("\n"))
+                print(f"  [{name}] {line}", end="", flush=True)
+            proc.wait()
+        finally:
+            timer.cancel()
+        if time.monotonic() - start >= timeout:
+            status = f"timed out after {timeout} s"
+        else:
+            status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+    seconds = time.monotonic() - start
+    print(f"=== {name}: {status} in {seconds:.0f} s", flush=True)
+    return {"name": name, "status": status, "seconds": round(seconds, 1), "command": " ".join(cmd[2:]),
+            "ratio_lines": _report.ratio_lines(lines)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="every benchmark in its quick mode (~15 min on 2 cores)")
+    parser.add_argument("--only", nargs="+", choices=sorted(BENCHES), help="run only these benchmarks")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "report"), help="report directory")
+    parser.add_argument("--report-only", action="store_true", help="do not run; re-render from <out>/raw")
+    args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    raw_dir, log_dir = out / "raw", out / "logs"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs_path = out / "raw" / "_runs.json"
+    runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
+    if not args.report_only:
+        names = args.only or list(BENCHES)
+        started = time.monotonic()
+        for name in names:
+            script, quick_args, full_args, quick_timeout, full_timeout = BENCHES[name]
+            (raw_dir / f"{name}.json").unlink(missing_ok=True)  # never report a stale result as this run's
+            extra = [a.format(out=out) for a in (quick_args if args.quick else full_args)]
+            result = run_bench(name, script, extra, quick_timeout if args.quick else full_timeout, raw_dir, log_dir)
+            result["mode"] = "quick" if args.quick else "full"
+            runs[name] = result
+            runs_path.write_text(json.dumps(runs, indent=1))
+        print(f"\nall benchmarks: {time.monotonic() - started:.0f} s", flush=True)
+    report = _report.write_report(out, runs)
+    print(f"report: {report}")
+    failed = [name for name, run in runs.items() if run["status"] != "ok"]
+    if failed:
+        print(f"not ok: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

