@@ -26,7 +26,7 @@ pretrain: setup
 	$(VENV)/bin/deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/bert.json
 
 test: setup
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 bench: setup
 	$(PY) bench/run_all.py --quick

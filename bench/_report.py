@@ -94,7 +94,8 @@ def write_report(out: Path, runs: dict) -> Path:
         headline = (record or {}).get("summary") or run.get("ratio_lines") or []
         table.append(f"| {name} | {run.get('mode', '?')} | {run['status']} | {run['seconds']:.0f} s | "
                      + "<br>".join(line.replace("|", "/") for line in headline) + " |")
-        lines = [f"## {name}", "", f"`python bench/{run['command']}` — {run['status']} in {run['seconds']:.0f} s "
+        command = run["command"].replace(str(Path(__file__).resolve().parents[1]) + "/", "")
+        lines = [f"## {name}", "", f"`python {command}` — {run['status']} in {run['seconds']:.0f} s "
                  f"(log: `logs/{name}.log`).", ""]
         if record is None:
             lines += ["No recorded results from this run" + (": the printed ratio lines follow." if headline else "."),

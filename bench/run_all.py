@@ -30,11 +30,11 @@ from bench import _report  # noqa: E402
 BENCHES: dict[str, tuple[str, list[str], list[str], int, int]] = {
     "balance": ("balance", ["--quick", "--part", "planner", "--part", "ranks", "--repeats", "2"], [], 300, 3600),
     "bucket_clip": ("bucket_clip", ["--quick"], [], 300, 7200),
-    "bucket_clip_convergence": ("bucket_clip", ["--convergence", "--steps", "100", "--eval-every", "25", "--seeds",
+    "bucket_clip_convergence": ("bucket_clip", ["--convergence", "--steps", "80", "--eval-every", "20", "--seeds",
                                                 "42", "--convergence-dir", "{out}/runs/bucket_clip_convergence"],
                                 ["--convergence", "--convergence-dir", "{out}/runs/bucket_clip_convergence"], 240, 3600),
     "optim": ("optim", ["--quick"], [], 330, 7200),
-    "wtacrs": ("wtacrs", ["--quick"], [], 300, 7200),
+    "wtacrs": ("wtacrs", ["--quick"], [], 480, 7200),
 }
 
 

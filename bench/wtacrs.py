@@ -274,7 +274,7 @@ def main() -> int:
         throughput_section(model, 128, args.threads, args.budget_gb, (16, 32), 3)
     if "accuracy" in sections:
         if args.quick:
-            accuracy_section([0], 1, 800, args.threads, ["full", "exact kit + WTA@0.3"], max_eval=512)
+            accuracy_section([0], 1, 600, args.threads, ["full", "exact kit + WTA@0.3"], max_eval=512)
         else:
             accuracy_section([0, 1, 2], 2, None, args.threads, list(ACCURACY_VARIANTS))
     record_results("wtacrs", {"summary": SUMMARY, "figures": FIGURES,

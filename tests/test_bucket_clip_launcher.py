@@ -41,7 +41,7 @@ def test_every_step_matches_reference_under_the_launcher(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 2])  # stage 1: same adapter as 2, checked against the reference above
 def test_pretrain_config_switch(stage, tmp_path, cache_dir):
     """``-o bucket_clip.enabled=true`` installs the hook in ``launch/pretrain.py`` and training runs."""
     out = tmp_path / "run"

@@ -135,10 +135,11 @@ PLAIN = ["wtacrs.enabled=false", "wtacrs.kit.sdpa_attention=false", "wtacrs.kit.
 @pytest.mark.shared_data
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not (SHARED / "rt_polarity").is_dir(), reason="../shared/data is absent")
-def test_launcher_finetunes_minilm_on_rt_polarity_at_zero_0_to_3(tmp_path):
+def test_launcher_finetunes_minilm_on_rt_polarity_at_zero_0_2_3(tmp_path):
     """MiniLM-L6 on Rotten Tomatoes through the real launcher: plain fine-tuning at ZeRO 0, the shipped
-    WTA-CRS + kit configs at ZeRO 1, 2, 3. Same seed: the first step's loss (weights not yet updated) must
-    agree across ZeRO 1-3, and every run must train and evaluate the whole dev subset."""
+    WTA-CRS + kit configs at ZeRO 2 and 3 (ZeRO 1 runs the same DeepSpeedZeroOptimizer as 2). Same seed: the
+    first step's loss (weights not yet updated) must agree across ZeRO 2-3, and every run must train and
+    evaluate the whole dev subset."""
     from ds_bertopt.wtacrs.memory import default_model_dir
 
     model = default_model_dir()
@@ -147,7 +148,7 @@ def test_launcher_finetunes_minilm_on_rt_polarity_at_zero_0_to_3(tmp_path):
     common = ["finetune.max_train_samples=48", "finetune.max_eval_samples=32", "finetune.max_seq_length=32",
               "finetune.eval_batch_size=16", "finetune.max_steps=3", "deepspeed.train_micro_batch_size_per_gpu=4"]
     first_loss = {}
-    for stage in (0, 1, 2, 3):
+    for stage in (0, 2, 3):
         out = tmp_path / f"zero{stage}"
         output, records = _launch(out, f"finetune_zero{stage}.json", model, str(SHARED / "rt_polarity" / "train.csv"),
                                   str(SHARED / "rt_polarity" / "dev.csv"), common + (PLAIN if stage == 0 else []),
@@ -163,5 +164,4 @@ def test_launcher_finetunes_minilm_on_rt_polarity_at_zero_0_to_3(tmp_path):
         sampled = re.search(r"WTA-CRS ratio 0.3: (\d+) linears sampled", output)
         assert (sampled is None) if stage == 0 else (sampled and int(sampled.group(1)) == 6), output[-3000:]
         first_loss[stage] = train_lines[0]["loss"]
-    for stage in (2, 3):
-        assert first_loss[stage] == pytest.approx(first_loss[1], rel=1e-4), first_loss
+    assert first_loss[3] == pytest.approx(first_loss[2], rel=1e-4), first_loss

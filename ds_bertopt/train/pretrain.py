@@ -184,10 +184,6 @@ class Pretrainer:
         self.cfg, self.topo, self.b = cfg, topo, cfg.bertopt
         b, ds = self.b, cfg.deepspeed
         self.output_dir = os.path.abspath(os.path.expanduser(b.train.output_dir))
-        if topo.is_main:
-            os.makedirs(self.output_dir, exist_ok=True)
-            with open(os.path.join(self.output_dir, "config.json"), "w", encoding="utf-8") as fh:
-                json.dump(describe(cfg), fh, indent=2)
         if b.train.deterministic:
             torch.use_deterministic_algorithms(True)
 
@@ -201,6 +197,10 @@ class Pretrainer:
 
         seed_everything(b.train.seed)  # identical init on every rank
         model = SparseMLMHead(build_pretraining_model(b.model, self.data.tokenizer, b.data.max_seq_length))
+        if topo.is_main:  # only once the data and the model passed their checks: bad input writes nothing
+            os.makedirs(self.output_dir, exist_ok=True)
+            with open(os.path.join(self.output_dir, "config.json"), "w", encoding="utf-8") as fh:
+                json.dump(describe(cfg), fh, indent=2)
         zero_stage = int(ds.get("zero_optimization", {}).get("stage", 0))
         optimizer, scheduler = optim.build(model, b, global_batch=self.global_batch, zero_stage=zero_stage)
         self.engine, _, _, _ = initialize(config=cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
