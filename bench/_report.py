@@ -55,7 +55,7 @@ def _plot(figure: dict, caption: str, path: Path) -> None:
         plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=8)
     elif kind == "curves":
         for item in figure["series"]:
-            ax.plot(item["x"], item["y"], marker=".", label=item["label"])
+            ax.plot(item["x"], item["y"], marker="." if len(item["x"]) <= 100 else None, label=item["label"])
         ax.set_xlabel(figure.get("xlabel", ""))
         ax.set_ylabel(figure.get("ylabel", ""))
         if figure.get("reference") is not None:

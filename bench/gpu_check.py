@@ -126,8 +126,8 @@ def _peak_step(model_dir: str, wtacrs: dict, args) -> tuple[int, int]:
 def memory_section(args) -> None:
     from ds_bertopt.wtacrs.memory import default_model_dir, variant
 
-    variants = {"full": variant(), "WTA@0.3+kit": variant(0.3, kit=("all",)),
-                "LoRA+WTA@0.3+kit": variant(0.3, lora=True, kit=("all",))}
+    variants = {"full": variant(), "WTA@0.3+kit": variant(0.3, kit=("exact",)),
+                "LoRA+WTA@0.3+kit": variant(0.3, lora=True, kit=("exact",))}
     with tempfile.TemporaryDirectory() as tmp:
         models = {"MiniLM-L6": default_model_dir()}
         if not args.tiny:
