@@ -119,9 +119,11 @@ def init_distributed(topo: Topology, timeout_s: int = 120, init_timeout_s: int =
 
     if dist.is_available() and dist.is_initialized():
         return
-    if topo.world_size == 1 and "MASTER_ADDR" not in os.environ:
+    # A single rank started without a launcher gets its own rendezvous on a fresh port, also when an
+    # earlier run in this process set one (its store may still hold the old port).
+    if topo.world_size == 1 and ("MASTER_ADDR" not in os.environ or os.environ.get("DS_BERTOPT_OWN_MASTER")):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-                          WORLD_SIZE="1")
+                          WORLD_SIZE="1", DS_BERTOPT_OWN_MASTER="1")
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(name):
             raise BertOptError(f"{name} is not set: start the job with the deepspeed launcher or torchrun")

@@ -32,6 +32,11 @@ def files(tmp_path):
         fh.write(b"text " * 1000)
     data = (tmp_path / "trunc.txt.gz").read_bytes()
     (tmp_path / "trunc.txt.gz").write_bytes(data[: len(data) // 2])
+    (tmp_path / "prose.txt").write_text("A short document. It has two sentences.\n\nAnother one here.\n" * 20)
+    from transformers import BertConfig, BertForMaskedLM
+
+    BertForMaskedLM(BertConfig(vocab_size=99, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=32)).save_pretrained(tmp_path / "tiny_bert")
     return tmp_path
 
 
@@ -70,8 +75,9 @@ CASES = [
      "bertopt.sampler.bins: edges must be strictly ascending, got [256, 128]"),
     ("monitor-package-missing", ["-o", "deepspeed.tensorboard.enabled=true"],
      "deepspeed.tensorboard: enabled but the 'tensorboard' package is not installed"),
-    ("vocab-mismatch", ["-o", f"model.init_checkpoint={json.dumps(MINILM)}", "-o", "data.max_documents=60"],
-     "model.init_checkpoint: the model's vocabulary has 30522 entries but the tokenizer has"),
+    ("vocab-mismatch", ["--train_file", "{d}/prose.txt", "--tokenizer", MINILM, "-o",
+                        "model.init_checkpoint=\"{d}/tiny_bert\""],
+     "model.init_checkpoint: the model's vocabulary has 99 entries but the tokenizer has 30522"),
     ("steps-zero", ["--max_steps", "0"], "bertopt.train.max_steps: must be positive"),
     ("bad-override-form", ["-o", "train.max_steps"], "is not of the form key.path=value"),
 ]
