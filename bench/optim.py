@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ds_bertopt.testing.distributed import free_port  # noqa: E402
 from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "wiki_sample.jsonl"
@@ -46,10 +46,6 @@ def say(line: str) -> None:
     SUMMARY.append(line)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def pretrain(optimizer: str, *, micro: int, accumulation: int, steps: int, eval_every: int, lr: float,
@@ -58,7 +54,7 @@ def pretrain(optimizer: str, *, micro: int, accumulation: int, steps: int, eval_
     overrides = SMALL_MODEL + [
         f"deepspeed.train_micro_batch_size_per_gpu={micro}", f"deepspeed.gradient_accumulation_steps={accumulation}",
         f"optimizer.lr={lr}", f"schedule.reference_batch={reference_batch}", "schedule.scaling=sqrt"]
-    cmd = prefix + [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_free_port()),
+    cmd = prefix + [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
            str(ROOT / "launch" / "pretrain.py"), "--deepspeed_config", str(ROOT / "ds_configs" / f"bert_{optimizer}.json"),
            "--train_file", str(DATA), "--max_steps", str(steps), "--eval_every", str(eval_every),
            "--log_every", str(eval_every), "--max_seq_length", str(seq), "--output_dir", str(out), "--seed", str(seed)]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ds_bertopt.testing.distributed import free_port
 from ds_bertopt.dist import Topology
 from _launch import deepspeed_cmd, run  # noqa: E402
 from ds_bertopt.train.finetune import collate, epoch_order, main, rank_micro_batches  # noqa: E402
@@ -91,20 +92,12 @@ def _tiny_checkpoint(directory: Path) -> str:
 
 def _launch(out: Path, config: str, model: str, train: str, dev: str, overrides: list[str],
             *extra: str) -> tuple[str, list[dict]]:
-    cmd = deepspeed_cmd("--num_gpus", "2", "--master_port", str(_free_port()), "launch/finetune.py",
+    cmd = deepspeed_cmd("--num_gpus", "2", "--master_port", str(free_port()), "launch/finetune.py",
                         "--deepspeed_config", f"ds_configs/{config}", "--model_name_or_path", model,
                         "--train_file", train, "--validation_file", dev, "--output_dir", str(out), *extra)
     cmd += [a for o in overrides for a in ("-o", o)]
     proc = run(cmd, timeout=400, HF_HUB_OFFLINE="1")
     return proc.stdout + proc.stderr, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow

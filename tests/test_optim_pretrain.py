@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 from _launch import deepspeed_cmd
 
+from ds_bertopt.testing.distributed import free_port
 from ds_bertopt.config import load_config
 from ds_bertopt.optim import lr_multiplier, scale_lr
 
@@ -25,10 +25,6 @@ TINY = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attentio
 STEPS = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -37,7 +33,7 @@ def _free_port() -> int:
 def test_pretrain_launcher_trains_with_config_optimizer(tmp_path, config, stage):
     launcher = deepspeed_cmd()[0]  # next to sys.executable: CI does not activate the venv
     overrides = TINY + [f"deepspeed.zero_optimization.stage={stage}", "train.log_every=1"]
-    cmd = [launcher, "--num_gpus", "2", "--master_port", str(_free_port()), "launch/pretrain.py",
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), "launch/pretrain.py",
            "--deepspeed_config", f"ds_configs/{config}", "--max_steps", str(STEPS), "--eval_every", "4",
            "--max_seq_length", "32", "--output_dir", str(tmp_path / "run")]
     for text in overrides:

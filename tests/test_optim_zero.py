@@ -6,11 +6,11 @@ The work runs in ``tests/scripts/optim_zero_check.py`` (spawned here, and under 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from ds_bertopt.testing.distributed import free_port
 import pytest
 from _launch import deepspeed_cmd
 import torch
@@ -24,16 +24,12 @@ import optim_zero_check  # noqa: E402
 STEPS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("optim_zero")
-    mp.spawn(optim_zero_check.spawn_worker, args=(2, _free_port(), str(out), optim_zero_check.ALL_CHECKS, STEPS),
+    mp.spawn(optim_zero_check.spawn_worker, args=(2, free_port(), str(out), optim_zero_check.ALL_CHECKS, STEPS),
              nprocs=2, join=True)
     return torch.load(out / "optim_zero_check.pt", weights_only=False)
 
@@ -87,7 +83,7 @@ def test_bf16_zero1_lamb_attaches_and_trains(results):
 def test_deepspeed_launcher_zero_stages(tmp_path):
     launcher = deepspeed_cmd()[0]  # next to sys.executable: CI does not activate the venv
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(_free_port()), str(SCRIPT),
+    proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPT),
                            "--out", str(tmp_path), "--checks", "stages", "per_shard"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
+from ds_bertopt.testing.distributed import free_port
 import pytest
 import torch.multiprocessing as mp
 
@@ -15,15 +15,11 @@ import wtacrs_zero_worker  # noqa: E402
 KIT = {"sdpa_attention": True, "dropout_mask": "regenerate", "layernorm_saves_output": True, "recompute_gelu": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_ranks(tmp_path: Path, stage: int, steps: int, wtacrs: dict) -> list[dict]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    mp.spawn(wtacrs_zero_worker.run, args=(2, _free_port(), stage, str(tmp_path), steps, wtacrs), nprocs=2)
+    mp.spawn(wtacrs_zero_worker.run, args=(2, free_port(), stage, str(tmp_path), steps, wtacrs), nprocs=2)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
