@@ -81,9 +81,11 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     raw_dir, log_dir = out / "raw", out / "logs"
+    runs_path = out / "raw" / "_runs.json"
+    if args.report_only and not runs_path.exists():
+        parser.error(f"--report-only: {runs_path} does not exist (no earlier run_all.py results in {out})")
     raw_dir.mkdir(parents=True, exist_ok=True)
     log_dir.mkdir(parents=True, exist_ok=True)
-    runs_path = out / "raw" / "_runs.json"
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
     if not args.report_only:
         names = args.only or list(BENCHES)
