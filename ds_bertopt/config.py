@@ -50,7 +50,7 @@ class ModelConfig:
     init_checkpoint: Optional[str] = None
     """Directory of a Hugging Face BERT checkpoint to start from instead of random init."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                      "intermediate_size", "max_position_embeddings"):
             check(getattr(self, name) > 0, f"{name}: must be positive, got {getattr(self, name)}")
@@ -97,7 +97,7 @@ class DataConfig:
     seed: int = 1234
     """Seed for sequence building (fixed per corpus so every rank builds the same samples)."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         check(self.max_seq_length >= 8, f"max_seq_length: must be at least 8, got {self.max_seq_length}")
         check(0.0 <= self.short_seq_prob <= 1.0, f"short_seq_prob: must be in [0, 1], got {self.short_seq_prob}")
         check(0.0 < self.mlm_probability < 1.0, f"mlm_probability: must be in (0, 1), got {self.mlm_probability}")
@@ -144,7 +144,7 @@ class TrainConfig:
     support it (else fp16), and on CPUs with native bf16 (AVX512-BF16/AMX); fp32 on other CPUs, where
     bf16 matmuls are emulated and measured 15× slower than fp32 (AVX2 EPYC, torch 2.13)."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         check(self.max_steps > 0, f"max_steps: must be positive, got {self.max_steps}")
         for name in ("eval_every", "save_every"):
             check(getattr(self, name) >= 0, f"{name}: must be >= 0, got {getattr(self, name)}")
@@ -178,7 +178,7 @@ class BertOptConfig:
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     """Sequence-classification fine-tuning (``launch/finetune.py``)."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         check(self.data.max_seq_length <= self.model.max_position_embeddings,
               f"data.max_seq_length: {self.data.max_seq_length} exceeds the model's "
               f"max_position_embeddings {self.model.max_position_embeddings}")

@@ -6,7 +6,8 @@ naming the dotted key:
 
 * unknown keys (with a close-match suggestion, so ``"max_step"`` says ``did you mean max_steps``),
 * values of the wrong type (``true`` where a number is expected, ``"3"`` where an int is),
-* values a section's ``validate()`` method refuses.
+* values a section's ``__post_init__`` refuses (it runs however the dataclass is built, so a
+  section constructed in Python is checked exactly like one loaded from JSON).
 
 Nested dataclass fields are loaded recursively; ``Optional``, ``Literal``, ``tuple[...]``,
 ``list[...]`` and ``dict[str, ...]`` are understood. Nothing here knows about DeepSpeed.
@@ -115,16 +116,9 @@ def load_section(cls: type, data: Any, path: str) -> Any:
                               f"known keys: {', '.join(sorted(fields))}")
     kwargs = {name: _coerce(value, hints[name], f"{path}.{name}") for name, value in data.items()}
     try:
-        obj = cls(**kwargs)
+        return cls(**kwargs)
     except ConfigError as exc:
         raise ConfigError(f"{path}.{exc}") from None
-    validate = getattr(obj, "validate", None)
-    if validate is not None:
-        try:
-            validate()
-        except ConfigError as exc:
-            raise ConfigError(f"{path}.{exc}") from None
-    return obj
 
 
 def to_dict(obj: Any) -> Any:

@@ -24,7 +24,7 @@ class BucketClipConfig:
     eps: float = 1e-6
     """Added to the bucket norm before dividing."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         check(self.max_norm > 0, f"max_norm: must be positive, got {self.max_norm}")
         check(self.bucket_size > 0, f"bucket_size: must be positive, got {self.bucket_size}")
         check(self.eps >= 0, f"eps: must be >= 0, got {self.eps}")

@@ -53,7 +53,7 @@ class SamplerConfig:
     """``sorted_megabatch``: local batches per sorted mega-batch. Empty: Hugging Face's default,
     ``min(50, samples // (4 × local batch))``."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         check(self.pad_multiple >= 1, f"pad_multiple: must be at least 1, got {self.pad_multiple}")
         check(all(b >= 1 for b in self.bins), f"bins: edges must be positive, got {list(self.bins)}")
         check(all(a < b for a, b in zip(self.bins, self.bins[1:])),

@@ -43,7 +43,7 @@ class OptimizerConfig:
     ``FusedAdam`` on GPU when it builds, torch's fused AdamW otherwise; ``torch`` / ``deepspeed``
     force one."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         check(self.lr > 0, f"lr: must be positive, got {self.lr}")
         check(all(0.0 <= b < 1.0 for b in self.betas), f"betas: must be in [0, 1), got {list(self.betas)}")
         check(self.eps > 0, f"eps: must be positive, got {self.eps}")
@@ -95,7 +95,7 @@ class ScheduleConfig:
     reference_batch: Optional[int] = None
     """Global batch (sequences per optimizer step) at which ``optimizer.lr`` was tuned."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         check(0.0 <= self.warmup_fraction < 1.0, f"warmup_fraction: must be in [0, 1), got {self.warmup_fraction}")
         check(self.warmup_steps is None or self.warmup_steps >= 0,
               f"warmup_steps: must be >= 0, got {self.warmup_steps}")

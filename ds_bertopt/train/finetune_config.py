@@ -39,7 +39,7 @@ class FinetuneConfig:
     eval_batch_size: int = 64
     """Examples per rank per evaluation batch."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         check(self.max_seq_length >= 8, f"max_seq_length: must be at least 8, got {self.max_seq_length}")
         check(self.epochs >= 1, f"epochs: must be at least 1, got {self.epochs}")
         check(self.num_labels is None or self.num_labels >= 2,

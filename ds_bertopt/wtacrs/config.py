@@ -36,7 +36,7 @@ class KitConfig:
     """GELU keeps a bf16 copy of its input, derivative computed in place. Approximate (~1e-3
     relative gradient error), hence off by default. Has no effect where ``recompute_gelu`` applies."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         check(self.layernorm_min_abs_weight >= 0,
               f"layernorm_min_abs_weight: must be >= 0, got {self.layernorm_min_abs_weight}")
 
@@ -59,7 +59,7 @@ class LoraConfig:
     targets: tuple[str, ...] = ("query", "value")
     """Module names (PEFT ``target_modules``) that get adapters."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         check(self.r >= 1, f"r: must be at least 1, got {self.r}")
         check(self.alpha > 0, f"alpha: must be positive, got {self.alpha}")
         check(0.0 <= self.dropout < 1.0, f"dropout: must be in [0, 1), got {self.dropout}")
@@ -89,7 +89,7 @@ class WtaCrsConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters via PEFT."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         check(0.0 < self.ratio <= 1.0, f"ratio: must be in (0, 1], got {self.ratio}")
         check(self.min_k >= 1, f"min_k: must be at least 1, got {self.min_k}")
         check(len(self.targets) > 0, "targets: give at least one group name or module-name pattern")
