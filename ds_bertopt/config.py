@@ -19,96 +19,12 @@ from typing import Any, Literal, Optional
 
 from .comm.config import BucketClipConfig
 from .configlib import load_section, parse_override, set_dotted, to_dict
-from .data.config import SamplerConfig
+from .data.config import DataConfig, SamplerConfig
+from .model.config import ModelConfig
 from .errors import ConfigError, check
 from .optim.config import OptimizerConfig, ScheduleConfig
 from .train.finetune_config import FinetuneConfig
 from .wtacrs.config import WtaCrsConfig
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    hidden_size: int = 256
-    """Width of the transformer (BERT-base: 768, BERT-large: 1024)."""
-    num_hidden_layers: int = 4
-    """Number of transformer layers (BERT-base: 12, BERT-large: 24)."""
-    num_attention_heads: int = 4
-    """Attention heads per layer; must divide ``hidden_size``."""
-    intermediate_size: int = 1024
-    """Width of the feed-forward layer (4 × hidden for standard BERT)."""
-    max_position_embeddings: int = 512
-    """Longest sequence the model can take; ``data.max_seq_length`` must not exceed it."""
-    hidden_dropout_prob: float = 0.1
-    """Dropout on hidden states."""
-    attention_probs_dropout_prob: float = 0.1
-    """Dropout on attention probabilities."""
-    objective: Literal["mlm", "mlm_nsp"] = "mlm"
-    """``mlm``: masked-LM only (``BertForMaskedLM``); ``mlm_nsp``: plus next-sentence prediction
-    (``BertForPreTraining``), with 50 % random second segments."""
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    """Attention kernel used by transformers."""
-    init_checkpoint: Optional[str] = None
-    """Directory of a Hugging Face BERT checkpoint to start from instead of random init."""
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "intermediate_size", "max_position_embeddings"):
-            check(getattr(self, name) > 0, f"{name}: must be positive, got {getattr(self, name)}")
-        check(self.hidden_size % self.num_attention_heads == 0,
-              f"num_attention_heads: {self.num_attention_heads} does not divide "
-              f"hidden_size {self.hidden_size}")
-        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            value = getattr(self, name)
-            check(0.0 <= value < 1.0, f"{name}: must be in [0, 1), got {value}")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    train_files: tuple[str, ...] = ()
-    """Text corpus files or globs: ``.txt`` (a document per blank-line-separated block, or per
-    line with ``txt_format: "line"``), ``.jsonl`` / ``.json`` (one object per line with
-    ``text_field``), optionally ``.gz``. Empty: the embedded corpus (Python stdlib docstrings)."""
-    dataset: Optional[str] = None
-    """A ``datasets`` name or a directory saved with ``save_to_disk``, used instead of files."""
-    dataset_split: str = "train"
-    """Split of ``dataset`` to read."""
-    text_field: str = "text"
-    """Field holding the document text in jsonl files and datasets."""
-    txt_format: Literal["paragraph", "line"] = "paragraph"
-    """How ``.txt`` files are split into documents: blank-line-separated blocks, or one per line."""
-    tokenizer: Optional[str] = None
-    """Tokenizer directory or name. Empty: a WordPiece tokenizer trained on the corpus and cached."""
-    tokenizer_vocab_size: int = 8192
-    """Vocabulary size of the trained default tokenizer."""
-    max_seq_length: int = 128
-    """Longest training sequence in tokens, [CLS] and [SEP]s included."""
-    short_seq_prob: float = 0.1
-    """Probability that a sequence targets a random shorter length (as in BERT's data builder)."""
-    mlm_probability: float = 0.15
-    """Fraction of tokens selected for masking (then 80 % [MASK], 10 % random, 10 % kept)."""
-    eval_fraction: float = 0.05
-    """Fraction of documents held out for evaluation (at least one document)."""
-    max_eval_samples: int = 512
-    """Cap on held-out sequences evaluated."""
-    max_documents: Optional[int] = None
-    """Read at most this many documents (quick experiments)."""
-    cache_dir: str = "~/.cache/ds_bertopt"
-    """Where the tokenizer, the extracted default corpus and the ``datasets`` caches go."""
-    seed: int = 1234
-    """Seed for sequence building (fixed per corpus so every rank builds the same samples)."""
-
-    def __post_init__(self) -> None:
-        check(self.max_seq_length >= 8, f"max_seq_length: must be at least 8, got {self.max_seq_length}")
-        check(0.0 <= self.short_seq_prob <= 1.0, f"short_seq_prob: must be in [0, 1], got {self.short_seq_prob}")
-        check(0.0 < self.mlm_probability < 1.0, f"mlm_probability: must be in (0, 1), got {self.mlm_probability}")
-        check(0.0 < self.eval_fraction < 1.0, f"eval_fraction: must be in (0, 1), got {self.eval_fraction}")
-        check(self.max_eval_samples > 0, f"max_eval_samples: must be positive, got {self.max_eval_samples}")
-        check(self.tokenizer_vocab_size >= 1000,
-              f"tokenizer_vocab_size: must be at least 1000, got {self.tokenizer_vocab_size}")
-        check(self.max_documents is None or self.max_documents > 1,
-              f"max_documents: must be at least 2, got {self.max_documents}")
-        check(not (self.train_files and self.dataset),
-              "train_files: give either train_files or dataset, not both")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Config of the length-aware batch planner (``"bertopt": {"sampler": {...}}``, see ``docs/data.md``)."""
+"""Config of the data pipeline: the corpus and sequence building (``"bertopt": {"data": {...}}``) and the
+length-aware batch planner (``"bertopt": {"sampler": {...}}``); see ``docs/data.md``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -74,3 +75,52 @@ class SamplerConfig:
     @property
     def cost_model(self) -> CostModel:
         return CostModel(linear=self.cost_linear, quadratic=self.cost_quadratic)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: tuple[str, ...] = ()
+    """Text corpus files or globs: ``.txt`` (a document per blank-line-separated block, or per
+    line with ``txt_format: "line"``), ``.jsonl`` / ``.json`` (one object per line with
+    ``text_field``), optionally ``.gz``. Empty: the embedded corpus (Python stdlib docstrings)."""
+    dataset: Optional[str] = None
+    """A ``datasets`` name or a directory saved with ``save_to_disk``, used instead of files."""
+    dataset_split: str = "train"
+    """Split of ``dataset`` to read."""
+    text_field: str = "text"
+    """Field holding the document text in jsonl files and datasets."""
+    txt_format: Literal["paragraph", "line"] = "paragraph"
+    """How ``.txt`` files are split into documents: blank-line-separated blocks, or one per line."""
+    tokenizer: Optional[str] = None
+    """Tokenizer directory or name. Empty: a WordPiece tokenizer trained on the corpus and cached."""
+    tokenizer_vocab_size: int = 8192
+    """Vocabulary size of the trained default tokenizer."""
+    max_seq_length: int = 128
+    """Longest training sequence in tokens, [CLS] and [SEP]s included."""
+    short_seq_prob: float = 0.1
+    """Probability that a sequence targets a random shorter length (as in BERT's data builder)."""
+    mlm_probability: float = 0.15
+    """Fraction of tokens selected for masking (then 80 % [MASK], 10 % random, 10 % kept)."""
+    eval_fraction: float = 0.05
+    """Fraction of documents held out for evaluation (at least one document)."""
+    max_eval_samples: int = 512
+    """Cap on held-out sequences evaluated."""
+    max_documents: Optional[int] = None
+    """Read at most this many documents (quick experiments)."""
+    cache_dir: str = "~/.cache/ds_bertopt"
+    """Where the tokenizer, the extracted default corpus and the ``datasets`` caches go."""
+    seed: int = 1234
+    """Seed for sequence building (fixed per corpus so every rank builds the same samples)."""
+
+    def __post_init__(self) -> None:
+        check(self.max_seq_length >= 8, f"max_seq_length: must be at least 8, got {self.max_seq_length}")
+        check(0.0 <= self.short_seq_prob <= 1.0, f"short_seq_prob: must be in [0, 1], got {self.short_seq_prob}")
+        check(0.0 < self.mlm_probability < 1.0, f"mlm_probability: must be in (0, 1), got {self.mlm_probability}")
+        check(0.0 < self.eval_fraction < 1.0, f"eval_fraction: must be in (0, 1), got {self.eval_fraction}")
+        check(self.max_eval_samples > 0, f"max_eval_samples: must be positive, got {self.max_eval_samples}")
+        check(self.tokenizer_vocab_size >= 1000,
+              f"tokenizer_vocab_size: must be at least 1000, got {self.tokenizer_vocab_size}")
+        check(self.max_documents is None or self.max_documents > 1,
+              f"max_documents: must be at least 2, got {self.max_documents}")
+        check(not (self.train_files and self.dataset),
+              "train_files: give either train_files or dataset, not both")

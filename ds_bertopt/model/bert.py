@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def build_pretraining_model(model_cfg, tokenizer, max_seq_length: int):

@@ -1,0 +1,43 @@
+"""Config of the model (``"bertopt": {"model": {...}}``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from ..errors import check
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden_size: int = 256
+    """Width of the transformer (BERT-base: 768, BERT-large: 1024)."""
+    num_hidden_layers: int = 4
+    """Number of transformer layers (BERT-base: 12, BERT-large: 24)."""
+    num_attention_heads: int = 4
+    """Attention heads per layer; must divide ``hidden_size``."""
+    intermediate_size: int = 1024
+    """Width of the feed-forward layer (4 × hidden for standard BERT)."""
+    max_position_embeddings: int = 512
+    """Longest sequence the model can take; ``data.max_seq_length`` must not exceed it."""
+    hidden_dropout_prob: float = 0.1
+    """Dropout on hidden states."""
+    attention_probs_dropout_prob: float = 0.1
+    """Dropout on attention probabilities."""
+    objective: Literal["mlm", "mlm_nsp"] = "mlm"
+    """``mlm``: masked-LM only (``BertForMaskedLM``); ``mlm_nsp``: plus next-sentence prediction
+    (``BertForPreTraining``), with 50 % random second segments."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel used by transformers."""
+    init_checkpoint: Optional[str] = None
+    """Directory of a Hugging Face BERT checkpoint to start from instead of random init."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "max_position_embeddings"):
+            check(getattr(self, name) > 0, f"{name}: must be positive, got {getattr(self, name)}")
+        check(self.hidden_size % self.num_attention_heads == 0,
+              f"num_attention_heads: {self.num_attention_heads} does not divide "
+              f"hidden_size {self.hidden_size}")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            value = getattr(self, name)
+            check(0.0 <= value < 1.0, f"{name}: must be in [0, 1), got {value}")
