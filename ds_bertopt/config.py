@@ -110,9 +110,12 @@ class RunConfig:
     """Everything except ``"bertopt"``: handed to ``deepspeed.initialize`` after batch resolution."""
     bertopt: BertOptConfig
     """Our section."""
+    resolved_for: Optional[int] = None
+    """World size the DeepSpeed part was resolved for (batch triple, precision, our adjustments);
+    ``None`` until :func:`ds_bertopt.engine.prepare_deepspeed_config` ran."""
 
-    def with_deepspeed(self, ds: dict) -> "RunConfig":
-        return replace(self, deepspeed=ds)
+    def with_deepspeed(self, ds: dict, resolved_for: Optional[int] = None) -> "RunConfig":
+        return replace(self, deepspeed=ds, resolved_for=resolved_for)
 
 
 def read_json(path: str) -> dict:
@@ -193,7 +196,18 @@ def resolve_batch(ds: dict, world_size: int) -> dict:
     return ds
 
 
+CPU_BF16_ENV = "DS_BERTOPT_CPU_BF16"
+"""``1``/``0`` overrides what ``precision: "auto"`` assumes about this CPU's bf16 support (CI runs the
+precision-sensitive tests both ways on one machine; users never need it)."""
+
+
 def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 in ``/proc/cpuinfo`` (or the :data:`CPU_BF16_ENV` override)."""
+    forced = os.environ.get(CPU_BF16_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ConfigError(f"{CPU_BF16_ENV}={forced!r}: use 1 or 0 (or leave it unset to detect the CPU)")
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             flags = fh.read()
@@ -202,26 +216,48 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def apply_precision(ds: dict, precision: str, device_type: str) -> str:
-    """Fill DeepSpeed's ``bf16``/``fp16`` block from ``train.precision`` unless the user wrote one."""
-    if "fp16" in ds or "bf16" in ds:
-        return check_precision(ds, device_type)
-    if precision == "auto":
-        if device_type == "cuda":
-            import torch
+def auto_precision(device_type: str) -> tuple[str, str]:
+    """What ``precision: "auto"`` picks on ``device_type``, and why (one phrase for the log)."""
+    if device_type == "cuda":
+        import torch
 
-            precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        else:
-            precision = "bf16" if cpu_has_native_bf16() else "fp32"
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "this GPU supports bf16"
+        return "fp16", "this GPU has no bf16"
+    if device_type != "cpu":
+        return "fp32", f"no automatic choice for accelerator {device_type!r}"
+    forced = os.environ.get(CPU_BF16_ENV, "").strip() in ("0", "1")
+    if cpu_has_native_bf16():
+        return "bf16", f"{CPU_BF16_ENV}=1" if forced else "this CPU has native bf16 (AVX512-BF16/AMX)"
+    return "fp32", (f"{CPU_BF16_ENV}=0" if forced else
+                    "this CPU has no native bf16, where bf16 matmuls are emulated and ~15x slower")
+
+
+def apply_precision(ds: dict, precision: str, device_type: str) -> tuple[str, str]:
+    """Fill DeepSpeed's ``bf16``/``fp16`` block from ``train.precision`` unless the user wrote one.
+
+    Returns ``(precision in use, why)``, the reason being one phrase for the log line."""
+    if "fp16" in ds or "bf16" in ds:
+        return check_precision(ds, device_type), "set by the DeepSpeed fp16/bf16 block"
+    why = "set by train.precision"
+    if precision == "auto":
+        precision, reason = auto_precision(device_type)
+        why = f"train.precision auto: {reason}"
     if precision in ("bf16", "fp16"):
         ds[precision] = {"enabled": True}
-    return check_precision(ds, device_type)
+    return check_precision(ds, device_type), why
 
 
 def check_precision(ds: dict, device_type: str) -> str:
     """Return ``"fp16"``, ``"bf16"`` or ``"fp32"``; refuse fp16 where DeepSpeed cannot run it."""
-    fp16 = bool(ds.get("fp16", {}).get("enabled", False))
-    bf16 = bool(ds.get("bf16", {}).get("enabled", False))
+    blocks = {}
+    for name in ("fp16", "bf16"):
+        block = ds.get(name, {})
+        if not isinstance(block, dict):
+            raise ConfigError(f"deepspeed.{name}: expected an object such as {{\"enabled\": true}}, "
+                              f"got {json.dumps(block)}")
+        blocks[name] = bool(block.get("enabled", False))
+    fp16, bf16 = blocks["fp16"], blocks["bf16"]
     check(not (fp16 and bf16), "fp16 and bf16 are both enabled; enable one")
     if fp16 and device_type == "cpu":
         raise ConfigError("fp16 is not supported on CPU by DeepSpeed; set \"bf16\": {\"enabled\": true} "

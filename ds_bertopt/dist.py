@@ -127,6 +127,7 @@ def init_distributed(topo: Topology, timeout_s: int = 120, init_timeout_s: int =
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(name):
             raise BertOptError(f"{name} is not set: start the job with the deepspeed launcher or torchrun")
+    bind_device(topo, get_accelerator())
     backend = get_accelerator().communication_backend_name()
     store = _rendezvous(topo, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), init_timeout_s)
     dist.init_process_group(backend=backend, store=store, rank=topo.rank, world_size=topo.world_size,
@@ -134,6 +135,21 @@ def init_distributed(topo: Topology, timeout_s: int = 120, init_timeout_s: int =
     # deepspeed.comm.init_distributed adopts an existing torch group (its "initialized torch.dist
     # themselves" branch) instead of creating its own.
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s), verbose=False)
+
+
+def bind_device(topo: Topology, accelerator) -> None:
+    """Put this rank on its own accelerator (``local_rank``) before the first collective.
+
+    NCCL communicators bind to the current device when they are created; without this every rank of
+    a node would use device 0 (NCCL: "Duplicate GPU detected", or a hang). On CPU there is nothing to bind.
+    """
+    if accelerator.device_name() == "cpu":
+        return
+    count = accelerator.device_count()
+    if topo.local_rank >= count:
+        raise BertOptError(f"local rank {topo.local_rank} needs its own {accelerator.device_name()} device, but this "
+                           f"node shows {count}; start at most {count} ranks per node (check CUDA_VISIBLE_DEVICES)")
+    accelerator.set_device(topo.local_rank)
 
 
 def _rendezvous(topo: Topology, addr: str, port: int, timeout_s: int):
@@ -234,7 +250,6 @@ def release_shm_buffer(rank: int) -> None:
         pass  # not created (multi-node job, non-CPU accelerator) or already gone
 
 
-_NODE_GROUP = None
 _PEERS: dict[int, tuple[str, int]] = {}  # rank -> (host, pid), filled by verify_topology
 
 
@@ -268,19 +283,6 @@ def describe_dead_peers(rank: int) -> str:
     remote = sorted({h for r, (h, _) in _PEERS.items() if h != host})
     return ("no rank on this host exited; a rank on " + ", ".join(remote) if remote
             else "no rank exited; a peer") + " stopped responding"
-
-
-def node_group(topo: Topology):
-    """The intra-node process group of this rank (created once, collectively, on first call)."""
-    global _NODE_GROUP
-    import torch.distributed as dist
-
-    if _NODE_GROUP is None:
-        if topo.num_nodes == 1:
-            _NODE_GROUP = dist.group.WORLD
-        else:
-            _NODE_GROUP, _ = dist.new_subgroups(group_size=topo.ranks_per_node)
-    return _NODE_GROUP
 
 
 def barrier() -> None:

@@ -74,7 +74,8 @@ def prepare_deepspeed_config(cfg: RunConfig, world_size: int, device_type: str) 
     check_combinations(cfg.bertopt, cfg.deepspeed)
     check_monitor_packages(cfg.deepspeed)
     ds = resolve_batch(cfg.deepspeed, world_size)
-    apply_precision(ds, cfg.bertopt.train.precision, device_type)
+    precision, why = apply_precision(ds, cfg.bertopt.train.precision, device_type)
+    print0(f"precision: {precision} ({why})")
     if cfg.bertopt.bucket_clip.enabled and ds.get("gradient_clipping", 0):
         print0(f"bucket_clip is on: DeepSpeed's gradient_clipping ({ds['gradient_clipping']}) set to 0; "
                f"each rank clips each bucket to max_norm {cfg.bertopt.bucket_clip.max_norm} before allreduce")
@@ -92,7 +93,10 @@ def initialize(*, config: Any, model, **kwargs):
     if not dist.is_initialized():
         deepspeed.init_distributed(verbose=False)
     world = dist.get_world_size()
-    ds = prepare_deepspeed_config(run, world, get_accelerator().device_name())  # idempotent
+    if run.resolved_for == world:
+        ds = copy.deepcopy(run.deepspeed)
+    else:
+        ds = prepare_deepspeed_config(run, world, get_accelerator().device_name())
     _allow_our_optimizer_under_zero(ds, kwargs.get("optimizer"))
     engine, optimizer, dataloader, scheduler = deepspeed.initialize(model=model, config=ds, **kwargs)
     attach_extensions(engine, run.bertopt)

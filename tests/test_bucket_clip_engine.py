@@ -81,12 +81,19 @@ def check_matches_reference(stage, gas, mode, max_norm, *, bf16=False, loss_scal
                  **(dict(rtol=2e-2, atol=1e-2) if bf16 else dict(rtol=1e-5, atol=1e-6)))
 
 
-def check_below_threshold_equals_plain_deepspeed(stage, gas):
+def check_below_threshold_equals_plain_deepspeed(stage, gas, extra=None):
+    """``extra``: DeepSpeed keys such as ``gradient_predivide_factor``, which both must honour alike."""
     rank = dist.get_rank()
     batches = micro_batches(rank, gas, step=1)
     results = []
     for clip in ({"max_norm": 1e6}, None):
-        engine, _ = build_engine(stage, gas, clip)
+        engine, _ = build_engine(stage, gas, clip, extra=extra)
+        if clip is not None and "gradient_predivide_factor" in (extra or {}):  # DeepSpeed's split is kept
+            adapter, f = engine.bucket_clip, extra["gradient_predivide_factor"]
+            if stage == 0:
+                assert (adapter.pre_scale, adapter.post_scale) == (1 / f, f / WORLD)
+            else:
+                assert not adapter.fold_average and adapter.post_scale == 1.0
         train_micro_batches(engine, batches)
         results.append(reduced_grads(engine))
         if clip is not None:
@@ -129,7 +136,7 @@ def check_zero3_refused():
         build_engine(3, 1, {"max_norm": 1.0})
     model = TinyLM()
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                                      config=ds_config(3, 1, clip=None))
+                                      config={k: v for k, v in ds_config(3, 1, clip=None).items() if k != "bertopt"})
     with pytest.raises(ConfigError, match="ZeRO stage 3 is not supported"):
         install_bucket_clip(engine, BucketClipConfig(enabled=True))
 
@@ -139,10 +146,14 @@ SCENARIOS = {
         lambda: check_matches_reference(0, 2, "proportional", 0.05),
         lambda: check_matches_reference(0, 1, "uniform", 0.05, bf16=True),
         lambda: check_below_threshold_equals_plain_deepspeed(0, 2),
+        lambda: check_below_threshold_equals_plain_deepspeed(0, 1, {"gradient_predivide_factor": 4.0}),
+        lambda: check_below_threshold_equals_plain_deepspeed(0, 1, {"prescale_gradients": True}),
         lambda: check_inf_reaches_overflow_check(0, bf16=True)],
     1: [lambda: check_matches_reference(1, 1, "uniform", 0.05, loss_scale=8.0),
         lambda: check_matches_reference(1, 2, "proportional", 0.05),
         lambda: check_below_threshold_equals_plain_deepspeed(1, 2),
+        lambda: check_below_threshold_equals_plain_deepspeed(
+            1, 1, {"gradient_predivide_factor": 4.0, "zero_optimization": {"reduce_scatter": False}}),
         lambda: check_inf_reaches_overflow_check(1, bf16=False)],
     2: [lambda: check_matches_reference(2, 1, "proportional", 0.05),
         lambda: check_matches_reference(2, 2, "uniform", 0.05),
@@ -158,6 +169,7 @@ def _run_scenarios(rank: int, world_size: int, stage: int) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.precision
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_bucket_clip_through_deepspeed(stage):
     """Clipped+reduced gradients and the following step match the reference, with and without

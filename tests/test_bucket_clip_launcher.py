@@ -25,6 +25,7 @@ def two_ranks(*args: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.precision
 @pytest.mark.timeout(300)
 def test_every_step_matches_reference_under_the_launcher(tmp_path):
     out = tmp_path / "result.jsonl"

@@ -157,3 +157,26 @@ def test_config_validation_names_the_key():
     cfg = load_section(BucketClipConfig, {"enabled": True, "bucket_size": 100, "threshold": "proportional"},
                        "bucket_clip")
     assert cfg.enabled and cfg.bucket_size == 100
+
+
+def test_averaging_follows_deepspeeds_split():
+    from ds_bertopt.comm.scaling import averaging_factors
+
+    assert averaging_factors(8, average=True, postscale=True, predivide=1.0) == (1 / 8, 1.0)  # folded before
+    assert averaging_factors(8, average=True, postscale=True, predivide=2.0) == (0.5, 0.25)  # 1/f, then f/world
+    assert averaging_factors(8, average=True, postscale=False, predivide=2.0) == (1 / 8, 1.0)  # prescale
+    assert averaging_factors(8, average=False, postscale=True, predivide=2.0) == (1.0, 1.0)  # a plain sum
+    with pytest.raises(ConfigError, match="gradient_predivide_factor: must be positive"):
+        averaging_factors(8, average=True, postscale=True, predivide=0.0)
+
+
+def test_fp16_loss_scale_is_required_not_defaulted():
+    from ds_bertopt.comm.scaling import loss_scale_reader
+
+    class Scaled:
+        loss_scale = 65536.0
+
+    assert loss_scale_reader(Scaled(), fp16=True)() == 65536.0
+    assert loss_scale_reader(object(), fp16=False)() == 1.0  # bf16 / fp32 wrappers: no scale
+    with pytest.raises(ConfigError, match="fp16 is on, but DeepSpeed's optimizer object exposes no loss_scale"):
+        loss_scale_reader(object(), fp16=True)

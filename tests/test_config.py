@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_bertopt.config import (BertOptConfig, apply_precision, load_config, resolve_batch)
+from ds_bertopt.config import (CPU_BF16_ENV, BertOptConfig, apply_precision, load_config, resolve_batch)
 from ds_bertopt.configlib import load_section, parse_override
 from ds_bertopt.errors import ConfigError
 
@@ -113,11 +113,27 @@ def test_precision_rules():
     with pytest.raises(ConfigError, match="both enabled"):
         apply_precision({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "auto", "cuda")
     ds = {}
-    assert apply_precision(ds, "bf16", "cpu") == "bf16" and ds == {"bf16": {"enabled": True}}
+    assert apply_precision(ds, "bf16", "cpu")[0] == "bf16" and ds == {"bf16": {"enabled": True}}
     user = {"bf16": {"enabled": False}}
-    assert apply_precision(user, "bf16", "cpu") == "fp32"  # the user's own block wins
+    assert apply_precision(user, "bf16", "cpu") == ("fp32", "set by the DeepSpeed fp16/bf16 block")  # the user's wins
     with pytest.raises(ConfigError, match="fp16 is not supported on CPU"):
         apply_precision({}, "fp16", "cpu")
+    with pytest.raises(ConfigError, match="deepspeed.bf16: expected an object"):
+        apply_precision({"bf16": True}, "auto", "cpu")
+
+
+@pytest.mark.parametrize("flag, picked", [("1", "bf16"), ("0", "fp32")])
+def test_auto_precision_follows_the_cpu_and_says_why(monkeypatch, flag, picked):
+    """``auto`` picks bf16 only where the CPU has it natively; the override stands in for the other CPU kind."""
+    monkeypatch.setenv(CPU_BF16_ENV, flag)
+    ds = {}
+    precision, why = apply_precision(ds, "auto", "cpu")
+    assert precision == picked and f"{CPU_BF16_ENV}={flag}" in why
+    assert ("bf16" in ds) == (picked == "bf16")
+    assert apply_precision({}, "fp32", "cpu") == ("fp32", "set by train.precision")  # pinned: the CPU does not matter
+    monkeypatch.setenv(CPU_BF16_ENV, "yes")
+    with pytest.raises(ConfigError, match=f"{CPU_BF16_ENV}='yes': use 1 or 0"):
+        apply_precision({}, "auto", "cpu")
 
 
 def test_every_field_has_a_docstring():

@@ -67,3 +67,49 @@ def test_verify_topology_on_real_ranks():
     assert spawn_ranks(_verify, 2, False) == ["ok", "ok"]
     results = spawn_ranks(_verify, 2, True)
     assert all(r.startswith("inconsistent topology") for r in results), results
+
+
+class _Accelerator:
+    """Stands in for a CUDA accelerator (none here) and records what it was asked to do."""
+
+    def __init__(self, name: str, count: int):
+        self.name, self.count, self.bound = name, count, []
+
+    def device_name(self):
+        return self.name
+
+    def device_count(self):
+        return self.count
+
+    def set_device(self, index):
+        self.bound.append(index)
+
+
+def test_each_rank_binds_its_own_gpu_before_any_collective():
+    from ds_bertopt.dist import Topology, bind_device
+
+    topo = Topology(rank=5, world_size=8, local_rank=1, ranks_per_node=4, node_rank=1)
+    gpus = _Accelerator("cuda", 4)
+    bind_device(topo, gpus)
+    assert gpus.bound == [1]
+    cpu = _Accelerator("cpu", 1)
+    bind_device(topo, cpu)
+    assert cpu.bound == []
+    with pytest.raises(BertOptError, match="local rank 1 needs its own cuda device, but this node shows 1"):
+        bind_device(topo, _Accelerator("cuda", 1))
+
+
+def test_init_distributed_binds_the_device_first(monkeypatch):
+    """The bind happens before the rendezvous store and the process group exist (read from the call order)."""
+    import ds_bertopt.dist as dist_mod
+
+    calls = []
+    monkeypatch.setattr(dist_mod, "bind_device", lambda topo, acc: calls.append("bind"))
+    def rendezvous(*args, **kwargs):
+        calls.append("rendezvous")
+        raise BertOptError("stop here")
+
+    monkeypatch.setattr(dist_mod, "_rendezvous", rendezvous)
+    with pytest.raises(BertOptError, match="stop here"):
+        dist_mod.init_distributed(dist_mod.Topology(0, 1, 0, 1, 0))
+    assert calls == ["bind", "rendezvous"]

@@ -15,12 +15,14 @@ TESTED_DEEPSPEED = "0.19.8"
 
 # What each adapter reads or replaces; checked up front so a DeepSpeed upgrade fails at install.
 ENGINE_API = ("allreduce_gradients", "is_gradient_accumulation_boundary", "inside_no_sync_ctxt",
-              "enable_backward_allreduce", "communication_data_type", "gradient_average",
-              "data_parallel_group", "zero_optimization_stage", "gradient_accumulation_steps", "gradient_clipping")
+              "enable_backward_allreduce", "communication_data_type", "gradient_average", "postscale_gradients",
+              "gradient_predivide_factor", "fp16_enabled", "data_parallel_group", "zero_optimization_stage",
+              "gradient_accumulation_steps", "gradient_clipping")
 ZERO_OPTIMIZER_API = ("reduce_ipg_grads", "ipg_buckets", "reduce_bucket_size", "contiguous_gradients",
                       "extra_large_param_to_reduce", "bit16_groups", "partition_gradients", "overlap_comm",
-                      "get_param_comm_dtype", "loss_scale", "gradient_average", "dp_process_group")
-IPG_BUCKET_API = ("buffer", "index", "elements", "grads", "params")
+                      "get_param_comm_dtype", "loss_scale", "gradient_average", "postscale_gradients",
+                      "gradient_predivide_factor", "_offload_gradient_safety_enabled", "dp_process_group")
+IPG_BUCKET_API = ("buffer", "index", "elements", "grads", "params", "copy_streams", "ready_events")
 
 
 def _require(obj, names, what: str) -> None:

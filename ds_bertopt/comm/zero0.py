@@ -10,7 +10,9 @@ and copies the result back (``allreduce_and_copy``). Here instead:
 * at the accumulation boundary, ``register_post_accumulate_grad_hook`` copies each finished
   gradient into its slot of the bucket's flat buffer and points ``param.grad`` at that slot;
 * when a bucket is complete it is clipped (:func:`~ds_bertopt.comm.clip.clip_bucket_`, with the
-  ``1/world`` of the average folded in) and its ``all_reduce(async_op=True)`` is launched on the
+  pre-allreduce factor of the average folded in, :func:`~ds_bertopt.comm.scaling.averaging_factors`;
+  a ``gradient_predivide_factor`` other than 1 leaves a post-allreduce factor, applied after the
+  wait) and its ``all_reduce(async_op=True)`` is launched on the
   data-parallel group while backward continues. Buckets are launched strictly in index order so
   every rank issues the same collectives in the same order;
 * the engine's ``allreduce_gradients`` is replaced by :meth:`ZeroStage0BucketClip.allreduce_gradients`:
@@ -28,12 +30,7 @@ import torch.distributed as dist
 
 from .clip import bucket_thresholds, clip_bucket_, reverse_registration_buckets
 from .config import BucketClipConfig
-
-
-def loss_scale_of(optimizer) -> float:
-    """Current loss scale of a DeepSpeed optimizer wrapper (1 when it has none, e.g. fp32/bf16)."""
-    scale = getattr(optimizer, "loss_scale", None)
-    return 1.0 if scale is None else scale
+from .scaling import averaging_factors, loss_scale_reader
 
 
 class ZeroStage0BucketClip:
@@ -48,7 +45,10 @@ class ZeroStage0BucketClip:
         self.world = dist.get_world_size(group=dp_group)
         self.params = [p for p in engine.module.parameters() if p.requires_grad and p.numel() > 0]
         self.comm_dtype = engine.communication_data_type
-        self.post_scale = 1.0 / self.world if engine.gradient_average else 1.0
+        self.pre_scale, self.post_scale = averaging_factors(
+            self.world, average=engine.gradient_average, postscale=engine.postscale_gradients(),
+            predivide=engine.gradient_predivide_factor())
+        self.loss_scale = loss_scale_reader(engine.optimizer, engine.fp16_enabled())
         self.buckets = reverse_registration_buckets(self.params, cfg.bucket_size)
         self.bucket_numels = [sum(self.params[i].numel() for i in members) for members in self.buckets]
         self.thresholds = bucket_thresholds(self.bucket_numels, cfg.max_norm, cfg.threshold)
@@ -123,8 +123,8 @@ class ZeroStage0BucketClip:
 
     def _launch(self, b: int) -> None:
         flat = self._buffer(b)
-        threshold = self.thresholds[b] * loss_scale_of(self.engine.optimizer)
-        self.last_coefficients[b] = clip_bucket_(flat, threshold, eps=self.cfg.eps, post_scale=self.post_scale)
+        threshold = self.thresholds[b] * self.loss_scale()
+        self.last_coefficients[b] = clip_bucket_(flat, threshold, eps=self.cfg.eps, post_scale=self.pre_scale)
         self._handles.append(dist.all_reduce(flat, group=self.group, async_op=True))
 
     # -- replaces DeepSpeedEngine.allreduce_gradients -------------------------------------------
@@ -144,6 +144,9 @@ class ZeroStage0BucketClip:
         self._launch_ready()
         for handle in self._handles:
             handle.wait()
+        if self.post_scale != 1.0:
+            for b in range(len(self.buckets)):
+                self._buffer(b).mul_(self.post_scale)
         if self._copy_back:
             for i, param in enumerate(self.params):
                 reduced = self._slot(i).view_as(param)

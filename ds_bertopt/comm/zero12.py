@@ -12,7 +12,14 @@ We wrap that one method on the optimizer instance: clip, then call DeepSpeed's o
 The ``1/world`` of the average is folded into the clip's multiply, and DeepSpeed's own division
 is switched off for the duration of that call (``optimizer.gradient_average``, read by
 ``average_tensor``, ``gradient_reduction_w_predivide`` and ``allreduce_bucket`` in 0.19.8), so
-the bucket is scaled once instead of twice.
+the bucket is scaled once instead of twice. With a ``gradient_predivide_factor`` other than 1 (or
+``postscale_gradients`` off) DeepSpeed's own averaging is left in place and only the clip runs.
+
+Streams (CUDA): the bucket may have been filled by copies on several streams; DeepSpeed records
+them in ``bucket.copy_streams`` and makes its reduction stream wait on each (``average_tensor``,
+DeepSpeed issue #8061). The clip reads and writes the bucket, so it first makes the current stream
+wait on those producers, and then registers the current stream as a producer itself, so that the
+reduction waits for the clip.
 
 The buckets are DeepSpeed's: filled in the order the gradients become ready, closed when the next
 one would overflow ``reduce_bucket_size``, which we set to ``bucket_clip.bucket_size``.
@@ -32,11 +39,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 from ..log import print0
 from .clip import assign_buckets, clip_bucket_, clip_tensors_
 from .config import BucketClipConfig
-from .zero0 import loss_scale_of
+from .scaling import averaging_factors, loss_scale_reader
 
 
 class ZeroStage12BucketClip:
@@ -59,7 +67,13 @@ class ZeroStage12BucketClip:
         self.num_buckets = len(self.expected_layout)
         """B of the uniform threshold: the number of buckets DeepSpeed's rule gives in the expected order."""
         self._micro_divisor = engine.gradient_accumulation_steps() if opt.partition_gradients else 1
-        self.post_scale = 1.0 / dist.get_world_size(group=opt.dp_process_group) if opt.gradient_average else 1.0
+        world = dist.get_world_size(group=opt.dp_process_group)
+        before, after = averaging_factors(world, average=opt.gradient_average, postscale=opt.postscale_gradients,
+                                          predivide=opt.gradient_predivide_factor)
+        # fold the average into the clip only when DeepSpeed's split is "all of it before the reduction"
+        self.fold_average = opt.gradient_average and after == 1.0
+        self.post_scale = before if self.fold_average else 1.0
+        self.loss_scale = loss_scale_reader(opt, engine.fp16_enabled())
         self._warned_layout = False
         self._current: list[list[torch.nn.Parameter]] = []
         self.last_layout: list[list[torch.nn.Parameter]] = []
@@ -90,19 +104,30 @@ class ZeroStage12BucketClip:
             tau = self.cfg.max_norm / math.sqrt(self.num_buckets)
         else:
             tau = self.cfg.max_norm * math.sqrt(numel / self.total_numel)
-        return tau * loss_scale_of(self.optimizer) / self._micro_divisor
+        return tau * self.loss_scale() / self._micro_divisor
 
     def _clip(self, comm_dtype) -> None:
         opt = self.optimizer
         bucket = opt.ipg_buckets[comm_dtype]
         if not bucket.params:
             return
+        accelerator = get_accelerator()
+        streams = not accelerator.resolves_data_dependency()  # CUDA-like: kernels on other streams may still run
+        if streams:
+            current = accelerator.current_stream()
+            for producer in bucket.copy_streams:
+                current.wait_stream(producer)
+            if opt._offload_gradient_safety_enabled:
+                for event in bucket.ready_events.values():
+                    current.wait_event(event)
         if opt.contiguous_gradients and comm_dtype not in opt.extra_large_param_to_reduce:
             flat = bucket.buffer[bucket.index].narrow(0, 0, bucket.elements)
             coef = clip_bucket_(flat, self.threshold(bucket.elements), eps=self.cfg.eps, post_scale=self.post_scale)
         else:
             coef = clip_tensors_(bucket.grads, self.threshold(sum(g.numel() for g in bucket.grads)),
                                  eps=self.cfg.eps, post_scale=self.post_scale)
+        if streams:
+            bucket.copy_streams.add(current)  # average_tensor's reduction stream waits on the clip too
         self._coefficients.append(coef)
         self._current.append([opt.bit16_groups[g][i] for g, i, _ in bucket.params])
 
@@ -111,7 +136,9 @@ class ZeroStage12BucketClip:
         dtypes = [comm_dtype] if comm_dtype is not None else list(self.optimizer.ipg_buckets)
         for dtype in dtypes:
             self._clip(dtype)
-        averaging, self.optimizer.gradient_average = self.optimizer.gradient_average, False  # done in the clip
+        averaging = self.optimizer.gradient_average
+        if self.fold_average:
+            self.optimizer.gradient_average = False  # done in the clip
         try:
             result = self._original(comm_dtype=comm_dtype)
         finally:

@@ -256,12 +256,31 @@ class Lamb(torch.optim.Optimizer):
                 "deepspeed.initialize")
         return None
 
+    def _initialise_state_only(self) -> bool:
+        """DeepSpeed's fp16/bf16 wrappers create optimizer state by stepping once with all-zero gradients
+        before training (``FP16_UnfusedOptimizer.initialize_optimizer_states``, in its ``__init__``, over
+        fp32 copies we have not been told about yet). Such a step must not move the weights (weight decay
+        alone would) nor count for bias correction: it only creates the moments. One host check, on the
+        first call only (while no state exists)."""
+        if any(self.state.values()):
+            return False
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads or bool(torch.stack([g.ne(0).any() for g in grads]).any()):
+            return False
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].update(step=0, exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                                     exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+        return True
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._initialise_state_only():
+            return loss
         grad_scale = self.last_grad_scale = self._clip_scale()
         self.last_trust_ratios = []
         for group in self.param_groups:
@@ -271,7 +290,7 @@ class Lamb(torch.optim.Optimizer):
             layout = self._layout_for(params)
             states = [self.state[p] for p in params]
             for p, st in zip(params, states):
-                if not st:
+                if "step" not in st:
                     st["step"] = 0
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -45,18 +45,34 @@ def checkpoint_root(output_dir: str) -> str:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, numpy, torch (and CUDA) RNG states as tensors, numbers and strings only, so that
+    :func:`load_rng_state` reads them with ``torch.load(weights_only=True)``: a crafted checkpoint
+    cannot run code through them (unlike a pickled ``random.getstate()`` tuple)."""
+    version, internal, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
+                        "gauss_next": gauss_next},
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
+    npy = state["numpy"]
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_rng_state(path: str) -> dict:
+    return torch.load(path, weights_only=True)
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -155,10 +171,10 @@ def load(engine, root: str, *, rank: int) -> Optional[dict]:
             if path is None:
                 error = "DeepSpeed found nothing to load"
             else:
-                set_rng_state(torch.load(os.path.join(root, tag, f"rng_rank{rank}.pt"), weights_only=False))
+                set_rng_state(load_rng_state(os.path.join(root, tag, f"rng_rank{rank}.pt")))
         except Exception as exc:  # corrupt or truncated files: try the next older checkpoint
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-        ok = torch.tensor([0.0 if error else 1.0])
+        ok = torch.tensor([0.0 if error else 1.0], device=engine.device)  # NCCL reduces accelerator tensors only
         if dist.is_initialized():
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if ok.item() == 1.0:

@@ -115,7 +115,7 @@ def prepare(args: argparse.Namespace, topo: Topology) -> Prepared:
             if data.num_labels > f.num_labels:
                 raise ConfigError(f"finetune.num_labels: {data.source} has label {data.num_labels - 1}, "
                                   f"outside 0..{f.num_labels - 1}")
-    return Prepared(cfg.with_deepspeed(ds), model_dir, train, validation)
+    return Prepared(cfg.with_deepspeed(ds, resolved_for=topo.world_size), model_dir, train, validation)
 
 
 def tokenize(tokenizer, data: LabelledData, max_length: int) -> list[list[int]]:

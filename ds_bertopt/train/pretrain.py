@@ -92,7 +92,7 @@ def prepare(args: argparse.Namespace, topo: Topology) -> RunConfig:
         expand_train_files(cfg.bertopt.data.train_files, cfg.bertopt.data.text_field)
     if args.resume is not None:
         checkpoint.resolve_resume_dir(args.resume, output_dir)
-    return cfg.with_deepspeed(ds)
+    return cfg.with_deepspeed(ds, resolved_for=topo.world_size)
 
 
 def seed_everything(seed: int) -> None:

@@ -40,16 +40,20 @@ def micro_batches(rank: int, count: int, step: int = 0):
             for _ in range(count)]
 
 
-def ds_config(stage: int, gas: int, clip: dict | None, bf16: bool = False) -> dict:
+def ds_config(stage: int, gas: int, clip: dict | None, bf16: bool = False, extra: dict | None = None) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "zero_optimization": {"stage": stage, "overlap_comm": True,
                                                            "contiguous_gradients": True}}
     if bf16:
         cfg["bf16"] = {"enabled": True, "check_grad_overflow": True}
+    # precision pinned: "auto" would pick bf16 on CPUs with native bf16 and miss the fp32 tolerances
+    cfg["bertopt"] = {"train": {"precision": "bf16" if bf16 else "fp32"}}
     if clip is None:
         cfg["gradient_clipping"] = 0.0
     else:
-        cfg["bertopt"] = {"bucket_clip": {"enabled": True, "bucket_size": BUCKET, **clip}}
+        cfg["bertopt"]["bucket_clip"] = {"enabled": True, "bucket_size": BUCKET, **clip}
+    for key, value in (extra or {}).items():  # top-level DeepSpeed keys; dicts merge one level deep
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
     return cfg
 
 
@@ -130,14 +134,14 @@ def expected_reduced(engine, reference, batches, *, stage, max_norm, mode, dtype
     return reference_reduced(micro, names, thresholds, eps, per_micro=(stage == 2 and len(batches) > 1)), names
 
 
-def build_engine(stage, gas, clip, *, bf16=False, unused=False):
+def build_engine(stage, gas, clip, *, bf16=False, unused=False, extra=None):
     from ds_bertopt.engine import initialize
 
     torch.manual_seed(0)
     model = TinyLM(unused=unused)
     reference = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    engine, *_ = initialize(config=ds_config(stage, gas, clip, bf16), model=model, optimizer=optimizer)
+    engine, *_ = initialize(config=ds_config(stage, gas, clip, bf16, extra), model=model, optimizer=optimizer)
     return engine, reference
 
 

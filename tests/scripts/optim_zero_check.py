@@ -5,8 +5,10 @@ Two ways in, same work (:func:`run_checks`), results written as ``.pt`` files by
 * ``tests/test_optim_zero.py`` spawns ranks with torch.multiprocessing (:func:`spawn_worker`);
 * the real launcher: ``deepspeed --num_gpus 2 tests/scripts/optim_zero_check.py --out DIR [--checks ...]``.
 
-Model: a tiny BERT masked LM, fp32 (no bf16 block: ZeRO-0 vs ZeRO-1/2 is then exact up to the
-summation order of the per-layer norms), dropout off so every stage sees the same function.
+Model: a tiny BERT masked LM, dropout off so every stage sees the same function. Precision is pinned
+(``train.precision``), never ``auto``: fp32 for the ZeRO-0 vs ZeRO-1/2 comparison (exact up to the
+summation order of the per-layer norms), and bf16 on purpose for the same comparison through
+DeepSpeed's bf16 wrappers (``FP16_UnfusedOptimizer`` at ZeRO 0, ``DeepSpeedZeroOptimizer`` at 1/2).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ if ROOT not in sys.path:
 
 VOCAB, SEQ, MICRO = 97, 12, 2
 ALL_CHECKS = ("stages", "per_shard", "resume", "bf16")
+BF16_STAGES = (0, 1, 2)
 
 
 def tiny_bert():
@@ -49,11 +52,10 @@ def engine_for(stage: int, *, max_grad_norm: float, bf16: bool = False, max_step
     from ds_bertopt.engine import initialize
 
     bertopt = {"optimizer": {"type": "lamb", "lr": 0.02, "weight_decay": 0.01, "max_grad_norm": max_grad_norm},
-               "schedule": {"type": "poly", "warmup_steps": 2}, "train": {"max_steps": max_steps}}
+               "schedule": {"type": "poly", "warmup_steps": 2},
+               "train": {"max_steps": max_steps, "precision": "bf16" if bf16 else "fp32"}}
     ds = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
-    if bf16:
-        ds["bf16"] = {"enabled": True}
     model = tiny_bert()
     if bf16:
         model = model.to(torch.bfloat16)
@@ -77,6 +79,18 @@ def train_steps(engine, lamb, first: int, last: int) -> list[float]:
 
 def flat_params(engine) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
+
+
+def fp32_masters(engine) -> torch.Tensor:
+    """The fp32 master weights DeepSpeed keeps behind bf16 parameters, whole (gathered across ranks)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    wrapper = engine.optimizer
+    copies = {}  # ZeRO 0: FP16_UnfusedOptimizer keeps one fp32 copy per parameter, group by group
+    for low, high in zip(getattr(wrapper, "fp16_groups", ()), getattr(wrapper, "fp32_groups", ())):
+        copies.update({id(p): c for p, c in zip(low, high)})
+    return torch.cat([(copies[id(p)] if id(p) in copies else safe_get_full_fp32_param(p)).detach().float().reshape(-1)
+                      for p in engine.module.parameters()])
 
 
 def optimizer_state(lamb) -> torch.Tensor:
@@ -131,10 +145,19 @@ def run_checks(out_dir: str, checks=ALL_CHECKS, steps: int = 4) -> None:
                        "lr": engine.get_lr()[0], "sched": engine.lr_scheduler.state_dict()["last_epoch"]}
             results[f"resume{stage}"] = {"straight": straight, "resumed": resumed}
     if "bf16" in checks:
-        engine, lamb = engine_for(1, max_grad_norm=1.0, bf16=True)
-        train_steps(engine, lamb, 0, 2)
-        results["bf16"] = {"params": flat_params(engine), "wrapper": type(engine.optimizer).__name__,
-                           "fragments": sum(len(l.fragments) for l in lamb._layouts.values())}
+        for stage in BF16_STAGES:
+            engine, lamb = engine_for(stage, max_grad_norm=0.05, bf16=True)
+            scales = train_steps(engine, lamb, 0, steps)
+            results[f"bf16_stage{stage}"] = {
+                "params": flat_params(engine), "masters": fp32_masters(engine), "grad_scales": scales,
+                "wrapper": type(engine.optimizer).__name__, "steps": sorted({lamb.state[p]["step"] for g in
+                                                                             lamb.param_groups for p in g["params"]}),
+                "fragments": sum(len(l.fragments) for l in lamb._layouts.values())}
+        engine, lamb = engine_for(1, max_grad_norm=0.05, bf16=True)  # the per-shard control, in bf16
+        for group in lamb.param_groups:
+            lamb.set_layout(group["params"][0], Layout.whole([group["params"][0]]))
+        train_steps(engine, lamb, 0, steps)
+        results["bf16_per_shard"] = {"masters": fp32_masters(engine)}
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "optim_zero_check.pt"))
     torch.distributed.barrier()
