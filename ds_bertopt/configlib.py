@@ -20,7 +20,7 @@ import json
 import math
 import types
 import typing
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 from .errors import ConfigError
 
@@ -157,3 +157,97 @@ def parse_override(text: str) -> tuple[str, Any]:
     except json.JSONDecodeError:
         value = raw
     return key, value
+
+
+# ------------------------------------------------------------------------------------------------
+# The command line, generated from the dataclasses: every field is a flag, its docstring the help.
+# ------------------------------------------------------------------------------------------------
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: docstring}`` of a config dataclass, read from the string literal after each field."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def iter_fields(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, Any, Any, str]]:
+    """``(dotted key, annotation, default, docstring)`` of every leaf field below ``cls``."""
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    for f in dataclasses.fields(cls):
+        key, tp = f"{prefix}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from iter_fields(tp, f"{key}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        yield key, tp, default, docs.get(f.name, "")
+
+
+def _cli_kind(tp: Any) -> tuple[Any, Optional[str], Optional[tuple]]:
+    """``(argparse type, nargs, choices)`` for an annotation; values are re-parsed by :func:`load_section`."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _cli_kind(inner[0]) if len(inner) == 1 else (str, None, None)
+    if origin is Literal:
+        return type(args[0]), None, args
+    if origin in (tuple, list):
+        item = args[0] if args else str
+        return (item if item in (int, float, str) else str), "+", None
+    if tp is bool:
+        return _parse_bool, None, None
+    return (tp if tp in (int, float, str) else str), None, None
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+_parse_bool.__name__ = "true/false"  # argparse names the type in its error message
+
+
+def add_config_arguments(parser, cls: type, root: str, shortcuts: Optional[dict[str, str]] = None) -> None:
+    """Add ``--<section>.<field>`` for every field below ``cls`` (and ``--<shortcut>`` for the keys named in
+    ``shortcuts``), with the field's docstring as help. Parsed values are kept as given; turn them into
+    overrides with :func:`overrides_from_namespace`, so one loader validates file, flags and ``-o`` alike."""
+    import argparse
+
+    by_key = {key: (tp, default, doc) for key, tp, default, doc in iter_fields(cls)}
+    aliases: dict[str, list[str]] = {}
+    for flag, key in (shortcuts or {}).items():
+        if key not in by_key:
+            raise KeyError(f"shortcut --{flag}: {root}.{key} is not a config field")
+        aliases.setdefault(key, []).append(flag)
+    groups: dict[str, Any] = {}
+    for key, (tp, default, doc) in by_key.items():
+        section = key.split(".")[0]
+        if section not in groups:
+            groups[section] = parser.add_argument_group(f"{root}.{section}")
+        kind, nargs, choices = _cli_kind(tp)
+        help_text = (doc.replace("%", "%%") + f" (built-in default: {json.dumps(to_dict(default))})").strip()
+        names = [f"--{flag}" for flag in aliases.get(key, [])] + [f"--{key}"]
+        extra = {"nargs": "?", "const": True, "metavar": "true|false"} if kind is _parse_bool else {
+            "nargs": nargs, "choices": choices, "metavar": key.rsplit(".", 1)[-1].upper()}
+        groups[section].add_argument(*names, dest=f"cfg:{key}", type=kind, default=argparse.SUPPRESS,
+                                     help=help_text, **extra)
+
+
+def overrides_from_namespace(namespace) -> list[str]:
+    """The ``key=json`` overrides of the config flags given on the command line (see :func:`add_config_arguments`)."""
+    out = []
+    for dest, value in vars(namespace).items():
+        if dest.startswith("cfg:"):
+            out.append(f"{dest[4:]}={json.dumps(list(value) if isinstance(value, tuple) else value)}")
+    return out

@@ -166,6 +166,9 @@ def _rendezvous(topo: Topology, addr: str, port: int, timeout_s: int):
         store = dist.TCPStore(addr, port, world_size=topo.world_size, is_master=topo.rank == 0,
                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     except Exception as exc:  # noqa: BLE001 - torch raises several types for an unreachable master
+        if topo.rank == 0 and ("EADDRINUSE" in str(exc) or "address already in use" in str(exc)):
+            raise BertOptError(f"port {port} on {addr} is already in use (another job on this machine?): start the "
+                               f"launcher with another --master_port (e.g. deepspeed --master_port {port + 1})") from None
         raise BertOptError(f"cannot reach the rendezvous at {addr}:{port} within {timeout_s} s "
                            f"({type(exc).__name__}); check MASTER_ADDR/MASTER_PORT and that rank 0 started") from None
     store.set(f"ds_bertopt/view/{topo.rank}", json.dumps(view))

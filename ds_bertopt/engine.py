@@ -3,12 +3,15 @@
 It takes the same arguments as ``deepspeed.initialize`` (``config`` may be a path, a dict with a
 ``"bertopt"`` section, or a :class:`~ds_bertopt.config.RunConfig`), and:
 
-1. resolves the batch triple for the current world size and refuses fp16 on CPU,
+1. resolves the batch triple for the current world size, sets the precision (refusing fp16 on CPU) and
+   checks DeepSpeed's part with DeepSpeed's own parser (:mod:`ds_bertopt.dsconfig`),
 2. turns DeepSpeed's ``gradient_clipping`` off when our bucket-clip hook replaces it (logged),
 3. calls ``deepspeed.initialize`` with DeepSpeed's part of the config only,
 4. installs the engine extensions the config asks for: the bucket-clip hook
    (:func:`ds_bertopt.comm.install_bucket_clip`) and any client optimizer that needs to see the
-   engine (an optimizer with an ``attach_engine(engine)`` method, e.g. LAMB under ZeRO 1/2).
+   engine: our LAMB (:func:`ds_bertopt.optim.zero.attach_lamb` keeps its trust ratio layer-wise under ZeRO 1/2),
+   and the non-finite guard (:mod:`ds_bertopt.nonfinite`: a step with inf/NaN gradients is skipped at every
+   precision and ZeRO stage; ``engine.was_step_applied()`` says so).
 
 It returns DeepSpeed's 4-tuple unchanged in shape.
 """
@@ -19,8 +22,12 @@ from typing import Any
 
 from .config import BertOptConfig, RunConfig, apply_precision, load_config, resolve_batch
 from .configlib import load_section
+from .dsconfig import check_deepspeed_config
 from .errors import ConfigError
 from .log import print0
+from .nonfinite import install_nonfinite_guard
+from .optim.lamb import Lamb
+from .optim.zero import attach_lamb
 
 
 def _as_run_config(config: Any) -> RunConfig:
@@ -71,10 +78,11 @@ def check_monitor_packages(ds: dict) -> None:
 
 def prepare_deepspeed_config(cfg: RunConfig, world_size: int, device_type: str) -> dict:
     """DeepSpeed's part of ``cfg``, batch-resolved and adjusted for our extensions."""
-    check_combinations(cfg.bertopt, cfg.deepspeed)
-    check_monitor_packages(cfg.deepspeed)
     ds = resolve_batch(cfg.deepspeed, world_size)
     precision, why = apply_precision(ds, cfg.bertopt.train.precision, device_type)
+    check_deepspeed_config(ds)  # DeepSpeed's own parser: unknown keys, typos in blocks, wrong types
+    check_combinations(cfg.bertopt, ds)
+    check_monitor_packages(ds)
     print0(f"precision: {precision} ({why})")
     if cfg.bertopt.bucket_clip.enabled and ds.get("gradient_clipping", 0):
         print0(f"bucket_clip is on: DeepSpeed's gradient_clipping ({ds['gradient_clipping']}) set to 0; "
@@ -105,9 +113,7 @@ def initialize(*, config: Any, model, **kwargs):
 
 def _allow_our_optimizer_under_zero(ds: dict, optimizer) -> None:
     """DeepSpeed's ZeRO 1/2 refuses client optimizers it has not tested unless told otherwise
-    (``zero_allow_untested_optimizer``); our LAMB is made ZeRO-aware through ``attach_engine``."""
-    from .optim.lamb import Lamb
-
+    (``zero_allow_untested_optimizer``); our LAMB is made ZeRO-aware by :func:`attach_extensions`."""
     stage = int(ds.get("zero_optimization", {}).get("stage", 0))
     if isinstance(optimizer, Lamb) and stage in (1, 2) and not ds.get("zero_allow_untested_optimizer"):
         print0(f"LAMB under ZeRO {stage}: zero_allow_untested_optimizer set to true "
@@ -122,6 +128,6 @@ def attach_extensions(engine, bertopt: BertOptConfig) -> None:
 
         install_bucket_clip(engine, bertopt.bucket_clip)
     client = getattr(engine, "client_optimizer", None)
-    attach = getattr(client, "attach_engine", None)
-    if callable(attach):
-        attach(engine)
+    if isinstance(client, Lamb):
+        attach_lamb(client, engine)
+    print0(f"non-finite gradients skip the step ({install_nonfinite_guard(engine)})")

@@ -34,7 +34,8 @@ def release_shm(cmd: list[str]) -> None:
     unlinked them, or scripts that call deepspeed directly): see ``ds_bertopt.dist.release_shm_buffer``."""
     from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers
 
-    port = cmd[cmd.index("--master_port") + 1] if "--master_port" in cmd else "29500"
+    flag = next((f for f in ("--master_port", "--main_process_port") if f in cmd), None)
+    port = cmd[cmd.index(flag) + 1] if flag else "29500"
     remove_deepspeed_shm_buffers("127.0.0.1", port)
 
 

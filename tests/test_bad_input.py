@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from ds_bertopt.cli import main as cli_main
-from ds_bertopt.train.pretrain import main as pretrain_main
+from ds_bertopt.train.tasks.pretrain import main as pretrain_main
 
 CONFIG = "ds_configs/bert.json"
 
@@ -80,6 +80,18 @@ CASES = [
      "model.init_checkpoint: the model's vocabulary has 99 entries but the tokenizer has 30522"),
     ("steps-zero", ["--max_steps", "0"], "bertopt.train.max_steps: must be positive"),
     ("bad-override-form", ["-o", "train.max_steps"], "is not of the form key.path=value"),
+    # DeepSpeed's own keys, checked by DeepSpeed's parser before anything starts
+    ("ds-key-typo", ["-o", "deepspeed.gradient_accumulation_step=4"],
+     "deepspeed: unknown key 'gradient_accumulation_step' (did you mean 'gradient_accumulation_steps'?)"),
+    ("ds-block-typo", ["-o", "deepspeed.zero_optimization.stag=2"],
+     "deepspeed.zero_optimization: unknown key 'stag' (did you mean 'stage'?)"),
+    ("ds-wrong-type", ["-o", "deepspeed.gradient_clipping=\"1.0\""], "deepspeed.gradient_clipping: expected a number"),
+    ("ds-bf16-not-a-block", ["-o", "deepspeed.bf16=true"], "deepspeed.bf16: expected an object such as"),
+    ("ds-zero-stage-text", ["-o", "deepspeed.zero_optimization.stage=\"two\""],
+     "deepspeed.zero_optimization.stage: Input should be 0, 1, 2, 3"),
+    ("no-length", ["-o", "train.max_steps=null"], "bertopt.train: set max_steps or epochs"),
+    ("cli-flag-typo", ["--max_step", "3"], "unrecognized arguments: --max_step 3"),
+    ("resume-and-overwrite", ["--resume", "--overwrite_output_dir"], "--resume and train.overwrite_output_dir"),
 ]
 
 
@@ -90,12 +102,34 @@ def test_pretrain_rejects_with_one_line(files, capsys, monkeypatch, argv, fragme
     if "--deepspeed_config" not in argv:
         argv = ["--deepspeed_config", CONFIG, *argv]
     before = set(os.listdir(files))
-    code = pretrain_main([*argv, "--output_dir", str(files / "out")])
+    try:
+        code = pretrain_main([*argv, "--output_dir", str(files / "out")])
+    except SystemExit as exit_:  # argparse: a flag that does not exist
+        code = exit_.code
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and len(lines) == 1, err
     assert fragment.format(d=files) in lines[0]
     assert set(os.listdir(files)) == before  # nothing half-written
+
+
+def test_output_dir_rules(files, capsys, monkeypatch):
+    """A file is not a directory; an earlier run is neither mixed into nor resumed by accident."""
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    (files / "a_file").write_text("x")
+    assert pretrain_main(["--deepspeed_config", CONFIG, "--output_dir", str(files / "a_file")]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    run = files / "earlier_run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    snapshot = sorted(os.walk(run))
+    assert pretrain_main(["--deepspeed_config", CONFIG, "--output_dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"train.output_dir: {run} already holds a run; continue it with --resume, replace it with " \
+           "--overwrite_output_dir" in err
+    assert pretrain_main(["--deepspeed_config", CONFIG, "--output_dir", str(run), "--resume"]) == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err
+    assert sorted(os.walk(run)) == snapshot and (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
 @pytest.mark.parametrize("env, fragment", [

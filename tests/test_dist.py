@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ds_bertopt.dist import Topology, topology_from_env, verify_topology
 from ds_bertopt.errors import BertOptError
@@ -110,6 +111,7 @@ def test_init_distributed_binds_the_device_first(monkeypatch):
         raise BertOptError("stop here")
 
     monkeypatch.setattr(dist_mod, "_rendezvous", rendezvous)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # an earlier test may have made one
     with pytest.raises(BertOptError, match="stop here"):
         dist_mod.init_distributed(dist_mod.Topology(0, 1, 0, 1, 0))
     assert calls == ["bind", "rendezvous"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ds_bertopt.errors import DataError
-from ds_bertopt.train.labelled import load_labelled
+from ds_bertopt.data.labelled import load_labelled
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

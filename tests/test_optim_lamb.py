@@ -208,7 +208,7 @@ def test_unattached_flat_shard_is_refused():
     flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))
     lamb.param_groups[0]["params"] = [flat]  # what ZeRO 1/2 do to a client optimizer
     flat.grad = torch.ones_like(flat)
-    with pytest.raises(RuntimeError, match="attach_engine"):
+    with pytest.raises(RuntimeError, match="attach_lamb"):
         lamb.step()
 
 

@@ -119,7 +119,7 @@ def test_config_errors_name_the_key(tmp_path, section, override, message):
 
 
 def _bertopt(**sections) -> BertOptConfig:
-    return load_section(BertOptConfig, sections, "bertopt")
+    return load_section(BertOptConfig, {"train": {"max_steps": 100}, **sections}, "bertopt")
 
 
 def test_build_scales_lr_prints_it_and_returns_lamb(capsys):
@@ -142,6 +142,11 @@ def test_build_turns_lamb_clipping_off_under_bucket_clip(capsys):
     optimizer, _ = build(model, cfg, global_batch=8, zero_stage=0)
     assert optimizer.max_grad_norm == 0.0
     assert "LAMB's own global-norm clipping (max_grad_norm 1) is off" in capsys.readouterr().out
+
+
+def test_build_needs_the_run_length():
+    with pytest.raises(ConfigError, match="train.max_steps: the learning-rate schedule needs the run's length"):
+        build(torch.nn.Linear(3, 3), load_section(BertOptConfig, {}, "bertopt"), global_batch=8, zero_stage=0)
 
 
 def test_build_refuses_lamb_under_zero3():

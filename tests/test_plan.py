@@ -7,13 +7,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds_bertopt.data.balance_cli import mlperf_phase2_lengths
-from ds_bertopt.data.config import STRATEGIES, SamplerConfig
-from ds_bertopt.data.cost import CostModel, plan_figures, rank_work
-from ds_bertopt.data.plan import (balance_order, bin_index, deal, plan_epoch, quantile_bin_edges,
-                                  refine_by_swaps, snake_order, split_across_nodes, step_bin_counts)
-from ds_bertopt.errors import BertOptError, ConfigError
+from ds_bertopt.data.config import PACKED_STRATEGIES, STRATEGIES, SamplerConfig
+from ds_bertopt.data.cost import CostModel, padded_lengths, plan_figures, rank_work, slot_lengths
+from ds_bertopt.data.plan import (balance_order, bin_index, contiguous_groups, deal, pack_by_cost, plan_epoch,
+                                  quantile_bin_edges, refine_by_swaps, refine_packing, snake_order,
+                                  split_across_nodes, step_bin_counts)
+from ds_bertopt.errors import BertOptError, ConfigError, DataError
 
 STRATIFIED = [s for s in STRATEGIES if s.startswith("stratified")]
+NODE_POOLED = ["stratified_node_balance", *PACKED_STRATEGIES]  # node pools of split_across_nodes
 
 
 @st.composite
@@ -45,6 +47,20 @@ def make_plan(setup, strategy, cfg=None):
                       cfg=cfg, seed=setup["seed"], epoch=setup["epoch"])
 
 
+def step_sets(plan) -> np.ndarray:
+    """``[steps, G]``: every step's samples, sorted (unused ``-1`` slots left out)."""
+    rows = [np.sort(step[step >= 0]) for step in plan.indices.reshape(plan.steps, -1)]
+    assert len({len(r) for r in rows}) == 1, "steps hold different numbers of samples"
+    return np.stack(rows)
+
+
+def node_sets(plan, ranks_per_node: int) -> list:
+    """``[steps][nodes]`` sorted samples of every node's ranks."""
+    steps, world = plan.indices.shape[:2]
+    pools = plan.indices.reshape(steps, world // ranks_per_node, -1)
+    return [[np.sort(pool[pool >= 0]) for pool in step] for step in pools]
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups())
@@ -52,12 +68,21 @@ def test_every_sample_at_most_once_and_the_rest_counted(strategy, setup):
     plan = make_plan(setup, strategy)
     n = len(setup["lengths"])
     w, a, m = setup["world_size"], setup["grad_accum"], setup["micro_batch"]
-    assert plan.indices.shape[1:] == (w, a, m)  # every rank: the same number of equal micro-batches
-    flat = plan.indices.ravel()
+    if strategy in PACKED_STRATEGIES:  # micro-batches of varying size, unused slots -1 after the used ones
+        assert plan.indices.shape[1:3] == (w, a) and plan.indices.dtype == np.int64
+        used = plan.indices >= 0
+        assert (np.diff(used.astype(np.int8), axis=3) <= 0).all(), "an unused slot before a used one"
+        assert (plan.micro_batch_sizes >= 1).all(), "an empty micro-batch"
+        assert used[..., -1].any(), "the slot axis is wider than the largest micro-batch"
+        assert (plan.indices[~used] == -1).all()
+    else:
+        assert plan.indices.shape[1:] == (w, a, m)  # every rank: the same number of equal micro-batches
+    flat = plan.indices[plan.indices >= 0]
     assert flat.min() >= 0 and flat.max() < n
     assert len(np.unique(flat)) == flat.size, "a sample appears twice in one epoch"
     assert plan.dropped == n - flat.size
     global_batch = w * a * m
+    assert (plan.micro_batch_sizes.sum(axis=(1, 2)) == global_batch).all(), "a step without a whole global batch"
     if strategy in ("random", "sorted_megabatch", "global_sort"):
         assert plan.dropped < global_batch
     else:  # a bin gives every rank a whole number: at most (world - 1) samples per bin stay unused
@@ -72,8 +97,7 @@ def test_global_batch_of_a_step_does_not_depend_on_the_node_size(strategy, setup
     world = setup["world_size"]
     other = make_plan({**setup, "ranks_per_node": other_rpn if world % other_rpn == 0 else world}, strategy)
     mine = make_plan(setup, strategy)
-    flat = lambda plan: np.sort(plan.indices.reshape(plan.steps, -1), axis=1)
-    np.testing.assert_array_equal(flat(mine), flat(other))
+    np.testing.assert_array_equal(step_sets(mine), step_sets(other))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -336,5 +360,197 @@ def test_bad_input_is_one_clear_line():
                          ({"strategy": "snake"}, "strategy: \"snake\" is not one of")]:
         from ds_bertopt.configlib import load_section
 
+        with pytest.raises(ConfigError, match=message):
+            load_section(SamplerConfig, cfg, "sampler")
+
+
+# ------------------------------------------------------------------------------------------------
+# packed strategies: micro-batches of varying size
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", PACKED_STRATEGIES)
+@settings(max_examples=40, deadline=None)
+@given(setup=setups(), each=st.booleans())
+def test_packed_plans_deal_only_within_their_node_pools(strategy, setup, each):
+    """No sample leaves its node: a node's ranks hold exactly its share of split_across_nodes, with
+    ranks_per_node × the per-rank bin counts of the stratified draw."""
+    plan = make_plan(setup, strategy, SamplerConfig(balance_each_micro_batch=each))
+    assert plan.stratum == "node"
+    rpn, world, lengths = setup["ranks_per_node"], setup["world_size"], setup["lengths"]
+    stratified = make_plan(setup, "stratified")
+    np.testing.assert_array_equal(plan.bin_counts, rpn * stratified.bin_counts)
+    pools = split_across_nodes(stratified.indices.reshape(plan.steps, -1), lengths, world // rpn, CostModel())
+    for step, nodes in enumerate(node_sets(plan, rpn)):
+        for node, samples in enumerate(nodes):
+            np.testing.assert_array_equal(samples, np.sort(pools[step, node]))
+    # within a micro-batch, longest sample first
+    lens = slot_lengths(plan.indices, lengths)
+    assert (np.diff(np.where(plan.indices >= 0, lens, 0), axis=3) <= 0).all()
+
+
+@pytest.mark.parametrize("strategy", PACKED_STRATEGIES)
+@settings(max_examples=60, deadline=None)
+@given(setup=setups(), tokens=st.floats(0.5, 1.3), samples=st.integers(0, 12), each=st.booleans())
+def test_packed_budgets_are_respected_or_the_plan_fails_clearly(strategy, setup, tokens, samples, each):
+    """Every micro-batch within ``micro_batch_tokens`` (real tokens, or samples × padded length) and
+    ``max_micro_batch_samples``; a budget that cannot hold a step is one clear error, never a wrong plan."""
+    lengths, micro = setup["lengths"], setup["micro_batch"]
+    padded = strategy == "padded_node_balance"
+    longest = int(padded_lengths(lengths.max(), 8)) if padded else int(lengths.max())
+    budget = max(longest, int(tokens * micro * longest))  # at least the longest sample (tested on its own)
+    cap = micro + samples
+    cfg = SamplerConfig(micro_batch_tokens=budget, max_micro_batch_samples=cap, balance_each_micro_batch=each)
+    try:
+        plan = make_plan(setup, strategy, cfg)
+    except BertOptError as exc:
+        assert budget < micro * longest, f"the default-sized budget {budget} failed: {exc}"
+        assert "do not fit" in str(exc)
+        return
+    lens = slot_lengths(plan.indices, lengths)
+    held = (lens > 0).sum(axis=3) * padded_lengths(lens.max(axis=3), 8) if padded else lens.sum(axis=3)
+    assert held.max() <= budget
+    assert plan.micro_batch_sizes.max() <= cap
+    assert (plan.micro_batch_sizes >= 1).all()
+
+
+@pytest.mark.parametrize("strategy", PACKED_STRATEGIES)
+@pytest.mark.parametrize("micro, accum, share", [(16, 1, 0.7), (4, 4, 0.9), (2, 8, 0.95)])
+def test_tight_budgets_on_the_mlperf_mix_are_met(strategy, micro, accum, share):
+    """Budgets below the default (micro-batch × longest) that a step can meet: every micro-batch within them."""
+    lengths = mlperf_phase2_lengths(64 * micro * accum * 6, np.random.default_rng(micro))
+    padded = strategy == "padded_node_balance"
+    budget = int(share * micro * 512)
+    cfg = SamplerConfig(micro_batch_tokens=budget, max_micro_batch_samples=3 * micro)
+    plan = plan_epoch(lengths, world_size=64, ranks_per_node=8, micro_batch=micro, grad_accum=accum,
+                      strategy=strategy, cfg=cfg, seed=2)
+    lens = slot_lengths(plan.indices, lengths)
+    held = (lens > 0).sum(axis=3) * padded_lengths(lens.max(axis=3), 8) if padded else lens.sum(axis=3)
+    assert held.max() <= budget < micro * 512
+    assert plan.micro_batch_sizes.max() <= 3 * micro and (plan.micro_batch_sizes >= 1).all()
+    assert (plan.micro_batch_sizes.sum(axis=(1, 2)) == 64 * micro * accum).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(pools=st.integers(1, 6), bins=st.integers(1, 6), per_bin=st.integers(1, 6), min_samples=st.integers(1, 3),
+       seed=st.integers(0, 10 ** 6))
+def test_cost_packing_fills_every_bin_and_stays_within_one_item_of_the_lightest(pools, bins, per_bin, min_samples,
+                                                                                 seed):
+    rng = np.random.default_rng(seed)
+    size = bins * max(per_bin, min_samples)
+    tokens = -np.sort(-rng.integers(1, 513, size=(pools, size)), axis=1)
+    costs = CostModel().sample(tokens)
+    members, feasible = pack_by_cost(costs, tokens, bins, max_samples=size, max_tokens=10 ** 9,
+                                     min_samples=min_samples)
+    assert feasible.all()
+    used = members >= 0
+    assert (used.sum(axis=2) >= min_samples).all()
+    every_item = np.tile(np.arange(size), (pools, 1))
+    np.testing.assert_array_equal(np.sort(members[used].reshape(pools, -1), axis=1), every_item)
+    load = np.where(used, np.take_along_axis(costs[:, None, :], np.maximum(members, 0), axis=2), 0).sum(axis=2)
+    if min_samples == 1:  # plain LPT: the busiest bin's last item went to the then least-loaded bin
+        assert (load.max(axis=1) - load.min(axis=1) <= costs.max(axis=1) + 1e-9).all()
+    better = refine_packing(members, costs, tokens, size, 10 ** 9, rounds=20, min_samples=min_samples)
+    refined = (better >= 0)
+    after = np.where(refined, np.take_along_axis(costs[:, None, :], np.maximum(better, 0), axis=2), 0).sum(axis=2)
+    assert (after.max(axis=1) <= load.max(axis=1) + 1e-9).all()
+    assert (refined.sum(axis=2) >= min_samples).all()
+    np.testing.assert_array_equal(np.sort(better[refined].reshape(pools, -1), axis=1), every_item)
+
+
+def test_cost_packing_respects_budgets_and_reports_what_does_not_fit():
+    tokens = np.array([[300, 200, 200, 100], [500, 500, 500, 10]])
+    members, feasible = pack_by_cost(CostModel().sample(tokens), tokens, 2, max_samples=3, max_tokens=600)
+    assert feasible.tolist() == [True, False]
+    held = np.where(members[0] >= 0, tokens[0][np.maximum(members[0], 0)], 0).sum(axis=1)
+    assert held.max() <= 600 and sorted(members[0][members[0] >= 0].tolist()) == [0, 1, 2, 3]
+
+
+def _best_cut(unit, capacity, groups):
+    """Brute force: the smallest largest run cost over every cut into `groups` non-empty runs."""
+    import itertools
+
+    size, best = len(unit), np.inf
+    for cuts in itertools.combinations(range(1, size), groups - 1):
+        bounds = (0, *cuts, size)
+        runs = [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+        if all(n <= capacity[a] for a, n in runs):
+            best = min(best, max(n * unit[a] for a, n in runs))
+    return best
+
+
+@settings(max_examples=80, deadline=None)
+@given(size=st.integers(1, 9), groups=st.integers(1, 5), cap=st.integers(1, 9), seed=st.integers(0, 10 ** 6))
+def test_contiguous_groups_find_the_smallest_largest_run(size, groups, cap, seed):
+    groups = min(groups, size)
+    rng = np.random.default_rng(seed)
+    lengths = -np.sort(-rng.choice([8, 16, 24, 64, 512], size=size))
+    unit = CostModel().sample(lengths)[None, :]
+    capacity = np.full((1, size), cap)
+    starts, counts, feasible = contiguous_groups(unit, capacity, groups)
+    best = _best_cut(unit[0], capacity[0], groups)
+    assert feasible[0] == np.isfinite(best)
+    if not feasible[0]:
+        return
+    assert (counts >= 1).all() and counts.sum() == size and (counts <= cap).all()
+    np.testing.assert_array_equal(starts[0], np.concatenate([[0], np.cumsum(counts[0])[:-1]]))
+    largest = (counts[0] * unit[0, starts[0]]).max()
+    assert largest == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("micro, accum", [(16, 1), (2, 8)])
+def test_packed_plans_beat_fixed_micro_batches_on_the_mlperf_mix(micro, accum):
+    """256 ranks on the MLPerf phase-2 mix: packed_node_balance balances the unpadded work to ≤ 1.02 and at
+    least matches fixed micro-batches; padded_node_balance beats them on padded kernels (by far at 16 × 1,
+    where every fixed-size micro-batch of 16 holds a full-length sample)."""
+    rng = np.random.default_rng(7)
+    world, rpn, steps = 256, 8, 20
+    lengths = mlperf_phase2_lengths((steps + 1) * world * micro * accum, rng)
+    kw = dict(world_size=world, ranks_per_node=rpn, micro_batch=micro, grad_accum=accum, seed=1)
+    figures = {}
+    for strategy, padded in [("stratified_node_balance", True), ("stratified_node_balance", False),
+                             ("packed_node_balance", True), ("padded_node_balance", True), ("random", True)]:
+        plan = plan_epoch(lengths, strategy=strategy, cfg=SamplerConfig(padded=padded), **kw)
+        figures[strategy, padded] = plan_figures(slot_lengths(plan.indices, lengths), CostModel(), 8)
+    packed, padded_plan = figures["packed_node_balance", True], figures["padded_node_balance", True]
+    fixed_unpadded, fixed_padded = figures["stratified_node_balance", False], figures["stratified_node_balance", True]
+    base = figures["random", True].padded_step_time
+    assert packed.imbalance_mean <= 1.02
+    assert packed.step_time <= fixed_unpadded.step_time * 1.001
+    assert packed.step_time / base <= 0.55
+    assert padded_plan.padded_step_time <= fixed_padded.padded_step_time * 1.001
+    if accum == 1:
+        assert padded_plan.padded_step_time / base < 0.7 < fixed_padded.padded_step_time / base
+        assert padded_plan.padding < 0.2 < fixed_padded.padding
+
+
+@pytest.mark.parametrize("strategy", PACKED_STRATEGIES)
+def test_packed_micro_step_balance_for_zero_2_3(strategy):
+    """``balance_each_micro_batch``: every micro-step even across ranks (what ZeRO 2/3 wait for)."""
+    rng = np.random.default_rng(4)
+    world, rpn, micro, accum = 64, 8, 2, 8
+    lengths = mlperf_phase2_lengths(world * micro * accum * 20, rng)
+    padded = strategy == "padded_node_balance"
+    spread = {}
+    for each in (False, True):
+        plan = plan_epoch(lengths, world_size=world, ranks_per_node=rpn, micro_batch=micro, grad_accum=accum,
+                          strategy=strategy, cfg=SamplerConfig(balance_each_micro_batch=each), seed=0)
+        f = plan_figures(slot_lengths(plan.indices, lengths), CostModel(), 8)
+        spread[each] = f.padded_micro_imbalance_mean if padded else f.micro_imbalance_mean
+    assert spread[True] <= spread[False] + 1e-9
+    assert spread[True] < 1.1
+
+
+def test_packed_bad_budgets_are_one_clear_line():
+    lengths = np.full(200, 50)
+    kw = dict(world_size=2, ranks_per_node=2, micro_batch=4, grad_accum=1)
+    with pytest.raises(ConfigError, match="max_micro_batch_samples: 3 is below the micro-batch 4"):
+        plan_epoch(lengths, strategy="packed_node_balance", cfg=SamplerConfig(max_micro_batch_samples=3), **kw)
+    with pytest.raises(ConfigError, match=r"micro_batch_tokens: 50 is below the longest sample \(56 tokens padded\)"):
+        plan_epoch(lengths, strategy="padded_node_balance", cfg=SamplerConfig(micro_batch_tokens=50), **kw)
+    with pytest.raises(DataError, match="step 0, node 0: its 8 samples do not fit 2 ranks × 1 micro-batches"):
+        plan_epoch(lengths, strategy="packed_node_balance", cfg=SamplerConfig(micro_batch_tokens=150), **kw)
+    from ds_bertopt.configlib import load_section
+
+    for cfg, message in [({"micro_batch_tokens": 0}, "micro_batch_tokens: must be at least 1"),
+                         ({"max_micro_batch_samples": 0}, "max_micro_batch_samples: must be at least 1")]:
         with pytest.raises(ConfigError, match=message):
             load_section(SamplerConfig, cfg, "sampler")

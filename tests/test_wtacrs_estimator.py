@@ -66,13 +66,39 @@ def test_winner_rule_matches_brute_force():
 
 def test_uniform_norms_need_no_winners_and_heavy_tails_do():
     flat = torch.full((64,), 1 / 64, dtype=torch.float64)
-    assert select_rows(flat, 16, torch.Generator().manual_seed(0)).num_winners == 0
+    assert int(select_rows(flat, 16, torch.Generator().manual_seed(0)).num_winners) == 0
     p = row_probabilities(heavy_tailed_rows(64, 8, seed=1))
     selection = select_rows(p, 16, torch.Generator().manual_seed(0))
-    assert 0 < selection.num_winners < 16
-    assert selection.num_draws == 16 - selection.num_winners
-    assert selection.indices.numel() <= 16
-    assert selection.indices.unique().numel() == selection.indices.numel()  # duplicates stored once
+    winners = int(selection.num_winners)
+    assert 0 < winners < 16
+    assert int(selection.num_draws) == 16 - winners
+    assert selection.indices.shape == (16,) and selection.weights.shape == (16,)  # static: always k slots
+    order = torch.argsort(p, descending=True, stable=True)
+    assert torch.equal(selection.indices[:winners], order[:winners])  # winners first, in rank order, weight 1
+    assert torch.equal(selection.weights[:winners], torch.ones(winners, dtype=torch.float64))
+    assert not set(selection.indices[winners:].tolist()) & set(order[:winners].tolist())  # draws: non-winners
+
+
+@pytest.mark.parametrize("host_bound", [False, True])
+@pytest.mark.parametrize("n,k,positive", [(64, 16, 10), (64, 16, 16), (64, 16, 0), (5, 8, 5), (1, 1, 1)])
+def test_all_positive_rows_fit_are_exact_with_spare_slots_at_weight_zero(n, k, positive, host_bound):
+    p = torch.zeros(n, dtype=torch.float64)
+    p[torch.randperm(n, generator=torch.Generator().manual_seed(1))[:positive]] = torch.rand(positive).double() + 0.1
+    p = p / p.sum() if positive else p
+    generator = torch.Generator().manual_seed(2)
+    state = generator.get_state()
+    selection = select_rows(p, k, generator, max_positive=positive if host_bound else None)
+    if host_bound:  # the host knows every positive row fits: nothing drawn
+        assert torch.equal(generator.get_state(), state)
+    assert selection.indices.shape == (min(n, k),)
+    assert int(selection.num_winners) == positive and int(selection.num_draws) == 0
+    total = torch.zeros(n, dtype=torch.float64).index_add_(0, selection.indices, selection.weights)
+    assert torch.equal(total, (p > 0).double())  # every contributing row exactly once, nothing else
+
+
+def test_empty_budget_selects_nothing():
+    selection = select_rows(torch.full((4,), 0.25, dtype=torch.float64), 0)
+    assert selection.indices.numel() == 0 and int(selection.num_winners) == 0
 
 
 def test_every_row_has_expected_weight_one():
@@ -84,7 +110,7 @@ def test_every_row_has_expected_weight_one():
     squares = torch.zeros(48, dtype=torch.float64)
     for _ in range(trials):
         selection = select_rows(p, 12, gen)
-        w = torch.zeros(48, dtype=torch.float64).index_put_((selection.indices,), selection.weights)
+        w = torch.zeros(48, dtype=torch.float64).index_add_(0, selection.indices, selection.weights)  # duplicates add
         totals += w
         squares += w * w
     mean = totals / trials
@@ -120,13 +146,13 @@ def test_weight_gradient_is_unbiased(case):
     if case == "all_fit":
         assert torch.allclose(estimates, exact.expand_as(estimates), atol=1e-10)
         return
-    if case == "no_winners":
-        assert select_rows(p, k, torch.Generator().manual_seed(0)).num_winners == 0
-    else:
-        assert select_rows(p, k, torch.Generator().manual_seed(0)).num_winners > 0
+    winners = int(select_rows(p, k, torch.Generator().manual_seed(0)).num_winners)
+    assert winners == 0 if case == "no_winners" else winners > 0
     if case == "padding":
         for _ in range(50):
-            assert bool(valid[select_rows(p, k).indices].all()), "a padding row was selected"
+            selection = select_rows(p, k)
+            used = selection.weights != 0
+            assert bool(valid[selection.indices[used]].all()), "a padding row was selected"
     assert bias_statistic(estimates, exact) < BIAS_BOUND
 
 
@@ -140,11 +166,11 @@ def test_broken_weighting_is_caught(broken):
 
     def corrupt(selection: RowSelection) -> RowSelection:
         weights = selection.weights.clone()
-        drawn = slice(selection.num_winners, None)
+        drawn = slice(int(selection.num_winners), None)
         if broken == "unweighted_samples":
             weights[drawn] = 1.0
         else:
-            weights[drawn] = weights[drawn] * selection.num_draws
+            weights[drawn] = weights[drawn] * int(selection.num_draws)
         return RowSelection(selection.indices, weights, selection.num_winners, selection.num_draws)
 
     estimates = draw_estimates(x, grad_out, p, 16, trials=3000, seed=12, transform=corrupt)
@@ -171,6 +197,50 @@ def test_variance_wta_below_crs_below_uniform():
 
 def test_zero_input_selects_nothing():
     p = row_probabilities(torch.zeros(10, 3))
+    assert torch.equal(p, torch.zeros(10, dtype=torch.float64))
     selection = select_rows(p, 4)
-    assert selection.indices.numel() == 0
+    assert selection.indices.shape == (4,) and torch.equal(selection.weights, torch.zeros(4, dtype=torch.float64))
     assert weight_gradient(torch.randn(10, 2), torch.zeros(10, 3), selection).abs().sum() == 0
+
+
+def _previous_select_rows(p, k, generator):
+    """The multinomial + merged-duplicates selection this package used before the static-shape one."""
+    positive = int((p > 0).sum())
+    if positive <= k:
+        indices = torch.nonzero(p > 0).flatten()
+        return RowSelection(indices, torch.ones(indices.numel(), dtype=torch.float64), positive, 0)
+    order = torch.argsort(p, descending=True, stable=True)
+    p_sorted = p[order]
+    winners = int(winner_count(p_sorted, k))
+    draws = k - winners
+    residual_p = p_sorted[winners:]
+    picks = torch.multinomial(residual_p, draws, replacement=True, generator=generator)
+    counts = torch.bincount(picks, minlength=residual_p.numel())
+    drawn = torch.nonzero(counts).flatten()
+    drawn_weights = counts[drawn].to(torch.float64) * residual_p.sum() / (draws * residual_p[drawn])
+    return RowSelection(torch.cat([order[:winners], order[winners:][drawn]]),
+                        torch.cat([torch.ones(winners, dtype=torch.float64), drawn_weights]), winners, draws)
+
+
+@pytest.mark.parametrize("scores", [False, True])
+def test_variance_no_worse_than_the_previous_selection(scores):
+    """Same estimator distribution as the multinomial version (its MSE within sampling noise), at most k rows."""
+    n, k, trials = 128, 24, 3000
+    x = heavy_tailed_rows(n, 8, seed=30)
+    gen = torch.Generator().manual_seed(31)
+    grad_out = torch.randn(n, 5, generator=gen, dtype=torch.float64)
+    s = grad_out.norm(dim=1) * torch.exp(0.5 * torch.randn(n, generator=gen, dtype=torch.float64)) if scores else None
+    p = row_probabilities(x, scores=s)
+    exact = grad_out.t() @ x
+    ours, previous = [], []
+    gen_ours, gen_prev = torch.Generator().manual_seed(32), torch.Generator().manual_seed(33)
+    for _ in range(trials):
+        selection = select_rows(p, k, gen_ours)
+        assert selection.indices.numel() == k
+        ours.append(weight_gradient(grad_out, x, selection))
+        old = _previous_select_rows(p, k, gen_prev)
+        assert old.indices.numel() <= k
+        previous.append(weight_gradient(grad_out, x, old))
+    mse = lambda e: float(((torch.stack(e) - exact) ** 2).sum(dim=(1, 2)).mean())  # noqa: E731
+    assert mse(ours) <= 1.08 * mse(previous), (mse(ours), mse(previous))
+    assert bias_statistic(torch.stack(ours), exact) < BIAS_BOUND

@@ -12,7 +12,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from wtacrs_common import bias_statistic, tiny_batch, tiny_bert  # noqa: E402
 
-from ds_bertopt.wtacrs import SampledLinear, convert, estimate_saving, saved_tensor_bytes  # noqa: E402
+from ds_bertopt.wtacrs import (NUM_VALID_ROWS_KWARG, SampledLinear, convert, estimate_saving,  # noqa: E402
+                               saved_tensor_bytes)
 from ds_bertopt.wtacrs.estimator import budget  # noqa: E402
 
 BIAS_BOUND = 4.0
@@ -62,6 +63,14 @@ def test_ratio_one_reproduces_weight_grad():
     torch.testing.assert_close(sampled.weight.grad, plain.weight.grad, rtol=1e-6, atol=1e-6)
 
 
+def test_ratio_one_draws_no_random_numbers():
+    """At ratio 1 (k = N) every row is kept without a draw: the RNG stream (dropout masks) is as without sampling."""
+    sampled = SampledLinear.from_linear(nn.Linear(8, 6), ratio=1.0, min_k=1)
+    state = torch.get_rng_state()
+    sampled(heavy_input()).sum().backward()
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_state_dicts_interchangeable():
     model = tiny_bert()
     reference = copy.deepcopy(model)
@@ -89,8 +98,13 @@ def test_auto_targets_skip_attention_output_and_respect_layernorm_kit():
     assert sorted(names) == [f"bert.encoder.layer.{i}.output.dense" for i in range(2)]
 
 
-def test_weight_grad_unbiased_through_autograd_with_padding():
-    """Mean of many ∇W from backward → exact ∇W over the non-padding rows; padding rows never stored."""
+@pytest.mark.parametrize("host_count", [True, False])
+def test_weight_grad_unbiased_through_autograd_with_padding(host_count):
+    """Mean of many ∇W from backward → exact ∇W over the non-padding rows; padding rows never stored.
+
+    With the host count of real rows (``wtacrs_num_valid_rows``) k = ratio · N'; without it k comes from the
+    tensor's row count (padding included): more rows, the same unbiased estimate.
+    """
     torch.manual_seed(1)
     model = Wrapper()
     exact_model = copy.deepcopy(model)
@@ -103,6 +117,7 @@ def test_weight_grad_unbiased_through_autograd_with_padding():
     grad[mask == 0] = 0  # as in BERT: padding positions never reach the loss
     exact_model(x, attention_mask=mask).backward(grad)
     exact = exact_model.heads[0].weight.grad
+    kwargs = {NUM_VALID_ROWS_KWARG: int(mask.sum())} if host_count else {}
 
     saved_indices = []
 
@@ -117,15 +132,25 @@ def test_weight_grad_unbiased_through_autograd_with_padding():
         model.zero_grad()
         if trial < 20:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = model(x, attention_mask=mask)
+                out = model(x, attention_mask=mask, **kwargs)
         else:
-            out = model(x, attention_mask=mask)
+            out = model(x, attention_mask=mask, **kwargs)
         out.backward(grad)
         estimates.append(model.heads[0].weight.grad.clone())
     assert saved_indices and not any(set(i.tolist()) & padding_rows for i in saved_indices)
-    k = budget(int(mask.sum()), 0.25, 4)
-    assert all(i.numel() <= k for i in saved_indices)
+    k = budget(int(mask.sum()) if host_count else mask.numel(), 0.25, 4)
+    assert all(i.numel() == k for i in saved_indices)
     assert bias_statistic(torch.stack(estimates), exact) < BIAS_BOUND
+
+
+def test_host_count_must_be_a_host_int():
+    model = Wrapper()
+    convert(model, ratio=0.5, targets=("heads.*",), min_k=1)
+    x, mask = heavy_input(), torch.ones(4, 16, dtype=torch.long)
+    model(x, attention_mask=mask, **{NUM_VALID_ROWS_KWARG: torch.tensor(64)})  # a CPU scalar is a host value
+    for bad in (torch.tensor(64, device="meta"), -1, 2.5):
+        with pytest.raises(ValueError, match=NUM_VALID_ROWS_KWARG):
+            model(x, attention_mask=mask, **{NUM_VALID_ROWS_KWARG: bad})
 
 
 def test_weight_grad_unbiased_with_grad_norm_cache():
@@ -194,6 +219,23 @@ def test_autocast_bf16_matches_linear():
     assert sampled.weight.grad.dtype == torch.float32 and sampled.weight.grad.abs().sum() > 0
 
 
+def test_autocast_bf16_weight_grad_is_unbiased():
+    """bf16 autocast: rows pre-scaled and kept in bf16, ∇W (fp32) still centred on the exact bf16 product."""
+    torch.manual_seed(0)
+    sampled = SampledLinear.from_linear(nn.Linear(8, 6), ratio=0.25, min_k=2)
+    x = heavy_input(batch=2, seq=16)
+    grad = torch.randn(2, 16, 6, generator=torch.Generator().manual_seed(1)).bfloat16()
+    exact = grad.double().reshape(-1, 6).t() @ x.bfloat16().double().reshape(-1, 8)  # what autocast multiplies
+    estimates = []
+    for _ in range(1500):
+        sampled.weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = sampled(x)
+        y.backward(grad)
+        estimates.append(sampled.weight.grad.double())
+    assert bias_statistic(torch.stack(estimates), exact) < BIAS_BOUND
+
+
 def test_bert_grads_exact_except_sampled_weights():
     batch = tiny_batch(pad_from=10)
     reference = tiny_bert(hidden_dropout=0.0, attention_dropout=0.0)
@@ -219,8 +261,7 @@ def test_saved_bytes_of_swapped_inputs_scale_with_k_over_n():
     swapped_original = 2 * n * (4 * 64) * 4  # two layers' GELU outputs, fp32
     swapped_converted = result["converted"]["total"] - (result["original"]["total"] - swapped_original)
     per_row = 4 * 64 * 4 + 8  # a stored row plus its int64 index
-    assert swapped_converted <= 2 * k * per_row
-    assert swapped_converted >= 0.6 * 2 * k * per_row  # duplicates are stored once, so a bit below k
+    assert swapped_converted == 2 * k * per_row  # static shapes: exactly k slots per layer (duplicates included)
     assert result["converted"]["total"] < result["original"]["total"]
 
 
@@ -241,6 +282,40 @@ def test_config_rejects_unknown_kit_key():
 
     with pytest.raises(ConfigError, match="wtacrs.kit: unknown key 'sdpa'"):
         load_section(WtaCrsConfig, {"kit": {"sdpa": True}}, "wtacrs")
+
+
+class _UnweightedFp16(SampledLinear):
+    """The control: the fp16 path with its row weights replaced by 1 (what dropping them would do)."""
+
+    def _select(self, x, dtype):
+        stored, indices, row_weights, cache_update = super()._select(x, dtype)
+        return stored, indices, torch.ones_like(row_weights), cache_update
+
+
+@pytest.mark.parametrize("drop_weights", [False, True])
+def test_fp16_weight_grad_is_unbiased_and_needs_its_row_weights(drop_weights):
+    """fp16: rows stored unscaled, the weights applied to ∇Y rows in an fp32 GEMM — unbiased; without them not."""
+    torch.manual_seed(0)
+    plain = nn.Linear(8, 6).half()
+    cls = _UnweightedFp16 if drop_weights else SampledLinear
+    sampled = cls.from_linear(copy.deepcopy(plain), ratio=0.2, min_k=1)
+    x = heavy_input(batch=2, seq=16).half()  # heavy-tailed row norms: winners and draws
+    grad = torch.randn(2, 16, 6, generator=torch.Generator().manual_seed(1)).half()
+    exact = grad.double().reshape(-1, 6).t() @ x.double().reshape(-1, 8)
+    stored, indices, row_weights, _ = SampledLinear._select(sampled, x, torch.float16)  # the real fp16 path
+    assert stored.dtype == torch.float16 and row_weights is not None and row_weights.dtype == torch.float32
+    assert not torch.all(row_weights == 1)  # the draws do carry weights ≠ 1 here
+    estimates = []
+    for _ in range(1500):
+        sampled.weight.grad = None
+        sampled(x).backward(grad)
+        assert sampled.weight.grad.dtype == torch.float16
+        estimates.append(sampled.weight.grad.double())
+    statistic = bias_statistic(torch.stack(estimates), exact)
+    if drop_weights:
+        assert statistic > 25 * BIAS_BOUND, statistic
+    else:
+        assert statistic < BIAS_BOUND, statistic
 
 
 def test_fp16_keeps_weights_apart_and_stays_finite():

@@ -11,16 +11,20 @@ batches, the plan runs on that many global batches of lengths drawn (with replac
 corpus's length mix: the balance figures depend on the mix, not on which text it is.
 
 For every strategy it prints the per-step max/mean rank work (mean over steps and p99), with the
-unpadded cost ``a·L + b·L²`` and the padded one (micro × cost of the padded length), the padding
-fraction, real tokens per rank and step, and the predicted step time relative to ``random`` (a
-synchronous step lasts as long as its busiest rank). ``--plot`` writes a PNG: the corpus length
-histogram and, per strategy, the distribution of rank work relative to the step mean.
+unpadded cost ``a·L + b·L²`` and the padded one (samples × cost of the padded length), the padding
+fraction, real tokens per rank and step, the predicted step time relative to ``random`` with padded
+kernels (a synchronous step lasts as long as its busiest rank; per global batch of samples), the
+samples per step and per micro-batch, and the planning CPU time per step. ``--peers`` adds the batch
+planners of transformers and DeepSpeed, driven as their trainers drive them (:func:`peer_plan`).
+``--plot`` writes a PNG: the corpus length histogram and, per strategy, the distribution of rank work
+relative to the step mean.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import random
 import time
 from typing import Optional
 
@@ -28,8 +32,12 @@ import numpy as np
 
 from ..errors import DataError, check
 from .config import STRATEGIES, SamplerConfig
-from .cost import CostModel, PlanFigures, plan_figures
+from .cost import CostModel, PlanFigures, plan_figures, slot_lengths
 from .plan import Plan, plan_epoch
+
+PEERS = ("hf_batch_rebalance", "ds_batch_by_seqlens")
+"""Other libraries' planners :func:`peer_plan` drives: transformers' ``BatchRebalanceSampler`` and DeepSpeed's
+``batch_by_seqlens`` (Hugging Face ``group_by_length`` is ``sorted_megabatch``)."""
 
 MLPERF_BIN_RATIO = (6, 3, 2, 5)  # bins 1–128 / 129–256 / 257–384 / 385–512 of MLPerf BERT phase 2
 MLPERF_SPIKE = 0.8  # share of the last bin at exactly 512 (Wikipedia's full-length spike)
@@ -91,35 +99,229 @@ class StrategyResult:
     plan: Plan
     figures: PlanFigures
     seconds: float
+    """Planning CPU seconds per step on one rank (every rank plans every step of the plan). CPU, not wall
+    time: the planners are single-threaded, and on a shared machine wall time counts the other jobs."""
+    note: str = ""
 
 
 def evaluate(lengths: np.ndarray, *, world_size: int, ranks_per_node: int, micro_batch: int, grad_accum: int,
-             cfg: SamplerConfig, cost: CostModel, seed: int = 0,
-             strategies: tuple[str, ...] = STRATEGIES) -> dict[str, StrategyResult]:
-    """Plan epoch 0 with every strategy and measure it with ``cost``."""
+             cfg: SamplerConfig, cost: CostModel, seed: int = 0, strategies: tuple[str, ...] = STRATEGIES,
+             peers: tuple[str, ...] = (), peer_budget_s: Optional[float] = None) -> dict[str, StrategyResult]:
+    """Plan epoch 0 with every strategy (and ``peers``, see :func:`peer_plan`) and measure it with ``cost``."""
     out = {}
     for strategy in strategies:
-        start = time.perf_counter()
+        start = time.process_time()
         plan = plan_epoch(lengths, world_size=world_size, ranks_per_node=ranks_per_node, micro_batch=micro_batch,
                           grad_accum=grad_accum, strategy=strategy, cfg=cfg, seed=seed, epoch=0)
-        seconds = time.perf_counter() - start
-        figures = plan_figures(lengths[plan.indices], cost, cfg.pad_multiple)
+        seconds = (time.process_time() - start) / plan.steps
+        figures = plan_figures(slot_lengths(plan.indices, lengths), cost, cfg.pad_multiple)
         out[strategy] = StrategyResult(plan, figures, seconds)
+    for peer in peers:
+        plan, seconds, note = peer_plan(peer, lengths, world_size=world_size, micro_batch=micro_batch,
+                                        grad_accum=grad_accum, seed=seed, budget_s=peer_budget_s)
+        out[peer] = StrategyResult(plan, plan_figures(slot_lengths(plan.indices, lengths), cost, cfg.pad_multiple),
+                                   seconds, note)
     return out
 
 
-def format_table(results: dict[str, StrategyResult]) -> list[str]:
+# ------------------------------------------------------------------------------------------------
+# other libraries' planners, driven as their trainers drive them
+# ------------------------------------------------------------------------------------------------
+def ragged_indices(steps: list) -> np.ndarray:
+    """``steps[s][rank][slot]`` lists of sample indices → ``[steps, world, accum, slots]``, ``-1`` unused."""
+    width = max(len(mb) for step in steps for rank in step for mb in rank)
+    out = np.full((len(steps), len(steps[0]), len(steps[0][0]), width), -1, dtype=np.int64)
+    for s, step in enumerate(steps):
+        for r, rank in enumerate(step):
+            for a, mb in enumerate(rank):
+                out[s, r, a, :len(mb)] = mb
+    return out
+
+
+def hf_batch_rebalance_plan(lengths: np.ndarray, *, world_size: int, micro_batch: int, grad_accum: int,
+                            seed: int = 0, epoch: int = 0, per_rank: Optional[bool] = None,
+                            budget_s: Optional[float] = None) -> tuple[Plan, float, str]:
+    """transformers' ``BatchRebalanceSampler`` (``transformers.trainer_pt_utils``), as ``Trainer`` builds it:
+    ``effective_batch_size`` = the global batch, one sampler per rank (``Trainer._get_train_sampler``), with
+    ``drop_last=True`` (``Trainer`` passes ``dataloader_drop_last``): the partial last batch is left out, as
+    our plans leave it out.
+
+    ``per_rank`` (default: up to 64 ranks) iterates every rank's sampler, its public interface; otherwise,
+    since every rank computes the whole step plan, the step's samples are taken as its ``__iter__`` takes
+    them (``torch.randperm`` seeded with ``seed + epoch``, consecutive global batches) and its ``_assign``
+    is called once per step. ``budget_s``: stop after the step that exceeds this many seconds (at least
+    one step). Returns ``(plan, planning seconds per step on one rank, note)``.
+    """
+    import torch
+
+    try:
+        from transformers.trainer_pt_utils import BatchRebalanceSampler
+    except ImportError as exc:
+        raise DataError(f"transformers.trainer_pt_utils.BatchRebalanceSampler is missing ({exc})") from None
+    global_batch = world_size * micro_batch * grad_accum
+    values = [int(v) for v in lengths]
+    make = lambda rank: BatchRebalanceSampler(values, effective_batch_size=global_batch, dp_size=world_size,
+                                              grad_accum=grad_accum, shuffle=True, seed=seed, rank=rank)
+    total = len(values) // global_batch
+    if per_rank if per_rank is not None else world_size <= 64:
+        per_rank_mbs, seconds = [], []
+        for rank in range(world_size):
+            sampler = make(rank)
+            sampler.set_epoch(epoch)
+            start = time.process_time()
+            mbs = list(sampler)
+            seconds.append((time.process_time() - start) / total)
+            per_rank_mbs.append(mbs)
+        steps = [[[per_rank_mbs[r][s * grad_accum + a] for a in range(grad_accum)] for r in range(world_size)]
+                 for s in range(total)]
+        how = "per-rank iterators"
+        per_step = float(np.mean(seconds))
+    else:
+        sampler = make(0)
+        if not callable(getattr(sampler, "_assign", None)):
+            raise DataError("transformers' BatchRebalanceSampler has no _assign(indices, lengths) any more; drive it "
+                            "per rank (per_rank=True)")
+        generator = torch.Generator()
+        generator.manual_seed(seed + epoch)  # as BatchRebalanceSampler.__iter__ draws its order
+        order = torch.randperm(len(values), generator=generator).tolist()
+        steps, spent = [], 0.0
+        for s in range(total):
+            batch = order[s * global_batch:(s + 1) * global_batch]
+            start = time.process_time()
+            steps.append(sampler._assign(batch, [values[i] for i in batch]))
+            spent += time.process_time() - start
+            if budget_s is not None and spent > budget_s:
+                break
+        how = f"_assign once per step, {len(steps)} of {total} steps"
+        per_step = spent / len(steps)
+    indices = ragged_indices(steps)
+    return Plan(indices, len(values) - int((indices >= 0).sum()), "hf_batch_rebalance"), per_step, how
+
+
+def ds_token_packs(lengths: np.ndarray, max_tokens: int, seed: int) -> list[np.ndarray]:
+    """The micro-batches of DeepSpeed 0.19.8's ``batch_by_seqlens`` (``deepspeed.runtime.data_pipeline.
+    data_sampling.variable_batch_size_and_lr``) with ``sequence_picking_order="random"``, ``min_batch_size``
+    1, no ``max_batch_size``, before its trim to whole batches, in linear time.
+
+    It shuffles ``(length, id)`` pairs with ``random.Random(seed)``, drops samples longer than
+    ``max_tokens``, then from each start keeps the longest run whose lengths sum to at most
+    ``max_tokens`` (it tries every end, so its cost grows with the cube of the samples: hopeless at
+    16,384 samples a step, hence this copy of its rule, checked against it by :func:`check_ds_token_packs`);
+    the ends it tries stop before the last sample, which is never batched.
+    """
+    metrics = list(zip([int(v) for v in lengths], range(len(lengths))))
+    random.Random(seed).shuffle(metrics)
+    values = np.fromiter((m[0] for m in metrics), dtype=np.int64, count=len(metrics))
+    ids = np.fromiter((m[1] for m in metrics), dtype=np.int64, count=len(metrics))
+    keep = values <= max_tokens
+    values, ids = values[keep], ids[keep]
+    prefix = np.concatenate([[0], np.cumsum(values)])
+    last = len(values) - 1  # batch ends are exclusive and stop before the last sample
+    packs, start = [], 0
+    while start < last:
+        end = min(int(np.searchsorted(prefix, prefix[start] + max_tokens, side="right")) - 1, last)
+        if end <= start:
+            break
+        packs.append(ids[start:end])
+        start = end
+    return packs
+
+
+def check_ds_token_packs(lengths: np.ndarray, max_tokens: int, effective_batch_size: int, seed: int) -> bool:
+    """Whether :func:`ds_token_packs` (trimmed to whole batches) equals DeepSpeed's own ``batch_by_seqlens``."""
+    try:
+        from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import batch_by_seqlens
+    except ImportError as exc:
+        raise DataError(f"deepspeed's data_sampling.variable_batch_size_and_lr.batch_by_seqlens is missing "
+                        f"({exc})") from None
+
+    theirs, _, _ = batch_by_seqlens([int(v) for v in lengths], max_tokens, sequence_picking_order="random",
+                                    effective_batch_size=effective_batch_size, seed=seed)
+    ours = ds_token_packs(lengths, max_tokens, seed)
+    ours = ours[:len(ours) - len(ours) % effective_batch_size]
+    return [list(ids) for _, ids in theirs] == [mb.tolist() for mb in ours]
+
+
+def ds_max_tokens_for(lengths: np.ndarray, micro_batch: int, seed: int, sample: int = 20_000) -> int:
+    """The smallest ``max_tokens`` at which :func:`ds_token_packs` holds ``micro_batch`` samples per pack on
+    average (on a random subset of ``sample`` lengths): DeepSpeed's steps then hold a global batch on average."""
+    rng = np.random.default_rng(seed)
+    subset = rng.choice(lengths, size=min(sample, len(lengths)), replace=False)
+    lo, hi = int(lengths.max()), int(micro_batch * lengths.max())
+    while lo < hi:
+        mid = (lo + hi) // 2
+        packs = ds_token_packs(subset, mid, seed)
+        if sum(len(p) for p in packs) >= micro_batch * len(packs):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def ds_batch_by_seqlens_plan(lengths: np.ndarray, *, world_size: int, micro_batch: int, grad_accum: int,
+                             seed: int = 0, max_tokens: Optional[int] = None,
+                             packs_per_micro: int = 1) -> tuple[Plan, float, str]:
+    """DeepSpeed's dynamic batching as ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed``
+    wires it: ``effective_batch_size`` = ``train_batch_size`` packs (``packs_per_micro`` = its
+    ``train_micro_batch_size_per_gpu`` × accumulation × world) per step, the packs dealt by a
+    ``DistributedSampler(shuffle=False)`` (rank ``r`` gets packs ``r, r + world, …``) and a ``DataLoader``
+    of ``packs_per_micro`` packs per micro-step. ``max_tokens`` caps a pack (default: the smallest at which a
+    pack holds ``micro_batch / packs_per_micro`` samples on average, :func:`ds_max_tokens_for`, so a step
+    holds about a global batch); samples per step vary (DeepSpeed scales the LR with them).
+    """
+    max_tokens = max_tokens or ds_max_tokens_for(lengths, max(1, micro_batch // packs_per_micro), seed)
+    start = time.process_time()
+    packs = ds_token_packs(lengths, max_tokens, seed)
+    per_step = packs_per_micro * grad_accum * world_size
+    steps = len(packs) // per_step
+    if steps == 0:
+        raise DataError(f"ds_batch_by_seqlens: {len(packs)} packs of ≤ {max_tokens} tokens, fewer than one step's "
+                        f"{per_step}")
+    plan_steps = [[[np.concatenate([packs[((s * grad_accum + a) * packs_per_micro + t) * world_size + r]
+                                    for t in range(packs_per_micro)]).tolist()
+                    for a in range(grad_accum)] for r in range(world_size)] for s in range(steps)]
+    seconds = (time.process_time() - start) / steps
+    indices = ragged_indices(plan_steps)
+    return (Plan(indices, len(lengths) - int((indices >= 0).sum()), "ds_batch_by_seqlens"), seconds,
+            f"max_tokens {max_tokens}, {packs_per_micro} pack(s) per micro-step, order random")
+
+
+def peer_plan(name: str, lengths: np.ndarray, *, world_size: int, micro_batch: int, grad_accum: int, seed: int = 0,
+              budget_s: Optional[float] = None) -> tuple[Plan, float, str]:
+    """One of :data:`PEERS`: ``(plan, planning seconds per step on one rank, how it was driven)``."""
+    if name == "hf_batch_rebalance":
+        return hf_batch_rebalance_plan(lengths, world_size=world_size, micro_batch=micro_batch,
+                                       grad_accum=grad_accum, seed=seed, budget_s=budget_s)
+    if name == "ds_batch_by_seqlens":
+        return ds_batch_by_seqlens_plan(lengths, world_size=world_size, micro_batch=micro_batch,
+                                        grad_accum=grad_accum, seed=seed)
+    raise DataError(f"peer {name!r} is not one of {', '.join(PEERS)}")
+
+
+def per_global_batch(figures: PlanFigures, global_batch: int) -> float:
+    """Scale for a planner whose steps hold a varying number of samples: step time per ``global_batch`` samples."""
+    return global_batch / figures.samples_per_step
+
+
+def format_table(results: dict[str, StrategyResult], global_batch: Optional[int] = None) -> list[str]:
+    """One row per strategy; step times relative to ``random``'s with padded kernels, per global batch."""
     base = results.get("random")
     lines = [f"{'strategy':<25} {'work max/mean':>13} {'p99':>6} {'padded max/mean':>15} {'p99':>6} "
-             f"{'padding':>8} {'tokens/rank':>11} {'step time vs random':>20} {'dropped':>8} {'plan s':>7}",
-             f"{'':<25} {'(unpadded)':>13} {'':>6} {'':>15} {'':>6} {'':>8} {'':>11} {'unpadded / padded':>20}"]
+             f"{'padding':>8} {'tokens/rank':>11} {'step time / random':>19} {'samples/step':>13} "
+             f"{'micro mean/max':>14} {'dropped':>8} {'plan CPU s':>11}",
+             f"{'':<25} {'(unpadded)':>13} {'':>6} {'':>15} {'':>6} {'':>8} {'':>11} {'unpadded / padded':>19} "
+             f"{'':>13} {'':>14} {'':>8} {'per step':>11}"]
     for name, r in results.items():
         f = r.figures
-        rel = (f"{f.step_time / base.figures.step_time:.3f} / {f.padded_step_time / base.figures.padded_step_time:.3f}"
-               if base is not None else "-")
+        scale = per_global_batch(f, global_batch) if global_batch else 1.0
+        rel = (f"{scale * f.step_time / base.figures.padded_step_time:.3f} / "
+               f"{scale * f.padded_step_time / base.figures.padded_step_time:.3f}" if base is not None else "-")
+        samples = (f"{f.samples_per_step_min}" if f.samples_per_step_min == f.samples_per_step_max
+                   else f"{f.samples_per_step_min}-{f.samples_per_step_max}")
+        micro = f"{f.micro_batch_samples_mean:.1f}/{f.micro_batch_samples_max}"
         lines.append(f"{name:<25} {f.imbalance_mean:>13.3f} {f.imbalance_p99:>6.3f} {f.padded_imbalance_mean:>15.3f} "
-                     f"{f.padded_imbalance_p99:>6.3f} {100 * f.padding:>7.1f}% {f.tokens_per_rank:>11.0f} {rel:>20} "
-                     f"{r.plan.dropped:>8d} {r.seconds:>7.2f}")
+                     f"{f.padded_imbalance_p99:>6.3f} {100 * f.padding:>7.1f}% {f.tokens_per_rank:>11.0f} {rel:>19} "
+                     f"{samples:>13} {micro:>14} {r.plan.dropped:>8d} {r.seconds:>11.4f}")
     return lines
 
 
@@ -173,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="stratified_node_balance balances the padded micro-batch cost (the default)")
     objective.add_argument("--unpadded", dest="padded", action="store_const", const=False,
                            help="stratified_node_balance balances the per-sample cost (both costs are printed)")
+    p.add_argument("--peers", action="store_true",
+                   help=f"also plan with {' and '.join(PEERS)} (transformers, DeepSpeed; slow at 1,024 ranks)")
+    p.add_argument("--peer-budget", type=float, default=60.0,
+                   help="seconds of planning after which the transformers peer stops adding steps (at least one)")
+    p.add_argument("--micro-batch-tokens", type=int, help="sampler.micro_batch_tokens for the packed strategies")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", help="write a PNG here")
     return p
@@ -198,7 +405,8 @@ def sampler_config(args: argparse.Namespace) -> SamplerConfig:
     raw = to_dict(base)
     for key, value in (("bins", _int_list(args.bins, "--bins")),
                        ("bin_counts", _int_list(args.bin_counts, "--bin-counts")),
-                       ("num_bins", args.num_bins), ("padded", args.padded)):
+                       ("num_bins", args.num_bins), ("padded", args.padded),
+                       ("micro_batch_tokens", args.micro_batch_tokens)):
         if value is not None:
             raw[key] = list(value) if isinstance(value, tuple) else value
     if args.hidden_size is not None:
@@ -236,7 +444,11 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{cfg.pad_multiple}; stratified_node_balance balances the {'padded' if cfg.padded else 'unpadded'} cost")
     results = evaluate(lengths, world_size=args.world_size, ranks_per_node=args.ranks_per_node,
                        micro_batch=args.micro_batch, grad_accum=args.grad_accum, cfg=cfg, cost=cost, seed=args.seed,
-                       strategies=tuple(args.strategies))
+                       strategies=tuple(args.strategies), peers=PEERS if args.peers else (),
+                       peer_budget_s=args.peer_budget)
+    for name, r in results.items():
+        if r.note:
+            print(f"{name}: {r.note}")
     for name, r in results.items():
         if r.plan.bin_edges is not None:
             edges = r.plan.bin_edges.tolist()
@@ -244,8 +456,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"bins of {name} (per {r.plan.stratum}): {shown}")
     steps = {r.plan.steps for r in results.values()}
     print(f"figures over {min(steps)}–{max(steps)} steps" if len(steps) > 1 else f"figures over {steps.pop()} steps")
-    for line in format_table(results):
+    for line in format_table(results, global_batch):
         print(line)
+    print("step time: the busiest rank's work per step (mean over steps, per global batch of samples) relative to "
+          "random with padded kernels; unpadded = kernels that skip padding (the packed strategies' micro-batches "
+          "compute no padding there)")
     if args.plot:
         plot(args.plot, corpus, results, source)
         print(f"plot written to {args.plot}")

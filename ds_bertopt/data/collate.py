@@ -78,7 +78,96 @@ class MLMCollator:
         batch["input_ids"], batch["labels"] = mask_tokens(
             batch["input_ids"], maskable, mask_id=self.mask_id, vocab_size=self.vocab_size,
             probability=self.mlm_probability, generator=generator)
+        # flat indices of the masked tokens, found here on the host so the model's gather needs no device sync
+        batch["masked_positions"] = torch.nonzero(batch["labels"].reshape(-1) != IGNORE_INDEX).flatten()
         return batch
+
+
+# --- packed (unpadded) micro-batches, for ``ds_bertopt.model.unpadded.UnpaddedBert`` -----------------------
+def pack_sequences(samples: Sequence[dict]) -> dict:
+    """Concatenate a micro-batch's samples into one padding-free batch for ``UnpaddedBert``.
+
+    Each sample is a dict with ``input_ids`` and ``token_type_ids`` (lists or 1-D tensors of equal
+    length), optionally ``labels`` (same length; ``-100`` where not masked: i.e. ids already masked
+    by the caller) and ``next_sentence_label`` (int; all samples or none). MLM masking is not done
+    here: either pass already-masked ids with per-sample ``labels``, or pack unmasked ids, mask the
+    packed ``input_ids`` (e.g. ``mask_tokens`` in ``ds_bertopt.data.collate`` works on any shape) and
+    attach the result with :func:`with_mlm_labels`.
+
+    Returns tensors ``input_ids``, ``token_type_ids``, ``position_ids`` (restart at 0 per
+    sequence), all ``[T]`` int64; ``cu_seqlens`` ``[S+1]`` int32; ``labels`` ``[T]`` and
+    ``masked_positions`` ``[M]`` int64 when labels are given; ``next_sentence_label`` ``[S]``; and the
+    host-side ``max_seqlen`` (int) and ``seq_lengths`` (tuple of ints) that let the forward run
+    without host syncs. Keep the last two Python objects when moving the batch to a device.
+    """
+    if not samples:
+        raise ValueError("pack_sequences: no samples")
+    lengths = tuple(len(s["input_ids"]) for s in samples)
+    for i, s in enumerate(samples):
+        if len(s["token_type_ids"]) != lengths[i] or ("labels" in s and len(s["labels"]) != lengths[i]):
+            raise ValueError(f"pack_sequences: sample {i} has input_ids, token_type_ids, labels of unequal lengths")
+    if min(lengths) == 0:
+        raise ValueError("pack_sequences: a sample has no tokens")
+    cat = lambda key: torch.cat([torch.as_tensor(s[key], dtype=torch.long) for s in samples])  # noqa: E731
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.as_tensor(lengths), 0)
+    batch = {
+        "input_ids": cat("input_ids"),
+        "token_type_ids": cat("token_type_ids"),
+        "position_ids": torch.cat([torch.arange(n) for n in lengths]),
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": max(lengths),
+        "seq_lengths": lengths,
+    }
+    has_labels = ["labels" in s for s in samples]
+    if any(has_labels):
+        if not all(has_labels):
+            raise ValueError("pack_sequences: some samples have labels and some not")
+        batch = with_mlm_labels(batch, batch["input_ids"], cat("labels"))
+    has_nsp = ["next_sentence_label" in s for s in samples]
+    if any(has_nsp):
+        if not all(has_nsp):
+            raise ValueError("pack_sequences: some samples have next_sentence_label and some not")
+        batch["next_sentence_label"] = torch.as_tensor([s["next_sentence_label"] for s in samples], dtype=torch.long)
+    return batch
+
+
+def with_mlm_labels(batch: dict, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
+    """A copy of a packed ``batch`` with (masked) ``input_ids``, ``labels`` ``[T]`` and the host-computed
+    ``masked_positions`` (indices where ``labels != -100``), so the forward's gather needs no sync."""
+    if input_ids.shape != batch["position_ids"].shape or labels.shape != input_ids.shape:
+        raise ValueError(f"with_mlm_labels: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} "
+                         f"must both be [T] = {tuple(batch['position_ids'].shape)}")
+    out = dict(batch)
+    out["input_ids"] = input_ids.long()
+    out["labels"] = labels.long()
+    out["masked_positions"] = torch.nonzero(labels != IGNORE_INDEX).flatten()
+    return out
+
+
+class PackedMLMCollator(MLMCollator):
+    """Packs a list of samples into one padding-free row (:func:`pack_sequences`) and masks it."""
+
+    def __call__(self, samples: Sequence[dict], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        batch = pack_sequences(samples)
+        maskable = ~torch.isin(batch["input_ids"], self.special_ids)
+        ids, labels = mask_tokens(batch["input_ids"], maskable, mask_id=self.mask_id, vocab_size=self.vocab_size,
+                                  probability=self.mlm_probability, generator=generator)
+        return with_mlm_labels(batch, ids, labels)
+
+
+def pad_classification_batch(ids: list[list[int]], labels: list[int], example_ids: list[int], pad_id: int,
+                             pad_multiple: int = 1) -> dict:
+    """Dynamic padding to the longest input of the micro-batch, rounded up to ``pad_multiple``."""
+    longest = max(len(x) for x in ids)
+    longest = -(-longest // pad_multiple) * pad_multiple
+    input_ids = torch.full((len(ids), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), longest), dtype=torch.long)
+    for row, tokens in enumerate(ids):
+        input_ids[row, :len(tokens)] = torch.tensor(tokens)
+        mask[row, :len(tokens)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": torch.tensor(labels),
+            "example_ids": torch.tensor(example_ids)}
 
 
 def step_generator(*keys: int) -> torch.Generator:

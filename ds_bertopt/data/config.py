@@ -9,18 +9,22 @@ from ..errors import check
 from .cost import BERT_LARGE_QUADRATIC, CostModel
 
 STRATEGIES = ("random", "sorted_megabatch", "global_sort", "stratified",
-              "stratified_node_sort", "stratified_node_balance")
+              "stratified_node_sort", "stratified_node_balance", "packed_node_balance", "padded_node_balance")
+PACKED_STRATEGIES = ("packed_node_balance", "padded_node_balance")  # variable micro-batch sizes (ragged plans)
 
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    strategy: Literal["random", "sorted_megabatch", "global_sort", "stratified",
-                      "stratified_node_sort", "stratified_node_balance"] = "random"
+    strategy: Literal["random", "sorted_megabatch", "global_sort", "stratified", "stratified_node_sort",
+                      "stratified_node_balance", "packed_node_balance", "padded_node_balance"] = "random"
     """How samples are assigned to ranks and micro-batches each step: ``random`` (DistributedSampler),
     ``sorted_megabatch`` (Hugging Face ``group_by_length``), ``global_sort`` (sort the global batch, deal
     across all ranks), ``stratified`` (same per-bin counts in every local batch), ``stratified_node_sort``
     (plus snake dealing within each node), ``stratified_node_balance`` (plus cost-model dealing within
-    each node)."""
+    each node), and two with micro-batches of varying size (the same samples per step, packed to equal
+    cost): ``packed_node_balance`` for kernels that skip padding (``model.unpadded``; cost ``Σ a·L + b·L²``)
+    and ``padded_node_balance`` for kernels that compute on padding (cost ``samples × cost(padded
+    length)``)."""
     pad_multiple: int = 8
     """Dynamic padding rounds each micro-batch's length up to a multiple of this."""
     bins: tuple[int, ...] = ()
@@ -44,15 +48,26 @@ class SamplerConfig:
     padded length)``, what kernels that compute on padding pay (Hugging Face BERT, which this package
     trains): with accumulation, micro-batches are then runs of consecutive lengths (little padding)
     dealt whole. False — per sample ``a·L + b·L²``, for kernels that skip padding (unpadded/varlen
-    attention): samples are dealt one by one."""
+    attention): samples are dealt one by one. The packed strategies carry their cost in their name and
+    ignore this."""
     balance_each_micro_batch: bool = False
-    """``stratified_node_balance`` with accumulation: balance every micro-batch slot across ranks, not
-    only each step's total. Set it under ZeRO 2/3, which reduce gradients at every micro-step; ZeRO 0/1
-    communicate only at the accumulation boundary (``DeepSpeedEngine.allreduce_gradients``), where the
-    step total is what counts and balancing only it leaves more freedom."""
+    """``stratified_node_balance`` and the packed strategies with accumulation: balance every micro-batch
+    slot across ranks, not only each step's total. Set it under ZeRO 2/3, which reduce gradients at
+    every micro-step; ZeRO 0/1 communicate only at the accumulation boundary
+    (``DeepSpeedEngine.allreduce_gradients``), where the step total is what counts and balancing only it
+    leaves more freedom."""
     megabatch_mult: Optional[int] = None
     """``sorted_megabatch``: local batches per sorted mega-batch. Empty: Hugging Face's default,
     ``min(50, samples // (4 × local batch))``."""
+    micro_batch_tokens: Optional[int] = None
+    """Packed strategies: the most tokens one micro-batch may hold (its memory) — real tokens for
+    ``packed_node_balance``, samples × padded length for ``padded_node_balance``. Empty: micro-batch ×
+    the longest sequence (rounded up to ``pad_multiple``), what a nominal micro-batch can hold at worst,
+    so a config that fits memory with fixed micro-batches still fits. A step whose samples cannot be
+    packed under it fails the plan with the step named."""
+    max_micro_batch_samples: Optional[int] = None
+    """Packed strategies: the most samples one micro-batch may hold (at least the micro-batch; it sizes
+    the plan's slot axis). Empty: 4 × the micro-batch."""
 
     def __post_init__(self) -> None:
         check(self.pad_multiple >= 1, f"pad_multiple: must be at least 1, got {self.pad_multiple}")
@@ -71,6 +86,10 @@ class SamplerConfig:
               f"{self.cost_quadratic}")
         check(self.megabatch_mult is None or self.megabatch_mult >= 1,
               f"megabatch_mult: must be at least 1, got {self.megabatch_mult}")
+        check(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
+              f"micro_batch_tokens: must be at least 1, got {self.micro_batch_tokens}")
+        check(self.max_micro_batch_samples is None or self.max_micro_batch_samples >= 1,
+              f"max_micro_batch_samples: must be at least 1, got {self.max_micro_batch_samples}")
 
     @property
     def cost_model(self) -> CostModel:

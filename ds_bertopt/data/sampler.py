@@ -3,7 +3,8 @@
 Every rank builds the same :func:`~ds_bertopt.data.plan.plan_epoch` from the shared seed and takes
 its own row, so no communication is needed and every rank gets exactly ``grad_accum`` micro-batches
 per optimizer step. ``next_step()`` returns one step's micro-batches; iterating the sampler (as a
-``torch.utils.data`` batch sampler) yields the rest of the epoch micro-batch by micro-batch.
+``torch.utils.data`` batch sampler) yields the rest of the epoch micro-batch by micro-batch. With the
+packed strategies micro-batches vary in size (the plan's unused ``-1`` slots are never returned).
 
 State is ``(epoch, step)`` plus a fingerprint of what the plan depends on (lengths, world, node size,
 batch shape, sampler config, seed): the plan is a pure function of these and the epoch, so resuming
@@ -23,6 +24,8 @@ import torch.utils.data
 from ..errors import BertOptError
 from .config import SamplerConfig
 from .plan import Plan, plan_epoch
+
+LATER_KEYS = ("micro_batch_tokens", "max_micro_batch_samples")  # SamplerConfig keys added with the packed plans
 
 
 class PlanBatchSampler(torch.utils.data.Sampler):
@@ -46,8 +49,12 @@ class PlanBatchSampler(torch.utils.data.Sampler):
 
     def _fingerprint(self) -> str:
         digest = hashlib.sha1(self.lengths.tobytes())
+        cfg = dataclasses.asdict(self.cfg)
+        for key in LATER_KEYS:  # unset, they change no plan: checkpoints from before they existed still resume
+            if cfg[key] is None:
+                del cfg[key]
         digest.update(json.dumps([self.world_size, self.ranks_per_node, self.micro_batch, self.grad_accum, self.seed,
-                                  dataclasses.asdict(self.cfg)], sort_keys=True, default=list).encode())
+                                  cfg], sort_keys=True, default=list).encode())
         return digest.hexdigest()[:16]
 
     def plan(self) -> Plan:
@@ -68,12 +75,18 @@ class PlanBatchSampler(torch.utils.data.Sampler):
             self.epoch, self.step, self._plan = epoch, 0, None
 
     def next_step(self) -> list[list[int]]:
-        """This rank's micro-batches for the next optimizer step (moves to a new epoch when one ends)."""
+        """This rank's micro-batches for the next optimizer step (moves to a new epoch when one ends).
+
+        ``grad_accum`` lists of sample indices, each non-empty, longest sample first. Fixed-size strategies:
+        ``micro_batch`` indices each. Packed strategies: any number (at most ``max_micro_batch_samples``); the
+        rank's step holds a varying number of samples while the step's global batch holds exactly ``world ×
+        grad_accum × micro_batch``, so normalise the loss over the whole step, not per micro-batch.
+        """
         if self.step >= self.steps_per_epoch:
             self.set_epoch(self.epoch + 1)
         micro = self.plan().indices[self.step, self.rank]
         self.step += 1
-        return [row.tolist() for row in micro]
+        return [row[row >= 0].tolist() for row in micro]  # packed plans: -1 marks an unused slot
 
     def __iter__(self) -> Iterator[list[int]]:
         """The rest of the current epoch, micro-batch by micro-batch."""

@@ -50,11 +50,16 @@ class PretrainOutput(ModelOutput):
     (``apply_to_tensors_only`` walks dicts, not arbitrary objects)."""
 
     loss: "torch.Tensor" = None
-    """MLM loss (mean over masked tokens), plus the NSP loss for ``mlm_nsp``."""
+    """MLM loss (mean over masked tokens, or their sum divided by ``loss_normalizer``), plus the NSP loss
+    (mean over sequences) for ``mlm_nsp``."""
+    mean_loss: "torch.Tensor" = None
+    """The same with the MLM part as the mean over this micro-batch's masked tokens (what is reported)."""
     mlm_logits: "torch.Tensor" = None
     """``[masked tokens, vocab]`` logits at the masked positions only."""
     mlm_labels: "torch.Tensor" = None
     """``[masked tokens]`` their target ids."""
+    nsp_logits: "torch.Tensor" = None
+    """``[sequences, 2]`` next-sentence logits (``mlm_nsp`` only, unpadded path)."""
 
 
 class SparseMLMHead(torch.nn.Module):
@@ -72,17 +77,52 @@ class SparseMLMHead(torch.nn.Module):
         self.model = model
         self.nsp = hasattr(model.cls, "seq_relationship")
 
-    def forward(self, input_ids, attention_mask, token_type_ids, labels, next_sentence_label=None):
+    def forward(self, input_ids, attention_mask, token_type_ids, labels, next_sentence_label=None,
+                loss_normalizer=None, masked_positions=None):
+        """``loss_normalizer`` (a tensor or number): divide the summed MLM token losses by it instead of taking
+        their mean, e.g. the step's masked-token count over all ranks and micro-batches (scaled for DeepSpeed's
+        own averaging), so micro-batches of any size give the big batch's gradient. ``masked_positions``: the
+        flat indices of the masked tokens, computed by the collator on the host; without them a boolean mask
+        picks them, a host sync on accelerators (its result's size depends on the data)."""
         encoded = self.model.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-        selected = labels != -100
-        target = labels[selected]
-        masked_hidden = encoded.last_hidden_state[selected]
+        hidden = encoded.last_hidden_state
+        if masked_positions is None:
+            selected = labels != -100
+            target, masked_hidden = labels[selected], hidden[selected]
+        else:
+            target = labels.reshape(-1).index_select(0, masked_positions)
+            masked_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, masked_positions)
         if self.nsp:
             logits = self.model.cls.predictions(masked_hidden)
         else:
             logits = self.model.cls(masked_hidden)
-        loss = torch.nn.functional.cross_entropy(logits.float(), target)
+        token_losses = torch.nn.functional.cross_entropy(logits.float(), target, reduction="none")
+        mean = token_losses.mean()
+        loss = mean if loss_normalizer is None else token_losses.sum() / loss_normalizer
         if self.nsp and next_sentence_label is not None:
             nsp_logits = self.model.cls.seq_relationship(encoded.pooler_output)
-            loss = loss + torch.nn.functional.cross_entropy(nsp_logits.float(), next_sentence_label)
-        return PretrainOutput(loss=loss, mlm_logits=logits, mlm_labels=target)
+            nsp = torch.nn.functional.cross_entropy(nsp_logits.float(), next_sentence_label)
+            loss, mean = loss + nsp, mean + nsp
+        return PretrainOutput(loss=loss, mean_loss=mean, mlm_logits=logits, mlm_labels=target)
+
+
+def save_hf_model(module: torch.nn.Module, path: str, *, is_main: bool, tokenizer=None) -> None:
+    """Hugging Face format (``from_pretrained``-loadable, fp32; PEFT models: their adapter files), gathered under
+    ZeRO-3. Collective: every rank calls it; rank 0 writes."""
+    import contextlib
+
+    import deepspeed
+
+    params = list(module.parameters())
+    zero3 = any(hasattr(p, "ds_id") for p in params)
+    gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3 else contextlib.nullcontext()
+    with gather:
+        if is_main:
+            state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+            module.save_pretrained(path, state_dict=state)
+    if is_main:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        from ..log import print0
+
+        print0(f"final model written to {path}")

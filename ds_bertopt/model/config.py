@@ -27,7 +27,14 @@ class ModelConfig:
     """``mlm``: masked-LM only (``BertForMaskedLM``); ``mlm_nsp``: plus next-sentence prediction
     (``BertForPreTraining``), with 50 % random second segments."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    """Attention kernel used by transformers."""
+    """Attention kernel used by transformers (padded path; the unpadded path has its own, ``unpadded_attention``)."""
+    unpadded: bool = False
+    """Compute on real tokens only: each micro-batch is packed into one row (no padding anywhere), every
+    token-wise op runs on ``[tokens, hidden]`` and attention runs per sequence (``ds_bertopt.model.unpadded``).
+    Same parameters and state dict as the Hugging Face model; ``final/`` loads with ``from_pretrained``."""
+    unpadded_attention: Literal["auto", "varlen", "sdpa_loop"] = "auto"
+    """Unpadded attention kernel: ``varlen`` (CUDA flash varlen, fp16/bf16), ``sdpa_loop`` (one exact SDPA call
+    per sequence, the fastest exact form measured on CPU), ``auto`` (varlen where it runs, else the loop)."""
     init_checkpoint: Optional[str] = None
     """Directory of a Hugging Face BERT checkpoint to start from instead of random init."""
 

@@ -96,6 +96,16 @@ def _build_lamb(model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float, zero
     return optimizer
 
 
+def _target_device_type(model: torch.nn.Module) -> str:
+    """Where the model will train: the optimizer is built before ``deepspeed.initialize`` moves the model to
+    the accelerator, so the parameters' current device says nothing (the accelerator's name does)."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:  # outside DeepSpeed the model's own device is the one
+        return next(model.parameters()).device.type
+    return get_accelerator().device_name()
+
+
 def _deepspeed_fused_adam(groups: list[dict], cfg: OptimizerConfig, lr: float):
     from deepspeed.ops.adam import FusedAdam
 
@@ -104,8 +114,8 @@ def _deepspeed_fused_adam(groups: list[dict], cfg: OptimizerConfig, lr: float):
 
 def _build_adamw(model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
-    device = next(model.parameters()).device
-    want_deepspeed = cfg.implementation == "deepspeed" or (cfg.implementation == "auto" and device.type == "cuda")
+    device_type = _target_device_type(model)
+    want_deepspeed = cfg.implementation == "deepspeed" or (cfg.implementation == "auto" and device_type == "cuda")
     if want_deepspeed:
         try:
             optimizer = _deepspeed_fused_adam(groups, cfg, lr)
@@ -117,7 +127,7 @@ def _build_adamw(model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float) -> 
                                   f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
             print0(f"AdamW: DeepSpeed FusedAdam did not build ({type(exc).__name__}); using torch's")
     # torch's fused kernel exists for CPU and CUDA since 2.4; foreach elsewhere.
-    fused = device.type in ("cpu", "cuda")
+    fused = device_type in ("cpu", "cuda")
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, fused=fused or None,
                                   foreach=None if fused else True)
     print0(f"AdamW: torch ({'fused' if fused else 'foreach'})")
@@ -145,5 +155,8 @@ def build(model: torch.nn.Module, bertopt, *, global_batch: int, zero_stage: int
     lr = scale_lr(ocfg.lr, global_batch, scfg)
     print0(f"optimizer {ocfg.type}: {describe_lr(ocfg.lr, global_batch, scfg)}")
     optimizer = build_optimizer(model, ocfg, lr=lr, zero_stage=zero_stage, bucket_clip=bertopt.bucket_clip.enabled)
+    if bertopt.train.max_steps is None:
+        raise ConfigError("train.max_steps: the learning-rate schedule needs the run's length in steps (the training "
+                          "loop resolves it from train.epochs; set it when building the optimizer yourself)")
     scheduler = build_lr_scheduler(optimizer, scfg, max_steps=bertopt.train.max_steps)
     return optimizer, scheduler

@@ -11,8 +11,8 @@ A *layer* is one model parameter. Normally each tensor the optimizer holds is a 
 DeepSpeed ZeRO 1/2 it holds one flat fp32 shard per param group instead, and each layer is a
 fragment of some rank's shard: :class:`Layout` says where, the per-layer sums are all-reduced over
 the data-parallel group, and every rank applies the same per-layer ratio — the step ZeRO-0 takes.
-:class:`Lamb` is the ``torch.optim.Optimizer`` glue; :meth:`Lamb.attach_engine` reads the layout
-from the engine (see :mod:`ds_bertopt.optim.zero`).
+:class:`Lamb` is the ``torch.optim.Optimizer`` glue. It knows nothing of DeepSpeed: the layouts come
+from :func:`ds_bertopt.optim.zero.attach_lamb`, which ``ds_bertopt.engine.attach_extensions`` calls.
 """
 from __future__ import annotations
 
@@ -184,8 +184,8 @@ class Lamb(torch.optim.Optimizer):
     ``min_trust_ratio``, ``max_trust_ratio``. ``max_grad_norm`` (0: off) clips the global
     gradient norm before the moments, as NVIDIA's and MLPerf's LAMB do.
 
-    Under DeepSpeed, call :meth:`attach_engine` after ``deepspeed.initialize`` (our
-    ``ds_bertopt.engine.initialize`` does): with ZeRO 1/2 the held tensors are flat shards and the
+    Under DeepSpeed, call ``ds_bertopt.optim.zero.attach_lamb(optimizer, engine)`` after
+    ``deepspeed.initialize`` (``ds_bertopt.engine.initialize`` does): with ZeRO 1/2 the held tensors are flat shards and the
     trust ratio would otherwise be per shard. Stepping an unattached flat shard raises.
     """
 
@@ -224,12 +224,6 @@ class Lamb(torch.optim.Optimizer):
         """Where the global gradient norm comes from when this optimizer sees only a shard of it."""
         self._grad_norm_source = source
 
-    def attach_engine(self, engine) -> None:
-        """Called by ``ds_bertopt.engine.attach_extensions`` after ``deepspeed.initialize``."""
-        from .zero import attach_lamb
-
-        attach_lamb(self, engine)
-
     # --- the step ----------------------------------------------------------------------------
     def _clip_scale(self) -> float:
         if self.max_grad_norm <= 0:
@@ -252,7 +246,7 @@ class Lamb(torch.optim.Optimizer):
             raise RuntimeError(
                 f"LAMB was handed a tensor it was not built with (shape {tuple(unknown[0].shape)}): DeepSpeed "
                 "flattened the master weights, so the trust ratio would be per shard, not per layer. Create the "
-                "engine with ds_bertopt.engine.initialize, or call optimizer.attach_engine(engine) after "
+                "engine with ds_bertopt.engine.initialize, or call ds_bertopt.optim.zero.attach_lamb(optimizer, engine) after "
                 "deepspeed.initialize")
         return None
 
@@ -260,11 +254,14 @@ class Lamb(torch.optim.Optimizer):
         """DeepSpeed's fp16/bf16 wrappers create optimizer state by stepping once with all-zero gradients
         before training (``FP16_UnfusedOptimizer.initialize_optimizer_states``, in its ``__init__``, over
         fp32 copies we have not been told about yet). Such a step must not move the weights (weight decay
-        alone would) nor count for bias correction: it only creates the moments. One host check, on the
-        first call only (while no state exists)."""
-        if any(self.state.values()):
+        alone would) nor count for bias correction: it only creates the moments. Only tensors we were
+        neither built with nor attached to qualify (never a ZeRO shard, whose per-layer norms are
+        all-reduced: skipping that on one rank would desynchronise the ranks); one host check, on the first
+        call only (while no state exists)."""
+        held = [p for g in self.param_groups for p in g["params"]]
+        if any(self.state.values()) or any(id(p) in self._whole_layers or id(p) in self._layouts for p in held):
             return False
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for p in held if p.grad is not None]
         if not grads or bool(torch.stack([g.ne(0).any() for g in grads]).any()):
             return False
         for group in self.param_groups:

@@ -70,16 +70,29 @@ def spawn_ranks(fn: Callable, world_size: int, *args, ranks_per_node: int | None
     for proc in procs:
         proc.start()
     out: dict[int, Any] = {}
+    failures: dict[int, str] = {}
     try:
-        while len(out) < world_size:
+        while len(out) + len(failures) < world_size:
             try:
-                rank, status, value = results.get(timeout=timeout)
+                rank, status, value = results.get(timeout=timeout if not failures else 20)
             except queue_mod.Empty:
+                if failures:
+                    break  # the others are stuck on the failed rank
                 raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish "
                                    f"within {timeout:.0f} s") from None
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            if status == "ok":
+                out[rank] = value
+            else:
+                failures[rank] = value
+        if failures:
+            for r, proc in enumerate(procs):  # a rank that died without a word (a signal): say how
+                if r not in failures and r not in out:
+                    proc.join(timeout=5)
+                    failures[r] = f"no report; process exit code {proc.exitcode} (negative: killed by that signal)"
+            # the root cause first: a peer's "connection reset" only says that some rank died
+            order = sorted(failures, key=lambda r: ("Connection reset" in failures[r] or "Connection closed"
+                                                    in failures[r], r))
+            raise RuntimeError("\n".join(f"rank {r} failed:\n{failures[r]}" for r in order))
     finally:
         for proc in procs:
             proc.join(timeout=10)

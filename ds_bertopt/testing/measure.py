@@ -3,20 +3,17 @@
 * :func:`interleaved` — A/B(/C…) timing with warm-up, variants interleaved round by round so drift
   on a noisy machine hits all of them alike; report medians.
 * :func:`ratio_line` — the one-line summary every benchmark prints.
-* :func:`peak_rss_child` — peak resident memory of a function run in a fresh child process
-  (the only faithful CPU peak: the parent's allocator keeps freed pages).
+* fresh-child peak RSS and saved-for-backward bytes by category live in production code
+  (``ds_bertopt.wtacrs.memory.run_in_child`` / ``measure_step_in_child`` / ``saved_tensor_bytes``).
 * :func:`peak_cuda_memory` — ``torch.cuda.max_memory_allocated`` around a function (GPU peak).
-* :func:`saved_tensor_bytes` — bytes autograd saves for backward while a function runs.
 * :func:`environment` — versions, threads and machine, printed with every figure.
 * :func:`record_results` — structured results for ``bench/run_all.py`` (plots and the report).
 """
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import platform
-import resource
 import statistics
 import time
 from typing import Any, Callable, Mapping
@@ -55,46 +52,6 @@ def ratio_line(what: str, ours: list[float], theirs: list[float], baseline_name:
     return f"{what} vs {baseline_name}: {ratio:.2f}x (median of {min(len(ours), len(theirs))})"
 
 
-def _child_entry(queue, fn, args, kwargs):
-    try:
-        result = fn(*args, **kwargs)
-        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        queue.put(("ok", result, peak_kib * 1024))
-    except BaseException as exc:  # report, never hang the parent
-        queue.put(("error", f"{type(exc).__name__}: {exc}", 0))
-
-
-def peak_rss_child(fn: Callable, *args, env: Mapping[str, str] | None = None, timeout: float = 900, **kwargs):
-    """Run ``fn(*args, **kwargs)`` in a fresh spawned process; return ``(result, peak_rss_bytes)``.
-
-    ``env`` entries are set in the child before it starts (e.g. ``MALLOC_MMAP_THRESHOLD_=65536``
-    so glibc returns large blocks to the OS and ru_maxrss tracks the real tensor peak). ``fn``
-    must be importable (module-level).
-    """
-    ctx = mp.get_context("spawn")
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_child_entry, args=(queue, fn, args, kwargs))
-        proc.start()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    try:
-        status, result, peak = queue.get(timeout=timeout)
-    finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-    if status != "ok":
-        raise RuntimeError(f"child failed: {result}")
-    return result, peak
-
-
 def peak_cuda_memory(fn: Callable, *args, **kwargs):
     """Run ``fn`` on the current CUDA device; return ``(result, peak_allocated_bytes)`` over the call."""
     import torch
@@ -105,26 +62,6 @@ def peak_cuda_memory(fn: Callable, *args, **kwargs):
     result = fn(*args, **kwargs)
     torch.cuda.synchronize()
     return result, int(torch.cuda.max_memory_allocated())
-
-
-def saved_tensor_bytes(fn: Callable, *args, **kwargs):
-    """Run ``fn`` (a forward pass); return ``(result, bytes of distinct tensors saved for backward)``.
-
-    Tensors saved twice (the same storage) count once; views count their own size. For a per-layer
-    breakdown see ``ds_bertopt.wtacrs.memory.saved_tensor_bytes``.
-    """
-    import torch
-
-    seen: dict[tuple[int, int], int] = {}
-
-    def pack(tensor):
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        seen[key] = max(seen.get(key, 0), tensor.numel() * tensor.element_size())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        result = fn(*args, **kwargs)
-    return result, sum(seen.values())
 
 
 def record_results(name: str, payload: Mapping[str, Any]) -> None:

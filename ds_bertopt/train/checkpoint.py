@@ -8,6 +8,11 @@ Layout under ``<output_dir>/checkpoints``::
     step00000200.partial/    a save in progress, or one that died: never loaded
     latest                   tag of the newest complete checkpoint (replaced atomically)
 
+``COMPLETE.json`` also records the run's identity: its id (``output_dir/run.json``, written when the
+run starts), the world size and the config that shapes the trajectory (:func:`identity`). ``--resume``
+only loads checkpoints of that run, and :func:`identity_mismatch` names what differs from the config
+given now (``bertopt.model.hidden_size: checkpoint 128, config 64``) before anything is built.
+
 A save writes into ``<tag>.partial``; only when every rank has finished (barrier) does local rank 0
 of each node write ``COMPLETE.json``, rename the directory to ``<tag>`` and switch ``latest``. A
 crash at any point leaves the previous checkpoint complete and ``latest`` pointing at it. Resume
@@ -28,6 +33,7 @@ import numpy as np
 import torch
 
 from .. import faults
+from ..dist import barrier
 from ..errors import BertOptError
 from ..log import print0
 
@@ -93,12 +99,6 @@ def complete_tags(root: str) -> list[str]:
     return sorted(tags, reverse=True)
 
 
-def _barrier() -> None:
-    from ..dist import barrier
-
-    barrier()
-
-
 def save(engine, output_dir: str, step: int, client_state: dict, *, rank: int, local_rank: int,
          keep_last: int) -> str:
     """Collective: every rank calls it. Returns the final checkpoint directory."""
@@ -108,22 +108,23 @@ def save(engine, output_dir: str, step: int, client_state: dict, *, rank: int, l
     if local_rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(os.path.join(root, partial), ignore_errors=True)  # a dead earlier attempt
-    _barrier()
+    barrier()
     engine.save_checkpoint(root, tag=partial, client_state=client_state, save_latest=False)
     os.makedirs(os.path.join(root, partial), exist_ok=True)
     torch.save(rng_state(), os.path.join(root, partial, f"rng_rank{rank}.pt"))
     faults.inject("save", rank, step)
-    _barrier()
+    barrier()
     final = os.path.join(root, tag)
-    marker = {"step": step, "tag": tag, **{k: client_state[k] for k in ("world_size", "sampler") if k in client_state}}
+    marker = {"step": step, "tag": tag,
+              **{k: client_state[k] for k in ("world_size", "sampler", "identity") if k in client_state}}
     # Global rank 0 finalises first; then the local rank 0 of any node whose filesystem is not
     # shared with rank 0 (it still sees its own ``.partial``) finalises its copy.
     if rank == 0:
         _finalise(root, partial, final, tag, marker, keep_last)
-    _barrier()
+    barrier()
     if rank != 0 and local_rank == 0 and os.path.isdir(os.path.join(root, partial)):
         _finalise(root, partial, final, tag, marker, keep_last)
-    _barrier()
+    barrier()
     return final
 
 
@@ -140,25 +141,94 @@ def _finalise(root: str, partial: str, final: str, tag: str, marker: dict, keep_
 
 def resolve_resume_dir(resume: str, output_dir: str) -> str:
     """``--resume`` (``auto`` = this run's output dir) → the checkpoint root; must exist."""
-    base = output_dir if resume == "auto" else resume
+    base = output_dir if resume == "auto" else os.path.abspath(os.path.expanduser(resume))
     root = base if os.path.basename(os.path.normpath(base)) == "checkpoints" else checkpoint_root(base)
     if not os.path.isdir(base):
         raise BertOptError(f"resume directory {base} does not exist")
-    if not os.path.isdir(root):
-        raise BertOptError(f"resume directory {base} holds no checkpoints/ folder")
+    if not os.path.isdir(root) or not complete_tags(root):
+        raise BertOptError(f"resume directory {base} holds no complete checkpoint (checkpoints/stepNNNNNNNN/ with "
+                           f"{MARKER}); start without --resume")
     return root
 
 
-def load(engine, root: str, *, rank: int) -> Optional[dict]:
-    """Load the newest loadable complete checkpoint; returns its client state (with ``tag``).
+# --- run identity -----------------------------------------------------------------------------------
+RUN_FILE = "run.json"
+# Keys that may differ between a run and its resumption: where and how often it reports, not what it computes;
+# and how long it runs (a run may be extended: the LR schedule then spans the new length, and the loop says so).
+OPERATIONAL_KEYS = ("bertopt.train.max_steps", "bertopt.train.epochs", "bertopt.train.output_dir", "bertopt.train.overwrite_output_dir", "bertopt.train.eval_every",
+                    "bertopt.train.eval_each_epoch", "bertopt.train.log_every", "bertopt.train.save_every",
+                    "bertopt.train.keep_last", "bertopt.train.save_model", "bertopt.train.dataloader_workers",
+                    "bertopt.train.dist_timeout_s", "bertopt.train.dist_init_timeout_s", "bertopt.train.log_samples",
+                    "bertopt.train.max_consecutive_nonfinite", "deepspeed.steps_per_print",
+                    "deepspeed.wall_clock_breakdown", "deepspeed.csv_monitor", "deepspeed.tensorboard",
+                    "deepspeed.wandb", "deepspeed.comet", "deepspeed.flops_profiler", "deepspeed.comms_logger")
+
+
+def _flatten(tree, prefix: str, out: dict) -> dict:
+    if isinstance(tree, dict) and tree and prefix not in OPERATIONAL_KEYS:
+        for key, value in tree.items():
+            _flatten(value, f"{prefix}.{key}" if prefix else str(key), out)
+    elif prefix not in OPERATIONAL_KEYS:
+        out[prefix] = tree
+    return out
+
+
+def identity(run_id: str, world_size: int, described: dict) -> dict:
+    """What a checkpoint must share with the run that resumes it (``described``: ``config.describe``)."""
+    return {"run_id": run_id, "world_size": world_size, "config": _flatten(described, "", {})}
+
+
+def identity_mismatch(saved: dict, current: dict) -> Optional[str]:
+    """One line naming the first difference between a checkpoint's identity and this run's, or None."""
+    if saved.get("world_size") != current["world_size"]:
+        return (f"world size: checkpoint {saved.get('world_size')}, now {current['world_size']}. The data order and "
+                "optimizer shards are per rank: resume with the same number of ranks, or start a new run from the "
+                "weights (DeepSpeed's deepspeed/utils/zero_to_fp32.py turns a checkpoint into a state dict; for ZeRO "
+                "stage changes too see DeepSpeed's universal checkpoint, checkpoint/ds_to_universal.py)")
+    ours, theirs = current["config"], saved.get("config", {})
+    for key in sorted(set(ours) | set(theirs)):
+        if ours.get(key, "absent") != theirs.get(key, "absent"):
+            return (f"{key}: checkpoint {json.dumps(theirs.get(key, 'absent'))}, config "
+                    f"{json.dumps(ours.get(key, 'absent'))}")
+    return None
+
+
+def read_run_id(output_dir: str) -> Optional[str]:
+    path = os.path.join(output_dir, RUN_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh).get("run_id")
+
+
+def write_run_id(output_dir: str, run_id: str) -> None:
+    os.makedirs(output_dir, exist_ok=True)
+    _write_atomic(os.path.join(output_dir, RUN_FILE), json.dumps({"run_id": run_id}))
+
+
+def read_marker(root: str, tag: str) -> dict:
+    with open(os.path.join(root, tag, MARKER), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def run_tags(root: str, run_id: Optional[str]) -> list[str]:
+    """Complete checkpoints of run ``run_id`` (all of them when the run has no id), newest first."""
+    tags = complete_tags(root)
+    if run_id is None:
+        return tags
+    return [t for t in tags if read_marker(root, t).get("identity", {}).get("run_id") in (run_id, None)]
+
+
+def load(engine, root: str, *, rank: int, run_id: Optional[str] = None) -> Optional[dict]:
+    """Load the newest loadable complete checkpoint of run ``run_id``; returns its client state (with ``tag``).
 
     Collective: ranks agree on success after each attempt so that all load the same one.
     """
     import torch.distributed as dist
 
-    tags = complete_tags(root)
+    tags = run_tags(root, run_id)
     if not tags:
-        raise BertOptError(f"no complete checkpoint under {root}")
+        raise BertOptError(f"no complete checkpoint of this run under {root}")
     latest_path = os.path.join(root, LATEST)
     latest = open(latest_path, encoding="utf-8").read().strip() if os.path.isfile(latest_path) else None
     if latest != tags[0]:

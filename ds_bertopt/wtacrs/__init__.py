@@ -3,20 +3,23 @@
 * :mod:`.estimator` — the pure estimator (row probabilities, winner rule, sampling, weights).
 * :mod:`.linear` — :class:`SampledLinear` (drop-in ``nn.Linear``) and its batch context.
 * :mod:`.kit` — exact memory-saving module swaps (SDPA, compact dropout masks, LayerNorm saving its
-  output, recomputed / bf16-stored GELU input).
+  output, recomputed / bf16-stored GELU input, fused GeGLU).
+* :mod:`.families` — where those parts live in each BERT-family architecture of transformers.
 * :mod:`.convert` — :func:`convert` (swap target linears), :func:`prepare_model` (LoRA → kit → convert).
 * :mod:`.memory` — saved-for-backward accounting and step-peak measurement.
 """
 from .convert import apply_lora, convert, prepare_model, resolve_targets
 from .estimator import RowSelection, budget, row_probabilities, select_rows, weight_gradient
-from .kit import (Bf16InputGelu, CompactDropout, GeluLinear, OutputSavingLayerNorm, apply_kit,
-                  fuse_gelu_linears)
-from .linear import BatchContext, SampledLinear, install_context
+from .families import FAMILIES, Family, detect
+from .kit import (Bf16InputGelu, CompactDropout, GammaGuard, GatedFfn, GatedLinear, GeluLinear, OutputSavingLayerNorm,
+                  apply_kit, fuse_gelu_linears)
+from .linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, BatchContext, SampledLinear, install_context
 from .memory import estimate_saving, saved_tensor_bytes
 
 __all__ = [
-    "BatchContext", "Bf16InputGelu", "CompactDropout", "GeluLinear", "OutputSavingLayerNorm", "RowSelection",
-    "SampledLinear", "apply_kit", "apply_lora", "budget", "convert", "estimate_saving", "fuse_gelu_linears",
-    "install_context", "prepare_model", "resolve_targets", "row_probabilities", "saved_tensor_bytes",
-    "select_rows", "weight_gradient",
+    "EXAMPLE_IDS_KWARG", "FAMILIES", "NUM_VALID_ROWS_KWARG", "BatchContext", "Bf16InputGelu", "CompactDropout",
+    "Family", "GammaGuard", "GatedFfn", "GatedLinear", "GeluLinear", "OutputSavingLayerNorm", "RowSelection",
+    "SampledLinear", "apply_kit", "apply_lora", "budget", "convert", "detect", "estimate_saving",
+    "fuse_gelu_linears", "install_context", "prepare_model", "resolve_targets", "row_probabilities",
+    "saved_tensor_bytes", "select_rows", "weight_gradient",
 ]

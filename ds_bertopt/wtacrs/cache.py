@@ -9,6 +9,7 @@ Memory is bounded: ``capacity`` slots × the longest sequence seen, in bf16 (exa
 slot ``e % capacity``; a tag array detects a slot taken over by another example). Rows without an
 entry get the mean score of the cached rows of the batch (or 1); every score is floored at
 ``SCORE_FLOOR`` × that mean so a row whose gradient was ~0 last time keeps a usable probability.
+Lookups and updates are device-only (masks and index writes, no host sync).
 """
 from __future__ import annotations
 
@@ -53,9 +54,12 @@ class GradNormCache:
         hit = self.tags[slots] == example_ids.to(valid.device)
         cached = self.values[slots, :length].float()
         known = hit.unsqueeze(1) & valid & (cached > 0)
-        mean = cached[known].mean() if bool(known.any()) else torch.tensor(1.0, device=valid.device)
+        # mean over the known entries, 1 when there are none: a masked sum, no boolean indexing (no host sync)
+        count = known.sum()
+        total = torch.where(known, cached, torch.zeros((), device=cached.device)).sum()
+        mean = torch.where(count > 0, total / count.clamp_min(1), torch.ones((), device=cached.device))
         scores = torch.where(known, cached, mean)
-        return scores.clamp_min(SCORE_FLOOR * float(mean))
+        return torch.maximum(scores, SCORE_FLOOR * mean)
 
     @torch.no_grad()
     def update(self, example_ids: torch.Tensor, valid: torch.Tensor, row_norms: torch.Tensor) -> None:

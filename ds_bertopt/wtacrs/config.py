@@ -7,14 +7,16 @@ from typing import Literal
 from ..errors import check
 
 TARGET_GROUPS = {
-    # module-name patterns, matched on trailing dotted components ("*" matches one component)
+    # module-name patterns of the BERT family, matched on trailing dotted components ("*" matches one
+    # component); each family has its own (ds_bertopt.wtacrs.families), these are the generic fallback
     "ffn_out": ("layer.*.output.dense",),
     "ffn_in": ("intermediate.dense",),
     "qkv": ("attention.self.query", "attention.self.key", "attention.self.value"),
     "attn_out": ("attention.output.dense",),
     "lora_A": ("lora_A.*",),
 }
-"""Named target groups; ``"auto"`` picks among them (see :func:`ds_bertopt.wtacrs.convert.resolve_targets`)."""
+"""Named target groups (BERT patterns); ``"auto"`` picks among them (see
+:func:`ds_bertopt.wtacrs.convert.resolve_targets`); a model's family supplies its own patterns."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class KitConfig:
 
     @property
     def any(self) -> bool:
+        """Some part of the kit is on (ds_bertopt.integrations.hf reads this)."""
         return (self.sdpa_attention or self.dropout_mask != "float" or self.layernorm_saves_output
                 or self.recompute_gelu or self.bf16_gelu)
 
@@ -57,13 +60,16 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapter input (0: none, nothing stored for it)."""
     targets: tuple[str, ...] = ("query", "value")
-    """Module names (PEFT ``target_modules``) that get adapters."""
+    """Module names (PEFT ``target_modules``) that get adapters; ``["auto"]``: the query and value
+    projections of the model's family (``q_lin``/``v_lin`` in DistilBERT, ``Wqkv`` in ModernBERT, …)."""
 
     def __post_init__(self) -> None:
         check(self.r >= 1, f"r: must be at least 1, got {self.r}")
         check(self.alpha > 0, f"alpha: must be positive, got {self.alpha}")
         check(0.0 <= self.dropout < 1.0, f"dropout: must be in [0, 1), got {self.dropout}")
         check(len(self.targets) > 0, "targets: give at least one module name")
+        check("auto" not in self.targets or len(self.targets) == 1,
+              f"targets: 'auto' stands alone, got {list(self.targets)}")
 
 
 @dataclass(frozen=True)
@@ -74,9 +80,11 @@ class WtaCrsConfig:
     """Fraction k/N of non-padding token rows kept for the weight gradient, in (0, 1]."""
     targets: tuple[str, ...] = ("auto",)
     """Which linears to sample: group names (``ffn_out``, ``ffn_in``, ``qkv``, ``attn_out``,
-    ``lora_A``), module-name patterns (trailing dotted components, ``*`` for one component, e.g.
+    ``lora_A``; their module names come from the model's family, see ``ds_bertopt.wtacrs.families``),
+    module-name patterns (trailing dotted components, ``*`` for one component, e.g.
     ``layer.*.output.dense``), or ``auto``: ``ffn_out``, plus ``qkv``/``ffn_in``/``lora_A`` unless
-    LayerNorms already keep their input (``kit.layernorm_saves_output``). Frozen linears are skipped."""
+    LayerNorms already keep their output (``kit.layernorm_saves_output``). Frozen linears are skipped;
+    a group or pattern that matches no trainable linear is an error naming the linears there are."""
     min_k: int = 32
     """Keep at least this many rows."""
     grad_norm_cache: bool = False
@@ -88,6 +96,10 @@ class WtaCrsConfig:
     """The exact (and approximate) memory-saving module swaps (see ``ds_bertopt.wtacrs.kit``)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters via PEFT."""
+    strict: bool = False
+    """Coverage is an error: a module that the kit or WTA-CRS cannot convert in this model's family
+    (an attention without an SDPA path, a non-``nn.LayerNorm`` norm, an unknown family, …) raises a
+    ``ConfigError`` instead of the one ``warning:`` line naming it."""
 
     def __post_init__(self) -> None:
         check(0.0 < self.ratio <= 1.0, f"ratio: must be in (0, 1], got {self.ratio}")

@@ -7,7 +7,9 @@ which attention keeps anyway: sampling it would *add* k rows, so ``auto`` never 
 and the FFN input projection read a LayerNorm output: worth sampling only when that LayerNorm
 does not keep it already (``kit.layernorm_saves_output`` off); q/k/v share one selection.
 
-Call order before ``deepspeed.initialize``: :func:`prepare_model` does LoRA → kit → :func:`convert`.
+Group names resolve to the module names of the model's family (:mod:`ds_bertopt.wtacrs.families`:
+``ffn.lin2`` in DistilBERT, ``mlp.Wo`` in ModernBERT, …). Call order before ``deepspeed.initialize``:
+:func:`prepare_model` does LoRA → kit → :func:`convert`.
 """
 from __future__ import annotations
 
@@ -15,32 +17,80 @@ from typing import Iterable, Sequence
 
 from torch import nn
 
-from .config import TARGET_GROUPS, WtaCrsConfig
-from .kit import OutputSavingLayerNorm, apply_kit, swap_modules
+from ..errors import ConfigError
+from .families import GROUPS, Detected, Family, detect, matches, summarise
+from .kit import OutputSavingLayerNorm, kit_parts, report_coverage, swap_modules
 from .linear import SampledLinear, install_context
 
 
-def _matches(name: str, pattern: str) -> bool:
-    parts, wanted = name.split("."), pattern.split(".")
-    if len(parts) < len(wanted):
-        return False
-    return all(w == "*" or w == p for w, p in zip(wanted, parts[-len(wanted):]))
+def _auto_groups(model: nn.Module) -> list[str]:
+    layernorm_keeps_output = any(isinstance(m, OutputSavingLayerNorm) for m in model.modules())
+    return ["ffn_out"] + ([] if layernorm_keeps_output else ["qkv", "ffn_in", "lora_A"])
+
+
+def _expand(targets: Sequence[str], model: nn.Module, family: Family) -> list[tuple[str, tuple[str, ...]]]:
+    """``[(target as given or the auto group, its patterns)]``."""
+    out = []
+    for target in targets:
+        if target == "auto":
+            out.extend((f"auto:{group}", family.targets(group)) for group in _auto_groups(model))
+        elif target in GROUPS:
+            out.append((target, family.targets(target)))
+        else:
+            out.append((target, (target,)))
+    return out
 
 
 def resolve_targets(targets: Sequence[str], model: nn.Module) -> tuple[str, ...]:
-    """Expand group names and ``auto`` into module-name patterns for ``model``."""
-    layernorm_keeps_input = not any(isinstance(m, OutputSavingLayerNorm) for m in model.modules())
-    patterns: list[str] = []
-    for target in targets:
-        if target == "auto":
-            groups = ["ffn_out"] + (["qkv", "ffn_in", "lora_A"] if layernorm_keeps_input else [])
-            for group in groups:
-                patterns.extend(TARGET_GROUPS[group])
-        elif target in TARGET_GROUPS:
-            patterns.extend(TARGET_GROUPS[target])
-        else:
-            patterns.append(target)
+    """Expand group names and ``auto`` into module-name patterns for ``model`` (per its family)."""
+    patterns = [p for _, group in _expand(tuple(targets), model, detect(model).family) for p in group]
     return tuple(dict.fromkeys(patterns))
+
+
+def _trainable_linears(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules()
+            if type(m) is nn.Linear and m.weight.requires_grad]
+
+
+def _convert(model: nn.Module, ratio: float, targets: Sequence[str], min_k: int, cache_capacity: int,
+             detected: Detected) -> tuple[list[str], list[tuple[str, str]]]:
+    """Swap; return the swapped names and the gaps. Explicit targets matching nothing raise ConfigError."""
+    expanded = _expand(tuple(targets), model, detected.family)
+    trainable = _trainable_linears(model)
+    other_linears = {name: m for name, m in model.named_modules()
+                     if isinstance(m, nn.Linear) and name not in set(trainable)}  # frozen, fused or sampled
+    gaps: list[tuple[str, str]] = []
+    unmatched = []
+    for target, patterns in expanded:
+        if any(matches(name, p) for name in trainable for p in patterns):
+            continue
+        others = [name for name in other_linears if any(matches(name, p) for p in patterns)]
+        if target.startswith("auto:"):
+            group = target[len("auto:"):]
+            if not others and group != "lora_A" and not detected.known:
+                gaps.append((f"wtacrs.targets auto {group}", f"no linear named like {', '.join(patterns)}"))
+            continue  # no LoRA, or the group's linears are frozen (LoRA base) or fused: nothing to sample there
+        if others:
+            kinds = sorted({type(other_linears[name]).__name__ if other_linears[name].weight.requires_grad
+                            else "frozen" for name in others})
+            gaps.append((f"wtacrs.targets {target}", f"{summarise(others)} is {'/'.join(kinds)}, not sampled"))
+            continue
+        unmatched.append(target)
+    if unmatched:
+        raise ConfigError(f"wtacrs.targets: {', '.join(repr(t) for t in unmatched)} matched no trainable nn.Linear "
+                          f"of {type(model).__name__} ({detected.describe()}); its trainable linears: "
+                          f"{summarise(trainable) or 'none'}")
+    patterns = tuple(dict.fromkeys(p for _, group in expanded for p in group))
+    context = install_context(model)
+
+    def choose(name: str, module: nn.Module):
+        if type(module) is not nn.Linear or not module.weight.requires_grad:
+            return None  # a frozen linear keeps no input for backward: nothing to sample
+        if not any(matches(name, pattern) for pattern in patterns):
+            return None
+        return SampledLinear.from_linear(module, ratio, min_k, context=context, cache_capacity=cache_capacity)
+
+    return swap_modules(model, choose), gaps
 
 
 def convert(model: nn.Module, ratio: float = 0.3, targets: Iterable[str] = ("auto",), min_k: int = 32,
@@ -48,21 +98,14 @@ def convert(model: nn.Module, ratio: float = 0.3, targets: Iterable[str] = ("aut
     """Swap the trainable ``nn.Linear`` modules matching ``targets`` for :class:`SampledLinear`.
 
     Parameters are shared, not copied, so state dicts and optimizer references are unchanged. The
-    padding mask and example ids are read from ``model``'s forward keywords (see
-    :func:`~ds_bertopt.wtacrs.linear.install_context`). ``cache_capacity > 0`` turns on the
-    gradient-norm cache. Returns the names of the swapped modules.
+    padding mask, the host count of non-padding rows and the example ids are read from ``model``'s
+    forward keywords (see :func:`~ds_bertopt.wtacrs.linear.install_context`). ``cache_capacity > 0``
+    turns on the gradient-norm cache. Returns the names of the swapped modules. A target (group or
+    pattern) that matches no trainable linear raises :class:`~ds_bertopt.errors.ConfigError` listing
+    the trainable linears of the model.
     """
-    patterns = resolve_targets(tuple(targets), model)
-    context = install_context(model)
-
-    def choose(name: str, module: nn.Module):
-        if type(module) is not nn.Linear or not module.weight.requires_grad:
-            return None  # a frozen linear keeps no input for backward: nothing to sample
-        if not any(_matches(name, pattern) for pattern in patterns):
-            return None
-        return SampledLinear.from_linear(module, ratio, min_k, context=context, cache_capacity=cache_capacity)
-
-    return swap_modules(model, choose)
+    names, _ = _convert(model, ratio, tuple(targets), min_k, cache_capacity, detect(model))
+    return names
 
 
 def apply_lora(model: nn.Module, lora) -> nn.Module:
@@ -71,22 +114,34 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
     from peft import TaskType, get_peft_model
 
     task = TaskType.SEQ_CLS if hasattr(model, "classifier") else None
+    targets = list(detect(model).family.lora_targets if tuple(lora.targets) == ("auto",) else lora.targets)
     peft_config = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                 target_modules=list(lora.targets), task_type=task)
+                                 target_modules=targets, task_type=task)
     return get_peft_model(model, peft_config)
 
 
-def prepare_model(model: nn.Module, cfg: WtaCrsConfig) -> tuple[nn.Module, list[str]]:
-    """LoRA (if on), the kit, then WTA-CRS conversion (if on). Returns the model and log lines."""
-    lines = []
+def prepare_model(model: nn.Module, cfg) -> tuple[nn.Module, list[str]]:
+    """LoRA (if on), the kit, then WTA-CRS conversion (if on). Returns the model and log lines.
+
+    Everything the kit or the sampling could not convert in this model's family is named in one
+    ``warning:`` line (``cfg.strict``: a :class:`~ds_bertopt.errors.ConfigError` instead).
+    """
+    detected = detect(model)
+    lines = [f"wtacrs: model family {detected.describe()}"]
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        lines.append(f"LoRA r={cfg.lora.r} on {', '.join(cfg.lora.targets)}: {trainable:,} trainable parameters")
-    lines.extend(apply_kit(model, cfg.kit))
+        targets = detected.family.lora_targets if tuple(cfg.lora.targets) == ("auto",) else cfg.lora.targets
+        lines.append(f"LoRA r={cfg.lora.r} on {', '.join(targets)}: {trainable:,} trainable parameters")
+    kit_lines, gaps = kit_parts(model, cfg.kit, detected)
+    lines.extend(kit_lines)
     if cfg.enabled:
-        names = convert(model, cfg.ratio, cfg.targets, cfg.min_k,
-                        cfg.cache_capacity if cfg.grad_norm_cache else 0)
-        kinds = sorted({".".join(n.split(".")[-2:]) for n in names})
+        names, target_gaps = _convert(model, cfg.ratio, cfg.targets, cfg.min_k,
+                                      cfg.cache_capacity if cfg.grad_norm_cache else 0, detected)
+        gaps += target_gaps
+        kinds = sorted({".".join([part for part in n.split(".") if not part.isdigit()][-2:]) for n in names})
         lines.append(f"WTA-CRS ratio {cfg.ratio}: {len(names)} linears sampled ({', '.join(kinds) or 'none'})")
+    if cfg.enabled or cfg.kit.any:
+        lines.extend(report_coverage(gaps, detected, cfg.strict))
     return model, lines
+

@@ -9,19 +9,30 @@ estimates that sum from ``k ≤ N`` rows so that only ``k`` rows of ``X`` are ke
    :mod:`ds_bertopt.wtacrs.cache`). Padding rows get ``p_i = 0``: their outputs never reach the
    loss, so ``∇y_i = 0`` and they contribute nothing to ``∇W``. Rows with ``x_i = 0`` also get
    ``p_i = 0`` and contribute nothing either.
-2. **Budget.** ``k = clamp(round(ratio · N'), min_k, N')`` with ``N'`` the non-padding rows.
+2. **Budget.** ``k = clamp(round(ratio · N'), min_k, N')``, a host integer: ``N'`` is a row count the
+   host knows without reading the device (the tensor's row count, or the number of non-padding rows
+   that the training loop counted before it moved the batch; see :mod:`ds_bertopt.wtacrs.linear`).
 3. **Winners.** Sort by ``p``; keep the top ``c`` rows exactly (weight 1), with ``c`` chosen by the
    paper's rule ``argmin_{0 ≤ c < k} (1 − P_C(c)) / (k − c)``, ``P_C(c)`` the mass of the top ``c``.
    ``c = 0`` is plain CRS. If at most ``k`` rows have ``p > 0`` all of them are kept exactly.
 4. **Sampling.** Draw ``m = k − c`` rows with replacement from the residual distribution
-   ``q_j = p_j / (1 − P_C)`` over the non-winners. A row drawn ``n_j`` times gets weight
-   ``n_j / (m q_j)``; duplicates are stored once, so at most ``k`` rows are stored.
+   ``q_j = p_j / (1 − P_C)`` over the non-winners (inverse CDF of ``m`` uniforms). Each draw gets
+   weight ``1 / (m q_j)``; a row drawn ``n_j`` times thus carries ``n_j / (m q_j)`` in total.
 
-Then ``∇W ≈ Σ_{c∈C} ∇y_cᵀ x_c + (1/m) Σ_{draws j} ∇y_jᵀ x_j / q_j = Σ_{stored r} w_r ∇y_rᵀ x_r``.
-Every row has ``E[w_i] = 1`` (winners deterministically, others because ``E[n_j] = m q_j``), so the
-estimate is unbiased for any ``p`` with ``p_i > 0`` wherever ``∇y_iᵀ x_i ≠ 0``. Stored rows are
-pre-scaled by ``w_r`` so backward is a single ``k``-row GEMM. ``∇X = ∇Y W`` and ``∇b = Σ ∇y_i`` stay
-exact. Unlike the authors' reference code there is no path that leaves sampled rows unweighted.
+Then ``∇W ≈ Σ_{c∈C} ∇y_cᵀ x_c + (1/m) Σ_{draws j} ∇y_jᵀ x_j / q_j = Σ_{slots r} w_r ∇y_rᵀ x_r``.
+Every row has ``E[total weight of row i] = 1`` (winners deterministically, others because
+``E[n_j] = m q_j``), so the estimate is unbiased for any ``p`` with ``p_i > 0`` wherever ``∇y_iᵀ x_i ≠ 0``.
+``∇X = ∇Y W`` and ``∇b = Σ ∇y_i`` stay exact. Unlike the authors' reference code there is no path
+that leaves sampled rows unweighted.
+
+**Static shapes, no host sync.** :func:`select_rows` always returns exactly ``k`` slots: slot
+``r < c`` holds winner ``r``, the other slots hold draws (a row drawn twice fills two slots, each
+with its own weight; the sum is the same as storing it once with weight ``n_j / (m q_j)``). Where
+every positive row is a winner (``c`` = number of positive rows ``< k``) the spare slots get weight 0.
+``c`` and ``m`` are 0-d device tensors; no ``.item()``, ``nonzero`` or data-dependent shape is used, so
+a CUDA step never waits for the device here. At most ``k`` rows are stored, as before. When the host
+knows that every positive row fits (``k ≥ N'``, e.g. ratio 1) nothing is drawn, so the RNG stream —
+and with it every dropout mask — is the same as without sampling.
 
 Everything here is a pure function of tensors; the autograd glue is :mod:`ds_bertopt.wtacrs.linear`.
 """
@@ -35,20 +46,22 @@ import torch
 
 @dataclass(frozen=True)
 class RowSelection:
-    """The rows kept for the weight gradient and their weights."""
+    """The ``k`` slots kept for the weight gradient and their weights."""
 
     indices: torch.Tensor
-    """Row indices into the flattened input (int64, winners first, each at most once)."""
+    """Row index into the flattened input per slot (int64, ``k`` of them): winners first, in rank
+    order, then draws (a row may fill several draw slots)."""
     weights: torch.Tensor
-    """Weight of each kept row (float64); ``E[weight of row i] = 1`` for every row with ``p_i > 0``."""
-    num_winners: int
-    """Rows kept exactly (weight 1)."""
-    num_draws: int
-    """Draws ``m`` from the residual distribution (0 when every positive row is a winner)."""
+    """Weight per slot (float64); 0 for spare slots. Summed over its slots, ``E[weight of row i] = 1``
+    for every row with ``p_i > 0``."""
+    num_winners: torch.Tensor
+    """Rows kept exactly, weight 1 (0-d int64 tensor on the device of ``p``)."""
+    num_draws: torch.Tensor
+    """Draws ``m`` from the residual distribution (0-d int64; 0 when every positive row is a winner)."""
 
 
 def budget(num_rows: int, ratio: float, min_k: int) -> int:
-    """``k = clamp(round(ratio · num_rows), min_k, num_rows)``."""
+    """``k = clamp(round(ratio · num_rows), min_k, num_rows)`` (host integers only)."""
     return int(min(num_rows, max(min_k, round(ratio * num_rows))))
 
 
@@ -64,50 +77,69 @@ def row_probabilities(x: torch.Tensor, valid: Optional[torch.Tensor] = None,
     if valid is not None:
         p = torch.where(valid, p, torch.zeros((), dtype=p.dtype, device=p.device))
     total = p.sum()
-    return p / total if total > 0 else p
+    return p / torch.where(total > 0, total, torch.ones_like(total))  # all-zero p stays zero, on the device
 
 
-def winner_count(p_sorted: torch.Tensor, k: int) -> int:
+def winner_count(p_sorted: torch.Tensor, k: int) -> torch.Tensor:
     """The paper's rule: ``argmin_{0 ≤ c < k} (1 − P_C(c)) / (k − c)`` for ``p`` sorted descending.
 
-    The residual mass is summed from the tail (not ``1 − cumsum``) so it never rounds to zero or below.
+    Returns a 0-d int64 tensor. The residual mass is summed from the tail (not ``1 − cumsum``) so it
+    never rounds to zero or below.
     """
     tail = torch.flip(torch.cumsum(torch.flip(p_sorted, [0]), 0), [0])  # tail[c] = mass of rows c..N-1
     residual = tail[:k]
     objective = residual / torch.arange(k, 0, -1, dtype=residual.dtype, device=residual.device)
-    return int(torch.argmin(objective))  # first minimum: ties go to fewer winners
+    return torch.argmin(objective)  # first minimum: ties go to fewer winners
 
 
 def select_rows(p: torch.Tensor, k: int, generator: Optional[torch.Generator] = None,
-                use_winners: bool = True) -> RowSelection:
-    """Pick the rows to keep for probabilities ``p`` (1-D, non-negative, sums to 1 or all zero).
+                use_winners: bool = True, max_positive: Optional[int] = None) -> RowSelection:
+    """Pick ``k`` slots for probabilities ``p`` (1-D, non-negative, sums to 1 or all zero).
 
-    ``use_winners=False`` gives plain CRS (no deterministic winners), for comparisons.
+    ``k`` is a host integer (clamped to ``p.numel()``). ``max_positive`` is a host upper bound on the
+    rows with ``p > 0`` (default ``p.numel()``; the non-padding row count): when it is ``≤ k`` every such
+    row is kept exactly without drawing anything (no RNG use, as at ratio 1). ``use_winners=False``
+    gives plain CRS (no deterministic winners except when every positive row fits), for comparisons.
     """
-    device = p.device
-    positive = int((p > 0).sum())
-    if positive <= k:  # every row that can contribute fits: keep them all exactly
-        indices = torch.nonzero(p > 0).flatten()
-        return RowSelection(indices, torch.ones(indices.numel(), dtype=torch.float64, device=device),
-                            num_winners=positive, num_draws=0)
+    device, n = p.device, p.numel()
+    k = min(int(k), n)
+    long = dict(dtype=torch.int64, device=device)
+    if k == 0:
+        return RowSelection(torch.zeros(0, **long), torch.zeros(0, dtype=torch.float64, device=device),
+                            torch.zeros((), **long), torch.zeros((), **long))
     order = torch.argsort(p, descending=True, stable=True)
     p_sorted = p[order]
-    winners = winner_count(p_sorted, k) if use_winners else 0
-    draws = k - winners
-    residual_rows = order[winners:]
-    residual_p = p_sorted[winners:]
-    residual_mass = residual_p.sum()
-    picks = torch.multinomial(residual_p, draws, replacement=True, generator=generator)
-    counts = torch.bincount(picks, minlength=residual_p.numel())
-    drawn = torch.nonzero(counts).flatten()
-    # weight n_j / (m q_j) with q_j = p_j / residual_mass
-    drawn_weights = counts[drawn].to(torch.float64) * residual_mass / (draws * residual_p[drawn])
-    indices = torch.cat([order[:winners], residual_rows[drawn]])
-    weights = torch.cat([torch.ones(winners, dtype=torch.float64, device=device), drawn_weights])
-    return RowSelection(indices, weights, num_winners=winners, num_draws=draws)
+    positive = (p_sorted > 0).sum()
+    if (n if max_positive is None else min(int(max_positive), n)) <= k:  # known on the host: all fit, no draws
+        slot = torch.arange(k, **long)
+        weights = (slot < positive).to(torch.float64)
+        return RowSelection(order[:k], weights, positive, torch.zeros((), **long))
+    all_fit = positive <= k  # every row that can contribute fits: keep them all exactly
+    rule = winner_count(p_sorted, k) if use_winners else torch.zeros((), **long)
+    winners = torch.where(all_fit, positive, rule)
+    draws = torch.where(all_fit, torch.zeros((), **long), k - winners)
+
+    rank = torch.arange(n, **long)
+    residual = torch.where(rank >= winners, p_sorted, torch.zeros((), dtype=p.dtype, device=device))
+    cdf = torch.cumsum(residual, 0)
+    mass = cdf[-1]  # the residual mass, summed exactly as the CDF that is sampled
+    uniform = torch.rand(k, generator=generator, dtype=p.dtype, device=device)
+    picked = torch.searchsorted(cdf, uniform * mass, right=True)  # first rank whose CDF exceeds u·mass
+    # u·mass can round up to mass: clamp onto the last positive row (sorted descending: rank positive − 1)
+    picked = torch.minimum(picked, (positive - 1).clamp_min(0))
+
+    slot = torch.arange(k, **long)
+    is_winner = slot < winners
+    ranks = torch.where(is_winner, slot, picked)
+    picked_p = p_sorted[picked]
+    usable = (draws > 0) & (picked_p > 0)
+    # weight 1 / (m q_j) with q_j = p_j / mass
+    draw_weights = torch.where(usable, mass / (draws.clamp_min(1) * torch.where(usable, picked_p, 1.0)), 0.0)
+    weights = torch.where(is_winner, torch.ones((), dtype=torch.float64, device=device), draw_weights)
+    return RowSelection(order[ranks], weights.to(torch.float64), winners, draws)
 
 
 def weight_gradient(grad_out: torch.Tensor, x: torch.Tensor, selection: RowSelection) -> torch.Tensor:
-    """``Σ_r w_r ∇y_rᵀ x_r`` over the selected rows of 2-D ``grad_out`` and ``x`` (reference path)."""
+    """``Σ_r w_r ∇y_rᵀ x_r`` over the selected slots of 2-D ``grad_out`` and ``x`` (reference path)."""
     rows = x[selection.indices] * selection.weights.to(x.dtype).unsqueeze(1)
     return grad_out[selection.indices].t() @ rows

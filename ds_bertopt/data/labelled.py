@@ -6,7 +6,10 @@ the column or the value: a missing or empty file, a missing text/label column, a
 an integer (``"1"`` and ``1.0`` are accepted, ``"pos"`` and ``1.5`` are not), a negative label, a
 missing value, or bytes that are not UTF-8.
 
-A directory is read with ``datasets.load_from_disk``; a ``DatasetDict`` needs ``split``.
+A directory is read with ``datasets.load_from_disk``; a ``DatasetDict`` needs ``split``. String labels are
+mapped to ``0..K-1`` when ``label_names`` lists them (in class order). :func:`check_labels` then refuses label
+sets that are more likely a mistake than a task: more than ``MAX_CLASSES`` classes, classes that never occur
+(1-based labels), a column whose values are nearly all distinct (an id column), unless ``num_labels`` says so.
 """
 from __future__ import annotations
 
@@ -35,8 +38,27 @@ class LabelledData:
     def num_labels(self) -> int:
         return max(self.labels) + 1
 
+    def subset(self, limit: Optional[int], seed: int, shuffle: bool) -> "LabelledData":
+        """At most ``limit`` examples: a fixed random subset, or the first ones."""
+        if limit is None or limit >= len(self):
+            return self
+        import torch
 
-def _as_label(value: Any, where: str, column: str) -> int:
+        picks = (torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))[:limit].tolist()
+                 if shuffle else list(range(limit)))
+        return LabelledData(tuple(self.texts[i] for i in picks), tuple(self.labels[i] for i in picks),
+                            f"{self.source} ({limit} of {len(self)})")
+
+
+MAX_CLASSES = 100
+"""Above this many classes (and without ``num_labels``) a label column is refused as a likely mistake."""
+
+
+def _as_label(value: Any, where: str, column: str, names: tuple[str, ...] = ()) -> int:
+    if names:
+        if isinstance(value, str) and value.strip() in names:
+            return names.index(value.strip())
+        raise DataError(f"{where}: {column} {value!r} is not one of the label_names {list(names)}")
     if isinstance(value, bool):
         raise DataError(f"{where}: {column} {value!r} is not an integer class label")
     if isinstance(value, int):
@@ -45,6 +67,9 @@ def _as_label(value: Any, where: str, column: str) -> int:
         label = int(value)
     elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
         label = int(value.strip())
+    elif isinstance(value, str):
+        raise DataError(f"{where}: {column} {value!r} is not an integer class label; map string labels with "
+                        "finetune.label_names, e.g. [\"negative\", \"positive\"]")
     else:
         raise DataError(f"{where}: {column} {value!r} is not an integer class label")
     if label < 0:
@@ -53,7 +78,7 @@ def _as_label(value: Any, where: str, column: str) -> int:
 
 
 def _collect(rows: Iterable[tuple[str, dict]], path: str, text_column: str, label_column: str,
-             columns: Optional[Iterable[str]] = None) -> LabelledData:
+             columns: Optional[Iterable[str]] = None, names: tuple[str, ...] = ()) -> LabelledData:
     """``rows`` yields ``(where, record)``; ``columns`` (when known up front) are checked first."""
     if columns is not None:
         columns = list(columns)
@@ -71,7 +96,7 @@ def _collect(rows: Iterable[tuple[str, dict]], path: str, text_column: str, labe
         if not isinstance(text, str):
             raise DataError(f"{where}: {text_column} must be a string, got {type(text).__name__}")
         texts.append(text)
-        labels.append(_as_label(record[label_column], where, label_column))
+        labels.append(_as_label(record[label_column], where, label_column, names))
     if not texts:
         raise DataError(f"{path} has no examples")
     return LabelledData(tuple(texts), tuple(labels), path)
@@ -119,26 +144,28 @@ def _jsonl_rows(path: str, text: str) -> Iterator[tuple[str, dict]]:
 
 
 def load_labelled(path: str, text_column: str = "text", label_column: str = "label",
-                  split: Optional[str] = None) -> LabelledData:
+                  split: Optional[str] = None, label_names: tuple[str, ...] = ()) -> LabelledData:
     """Read labelled examples from ``path`` (see the module docstring)."""
     if not path:
         raise DataError("no labelled data file given")
     if not os.path.exists(path):
         raise DataError(f"{path} does not exist")
     if os.path.isdir(path):
-        return _load_dataset_dir(path, text_column, label_column, split)
+        return _load_dataset_dir(path, text_column, label_column, split, tuple(label_names))
     if os.path.getsize(path) == 0:
         raise DataError(f"{path} is empty")
     lower = path.lower()
     if lower.endswith(".csv"):
         columns, rows = _csv_rows(path, _read_text(path))
-        return _collect(rows, path, text_column, label_column, columns)
+        return _collect(rows, path, text_column, label_column, columns, tuple(label_names))
     if lower.endswith((".jsonl", ".json")):
-        return _collect(_jsonl_rows(path, _read_text(path)), path, text_column, label_column)
+        return _collect(_jsonl_rows(path, _read_text(path)), path, text_column, label_column,
+                        names=tuple(label_names))
     raise DataError(f"{path}: unsupported format; use .csv, .jsonl or a directory saved by datasets")
 
 
-def _load_dataset_dir(path: str, text_column: str, label_column: str, split: Optional[str]) -> LabelledData:
+def _load_dataset_dir(path: str, text_column: str, label_column: str, split: Optional[str],
+                      names: tuple[str, ...] = ()) -> LabelledData:
     import datasets
 
     try:
@@ -151,4 +178,33 @@ def _load_dataset_dir(path: str, text_column: str, label_column: str, split: Opt
                             + (f" (not {split!r})" if split else ""))
         data = data[split]
     rows = ((f"{path} row {i}", record) for i, record in enumerate(data))
-    return _collect(rows, path, text_column, label_column, data.column_names)
+    return _collect(rows, path, text_column, label_column, data.column_names, names)
+
+
+def check_labels(train: LabelledData, validation: Optional[LabelledData], num_labels: Optional[int],
+                 label_column: str) -> int:
+    """The number of classes, or a one-line :class:`DataError` for a label set that looks like a mistake."""
+    if num_labels is not None:
+        for data in filter(None, (train, validation)):
+            if data.num_labels > num_labels:
+                raise DataError(f"finetune.num_labels: {data.source} has label {data.num_labels - 1}, "
+                                f"outside 0..{num_labels - 1}")
+        return num_labels
+    classes = train.num_labels
+    distinct = set(train.labels)
+    given = "; if that is right, say so with finetune.num_labels"
+    if classes > MAX_CLASSES:
+        raise DataError(f"finetune.label_column: {label_column!r} of {train.source} has labels up to {classes - 1} "
+                        f"({len(distinct)} distinct), more than {MAX_CLASSES} classes: is it an id column{given}")
+    if len(distinct) > 20 and len(distinct) > 0.5 * len(train):
+        raise DataError(f"finetune.label_column: {label_column!r} of {train.source} has {len(distinct)} distinct "
+                        f"values in {len(train)} examples, as an id column would{given}")
+    missing = sorted(set(range(classes)) - distinct)
+    if missing:
+        hint = " (labels look 1-based: classes are 0..K-1)" if missing == [0] else ""
+        raise DataError(f"finetune.label_column: class {missing[0]} of 0..{classes - 1} never occurs in "
+                        f"{train.source}{hint}{given}")
+    if validation is not None and validation.num_labels > classes:
+        raise DataError(f"{validation.source} has label {validation.num_labels - 1}, but the training data has "
+                        f"classes 0..{classes - 1} only")
+    return classes

@@ -1,0 +1,90 @@
+"""One pre-flight, then work: every check that needs no other rank, before data or model are built.
+
+:func:`preflight` runs identically on every rank (its error is printed once, exit status 2) and by
+``ds-bertopt config``, so a config that passes there passes here. In order: our section (strict
+dataclasses), DeepSpeed's part (batch triple, precision, feature combinations, monitors, then DeepSpeed's
+own parser, :mod:`ds_bertopt.dsconfig`: ``ds_bertopt.engine.prepare_deepspeed_config``), the run directory, the checkpoint to resume and its identity,
+then the task's own inputs (corpus files, labelled files, model directory). Nothing is written anywhere.
+
+Run-directory policy, as Hugging Face users know it: a non-empty ``output_dir`` is refused unless
+``--resume`` continues it or ``train.overwrite_output_dir`` replaces it (removed only once the run
+starts, after every check passed).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from ..config import RunConfig, describe, load_config
+from ..dist import Topology
+from ..engine import prepare_deepspeed_config, refuse_deepspeed_optimizer_blocks
+from ..errors import ConfigError
+from . import checkpoint
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the pre-flight settled: the resolved config and where the run reads and writes."""
+
+    cfg: RunConfig
+    output_dir: str
+    resume_root: Optional[str]
+    """Checkpoint root to resume from (``--resume``), or None for a fresh run."""
+    run_id: Optional[str]
+    """Id of the run being resumed (``output_dir/run.json``); None for a fresh run."""
+
+
+def check_output_dir(output_dir: str, resume: Optional[str], overwrite: bool) -> None:
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ConfigError(f"train.output_dir: {output_dir} exists and is not a directory")
+    if resume is not None and overwrite:
+        raise ConfigError("--resume and train.overwrite_output_dir contradict each other; give one")
+    if resume is None and not overwrite and os.path.isdir(output_dir) and os.listdir(output_dir):
+        raise ConfigError(f"train.output_dir: {output_dir} already holds a run; continue it with --resume, replace it "
+                          "with --overwrite_output_dir, or choose another --output_dir")
+    parent = os.path.dirname(output_dir.rstrip(os.sep)) or "."
+    existing = parent
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing) or "."
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        raise ConfigError(f"train.output_dir: cannot create {output_dir} ({existing} is not a writable directory)")
+
+
+def preflight(task, config_path: str, overrides: list[str], topo: Topology, device_type: str,
+              resume: Optional[str] = None) -> Plan:
+    """Everything checkable on this rank alone; raises ``BertOptError`` with one line."""
+    cfg = load_config(config_path, overrides)
+    refuse_deepspeed_optimizer_blocks(cfg.deepspeed)
+    train = cfg.bertopt.train
+    if train.max_steps is None and train.epochs is None:
+        raise ConfigError("bertopt.train: set max_steps or epochs (how long to train)")
+    ds = prepare_deepspeed_config(cfg, topo.world_size, device_type)
+    output_dir = os.path.abspath(os.path.expanduser(train.output_dir))
+    for monitor in ("csv_monitor", "tensorboard"):
+        block = ds.get(monitor)
+        if isinstance(block, dict) and block.get("enabled") and not block.get("output_path"):
+            block["output_path"] = os.path.join(output_dir, "monitor")
+    cfg = cfg.with_deepspeed(ds, resolved_for=topo.world_size)
+    check_output_dir(output_dir, resume, train.overwrite_output_dir)
+    resume_root = run_id = None
+    if resume is not None:
+        resume_root = checkpoint.resolve_resume_dir(resume, output_dir)
+        run_id = checkpoint.read_run_id(os.path.dirname(resume_root))
+        tags = checkpoint.run_tags(resume_root, run_id)
+        if not tags:
+            raise ConfigError(f"--resume: {resume_root} holds no complete checkpoint of run {run_id}")
+        saved = checkpoint.read_marker(resume_root, tags[0]).get("identity")
+        if saved is not None:
+            problem = checkpoint.identity_mismatch(saved, checkpoint.identity(run_id, topo.world_size,
+                                                                              describe(cfg)))
+            if problem:
+                raise ConfigError(f"cannot resume {tags[0]}: {problem}")
+    task.preflight(cfg, topo)
+    return Plan(cfg=cfg, output_dir=output_dir, resume_root=resume_root, run_id=run_id)
+
+
+def with_total_steps(cfg: RunConfig, total_steps: int) -> RunConfig:
+    """``cfg`` with ``train.max_steps`` resolved (the LR schedule spans the real run)."""
+    b = cfg.bertopt
+    return replace(cfg, bertopt=replace(b, train=replace(b.train, max_steps=total_steps)))
