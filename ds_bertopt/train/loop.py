@@ -62,6 +62,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def step_loss_normalizer(local_targets: int, accum: int, world: int, device) -> torch.Tensor:
+    """Collective: what each micro-batch divides its summed token losses by, so that the step's gradient is the
+    mean over every target of the global batch however its samples were dealt. DeepSpeed's ``backward`` divides
+    by the accumulation steps and its reduction averages over ranks, hence ``total / (accum × world)``."""
+    total = torch.full((), float(local_targets), dtype=torch.float32, device=device)  # a fill: no blocking copy
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+    return total / (accum * world)
+
+
 class MicroBatches(torch.utils.data.Dataset):
     """Map-style view over micro-batch keys ``(epoch, step, micro, indices)``: collates in the workers."""
 
@@ -190,12 +200,8 @@ class Trainer:
                                          "node": topo.node_rank, "indices": [list(k[3]) for k, _ in batches]}) + "\n")
         normalizer = None
         if self.task.global_loss_normalizer:
-            targets = sum(self.task.targets(batch) for _, batch in batches)
-            total = torch.full((), float(targets), dtype=torch.float32, device=device)  # a fill: no blocking copy
-            if torch.distributed.is_initialized():
-                torch.distributed.all_reduce(total)
-            # DeepSpeed divides the loss by the accumulation steps and averages gradients over ranks
-            normalizer = total / (self.accum * topo.world_size)
+            normalizer = step_loss_normalizer(sum(self.task.targets(batch) for _, batch in batches), self.accum,
+                                              topo.world_size, device)
         losses, tokens = [], 0
         for _, batch in batches:
             tokens += self.task.tokens(batch)
