@@ -62,9 +62,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ds_bertopt.data.balance_cli import (PEERS, check_ds_token_packs, corpus_lengths,  # noqa: E402
-                                         ds_max_tokens_for, evaluate, format_table, mlperf_phase2_lengths,
-                                         per_global_batch, simulation_lengths)
+from ds_bertopt.cli.balance import corpus_lengths, format_table  # noqa: E402
+from ds_bertopt.data.peers import (PEERS, check_ds_token_packs, ds_max_tokens_for, evaluate,  # noqa: E402
+                                   mlperf_phase2_lengths, per_global_batch, simulation_lengths)
 from ds_bertopt.data.config import SamplerConfig  # noqa: E402
 from ds_bertopt.data.cost import CostModel  # noqa: E402
 from ds_bertopt.testing.measure import environment_line, median, ratio_line, record_results  # noqa: E402

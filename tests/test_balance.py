@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from ds_bertopt.cli import main as cli_main
-from ds_bertopt.data.balance_cli import (PEERS, check_ds_token_packs, ds_batch_by_seqlens_plan,
-                                         hf_batch_rebalance_plan, mlperf_phase2_lengths)
+from ds_bertopt.data.peers import (PEERS, check_ds_token_packs, ds_batch_by_seqlens_plan, hf_batch_rebalance_plan,
+                                   mlperf_phase2_lengths)
 from ds_bertopt.data.config import STRATEGIES
 from ds_bertopt.data.cost import (CostModel, micro_batch_work, padding_fraction, plan_figures, rank_work,
                                   slot_lengths)

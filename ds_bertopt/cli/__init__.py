@@ -5,15 +5,15 @@ from __future__ import annotations
 import importlib
 import sys
 
-from .errors import BertOptError
+from ..errors import BertOptError
 
 # name -> ("module", "function(argv) -> exit code", "one-line help")
 COMMANDS = {
-    "balance": ("ds_bertopt.data.balance_cli", "main",
+    "balance": ("ds_bertopt.cli.balance", "main",
                 "plan batches for a corpus and world size; print load balance per strategy"),
     "memory": ("ds_bertopt.wtacrs.memory_cli", "main",
                "saved-activation bytes and peak memory of fine-tuning, full vs WTA-CRS / LoRA / kit"),
-    "config": ("ds_bertopt.config_cli", "main",
+    "config": ("ds_bertopt.cli.config", "main",
                "validate a config file and print the resolved result"),
     "hostfile": ("ds_bertopt.hostfile", "main",
                  "check a DeepSpeed hostfile (duplicates, bad lines, unequal slots) before launching"),

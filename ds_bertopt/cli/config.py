@@ -12,15 +12,15 @@ import contextlib
 import json
 import sys
 
-from .config import describe
-from .errors import ConfigError
+from ..config import describe
+from ..errors import ConfigError
 
 
 def main(argv: list[str]) -> int:
-    from .dist import Topology
-    from .train.loop import build_arg_parser, overrides_of
-    from .train.preflight import preflight
-    from .train.tasks import TASKS
+    from ..dist import Topology
+    from ..train.loop import build_arg_parser, overrides_of
+    from ..train.preflight import preflight
+    from ..train.tasks import TASKS
 
     head = argparse.ArgumentParser(prog="ds-bertopt config", description=__doc__, add_help=False)
     head.add_argument("--task", choices=sorted(TASKS), default="pretrain")
