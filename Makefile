@@ -25,8 +25,16 @@ $(VENV)/.installed: setup.cfg pyproject.toml constraints-cpu.txt
 pretrain: setup
 	$(VENV)/bin/deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/bert.json
 
+# The precision-sensitive tests run a second time as on the other CPU kind (AVX2 <-> AVX512-BF16), where
+# train.precision "auto" picks the other precision: a test that forgot to pin its precision fails there.
+OTHER_CPU_BF16 := $(shell grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null && echo 0 || echo 1)
+
 test: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra --durations=25
+	DS_BERTOPT_CPU_BF16=$(OTHER_CPU_BF16) $(PY) -m pytest -q -ra -m precision
 
 bench: setup
 	$(PY) bench/run_all.py --quick

@@ -2,9 +2,8 @@
 
     python bench/balance.py                # everything (~60 min on 2 CPU cores, after the data caches)
     python bench/balance.py --quick        # planner figures, the issue's layouts, 2-rank tokens/s (~8 min idle)
-    python bench/balance.py --part planner # one part: planner | packed | ranks | nodes
+    python bench/balance.py --part planner # one part: planner | packed | ranks | nodes | convergence
     python bench/balance.py --part packed --peer-budget 0   # ~12 min: one BatchRebalanceSampler step per layout
-    python bench/balance.py --with-packed  # measured parts train the packed strategies too (once the loop can)
     python bench/balance.py --lock /tmp/ds_bertopt_cpu.lock   # take this flock around every timed run
 
 **Planner** (``ds_bertopt.data.plan`` + ``cost``, no training): 1,024 ranks × 16 samples, 8 ranks per
@@ -30,18 +29,19 @@ printed as met / NOT met with the figures it was judged on. ``--part packed`` ru
 transformers' planner takes seconds to minutes per step at 1,024 ranks).
 
 **Measured** (``launch/pretrain.py`` under the ``deepspeed`` launcher, gloo, fp32, one thread per
-rank): the same model, data, seed and batch for every strategy; strategies interleaved round by
-round, ``--repeats`` rounds, tokens/s = the mean of ``tokens_per_s`` over the ``metrics.jsonl`` windows
-after the first (warm-up); ratio of medians. Model 4 layers × 256 (attention is a visible part of the
-cost at 512; the 2 × 128 default spends half its time in the vocabulary projection, which padding
-does not touch), sequence length 512, MiniLM's vocabulary, ``linux_docs``. Two length mixes: the
-pipeline's default (``short_seq_prob`` 0.1: most sequences full, 20 % padding under ``random``) and
-a wide one (``short_seq_prob`` 0.7, close to the MLPerf mix). ``--quick``: the 2 × 128 model, wide mix,
-2 ranks, random vs stratified_node_balance. Next to each measured ratio the planner's prediction for
-that exact run (padded step time of ``random`` / the strategy's, unpadded for ``packed_node_balance``) is
-printed. ``--with-packed`` adds ``packed_node_balance`` (run with ``model.unpadded=true``) and
-``padded_node_balance`` to the measured strategies: it needs the training loop's support for micro-batches
-of varying size (and the unpadded model), so it is off by default and not yet run.
+rank): the same model, data, seed and global batch for every contender, interleaved round by round,
+``--repeats`` rounds; real tokens/s = the mean of ``tokens_per_s`` over the ``metrics.jsonl`` windows
+after the first (warm-up); ratio of medians. Contenders: ``random`` and transformers'
+``BatchRebalanceSampler`` (``sampler.strategy: hf_batch_rebalance``, driven as ``Trainer`` drives it)
+with the padded Hugging Face BERT, and ours, ``packed_node_balance`` with ``model.unpadded``. Model 4
+layers × 256 (``--quick``: the 2 × 128 default), sequence length 512, ``linux_docs`` with a wide length mix
+(``short_seq_prob`` 0.7, close to the MLPerf mix), MiniLM's vocabulary; micro 16 × accumulation 1 and
+4 × 4, on 2 ranks and on 2 simulated nodes × 2 ranks. The issue's targets (2 ranks, 16 × 1: ≥ 1.5×
+``random``, ≥ 1.2× ``BatchRebalanceSampler``) are printed met / NOT met.
+
+**Convergence** (``--part convergence``, full mode): held-out MLM loss at equal samples, unpadded
+(``packed_node_balance``) vs padded ``random``, 2 seeds, wiki seq 128, 2 ranks; the mean difference is
+compared with the seed-to-seed spread.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 from ds_bertopt.cli.balance import corpus_lengths, format_table  # noqa: E402
 from ds_bertopt.data.peers import (PEERS, check_ds_token_packs, ds_max_tokens_for, evaluate,  # noqa: E402
                                    mlperf_phase2_lengths, per_global_batch, simulation_lengths)
-from ds_bertopt.data.config import SamplerConfig  # noqa: E402
+from ds_bertopt.data.config import PEER_STRATEGIES, SamplerConfig  # noqa: E402
 from ds_bertopt.data.cost import CostModel  # noqa: E402
 from ds_bertopt.testing.measure import environment_line, median, ratio_line, record_results  # noqa: E402
 
@@ -316,7 +316,6 @@ def run_overrides(model: str, mix: str, micro: int, accum: int, steps: int, log_
             "deepspeed.csv_monitor.enabled=false"]
 
 
-MEASURED_PACKED = ("packed_node_balance", "padded_node_balance")  # --with-packed, once the loop runs them
 STRATEGY_OVERRIDES = {"packed_node_balance": ["model.unpadded=true"]}  # kernels that skip padding
 UNPADDED_KERNELS = {s for s, o in STRATEGY_OVERRIDES.items() if "model.unpadded=true" in o}
 
@@ -368,10 +367,14 @@ def predicted(overrides: list[str], strategies: list[str], world: int, rpn: int,
 
 
 def measured_part(label: str, nodes: int, rpn: int, model: str, mix: str, micro: int, accum: int, steps: int,
-                  log_every: int, strategies: list[str], repeats: int, lock: str | None) -> None:
+                  log_every: int, strategies: list[str], repeats: int, lock: str | None,
+                  targets: dict | None = None) -> dict[str, float]:
+    """Real tokens/s of each strategy (on the kernels it runs with), interleaved rounds, medians; ratio lines
+    against ``random`` and against transformers' BatchRebalanceSampler (in this same loop, padded kernels)."""
     overrides = run_overrides(model, mix, micro, accum, steps, log_every)
     hidden = 256 if model == "medium" else 128
-    guess = predicted(overrides, strategies, nodes * rpn, rpn, micro, accum, hidden)
+    guess = predicted(overrides, [s for s in strategies if s not in PEER_STRATEGIES], nodes * rpn, rpn, micro, accum,
+                      hidden)
     tokens: dict[str, list[float]] = {s: [] for s in strategies}
     for round_index in range(repeats):
         order = strategies if round_index % 2 == 0 else list(reversed(strategies))
@@ -381,28 +384,81 @@ def measured_part(label: str, nodes: int, rpn: int, model: str, mix: str, micro:
             print(f"  [{label}] round {round_index + 1}: {strategy} {tokens[strategy][-1]:.0f} tokens/s "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
     what = f"{label}, {model} model, linux_docs seq 512 {mix} mix, micro {micro} × accum {accum}"
+    ratios = {}
     for strategy in strategies:
-        if strategy == "random":
-            continue
-        headline(f"tokens/s {strategy} " + ratio_line(what, tokens[strategy], tokens["random"], "random")
-              + f"; planner predicts {guess[strategy]:.2f}x; medians {median(tokens[strategy]):.0f} vs "
-              f"{median(tokens['random']):.0f}")
+        kernels = "unpadded" if strategy in UNPADDED_KERNELS else "padded"
+        for base in ("random", "hf_batch_rebalance"):
+            if strategy == base or base not in tokens:
+                continue
+            ratio = median(tokens[strategy]) / median(tokens[base])
+            ratios[(strategy, base)] = ratio
+            extra = f"; planner predicts {guess[strategy]:.2f}x" if base == "random" and strategy in guess else ""
+            goal = (targets or {}).get((strategy, base))
+            verdict = f" (target >= {goal:.1f}x: {'met' if ratio >= goal else 'NOT met'})" if goal else ""
+            headline(f"tokens/s {strategy} ({kernels}) "
+                     + ratio_line(what, tokens[strategy], tokens[base], PEER_NAMES.get(base, base))
+                     + f"{verdict}{extra}; medians {median(tokens[strategy]):.0f} vs {median(tokens[base]):.0f}")
+    FIGURES.append({"kind": "bars", "name": f"tokens_{label.replace(' ', '_')}_{micro}x{accum}",
+                    "title": f"Real tokens/s, {what}", "unit": "real tokens/s (median)",
+                    "labels": strategies, "values": [median(tokens[s]) for s in strategies]})
+    return {s: median(v) for s, v in tokens.items()}
+
+
+PEER_NAMES = {"hf_batch_rebalance": "BatchRebalanceSampler (HF, padded)", "random": "random (padded)"}
+OURS_UNPADDED = "packed_node_balance"
+MEASURED = ["random", "hf_batch_rebalance", OURS_UNPADDED]
+TOKEN_TARGETS = {(OURS_UNPADDED, "random"): 1.5, (OURS_UNPADDED, "hf_batch_rebalance"): 1.2}
+
+
+def convergence_part(seeds: list[int], steps: int, quick: bool) -> None:
+    """Held-out MLM loss at equal samples: unpadded (packed_node_balance) vs padded ``random``, per seed."""
+    from ds_bertopt.testing.distributed import free_port
+
+    eval_every = max(1, steps // 4)
+    overrides = [f"data.train_files={json.dumps([str(SHARED / 'wiki_sample.jsonl')])}", "data.max_seq_length=128",
+                 f"train.max_steps={steps}", f"train.eval_every={eval_every}", "train.log_every=10",
+                 "train.save_model=false", "deepspeed.csv_monitor.enabled=false", 'train.precision="fp32"']
+    if quick:
+        overrides.append("data.max_documents=60")
+    finals: dict[str, list[float]] = {"random": [], OURS_UNPADDED: []}
+    for seed in seeds:
+        for strategy in finals:
+            with tempfile.TemporaryDirectory(prefix="bench_converge_") as out:
+                args = ["launch/pretrain.py", "--deepspeed_config", "ds_configs/bert.json", "--output_dir", out,
+                        "--sampler", strategy, "--seed", str(seed)]
+                for o in [*overrides, *STRATEGY_OVERRIDES.get(strategy, [])]:
+                    args += ["-o", o]
+                cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port",
+                       str(free_port()), *args]
+                env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+                proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+                if proc.returncode:
+                    raise RuntimeError(f"{strategy}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+                evals = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines() if "eval_loss" in x]
+            finals[strategy].append(evals[-1]["eval_loss"])
+            print(f"  [convergence] seed {seed} {strategy}: eval loss " +
+                  ", ".join(f"{e['step']}:{e['eval_loss']:.3f}" for e in evals), flush=True)
+    diffs = [u - p for u, p in zip(finals[OURS_UNPADDED], finals["random"])]
+    spread = max(abs(a - b) for values in finals.values() for a in values for b in values)
+    mean_diff = statistics.fmean(diffs)
+    headline(f"[convergence] held-out MLM loss after {steps} steps (wiki seq 128, 2 ranks, seeds {seeds}): unpadded "
+             f"{' / '.join(f'{v:.4f}' for v in finals[OURS_UNPADDED])} vs padded random "
+             f"{' / '.join(f'{v:.4f}' for v in finals['random'])}; mean difference {mean_diff:+.4f}, seed-to-seed "
+             f"spread {spread:.4f} ({'within seed noise' if abs(mean_diff) <= spread else 'NOT within seed noise'})")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--part", choices=["planner", "packed", "ranks", "nodes"], action="append")
+    p.add_argument("--part", choices=["planner", "packed", "ranks", "nodes", "convergence"], action="append")
     p.add_argument("--peer-budget", type=float, default=60.0,
                    help="packed part: seconds of BatchRebalanceSampler planning per 1,024-rank layout (≥ 1 step)")
-    p.add_argument("--with-packed", action="store_true",
-                   help="measured parts: also train with the packed strategies (needs the loop's variable "
-                        "micro-batches and model.unpadded)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--lock", help="flock this file around every timed run (shared machines)")
     args = p.parse_args()
     print(environment_line(), flush=True)
-    parts = args.part or (["planner", "packed", "ranks"] if args.quick else ["planner", "packed", "ranks", "nodes"])
+    parts = args.part or (["planner", "packed", "ranks"] if args.quick else
+                          ["planner", "packed", "ranks", "nodes", "convergence"])
     started = time.perf_counter()
     if "planner" in parts:
         planner_part()
@@ -412,19 +468,17 @@ def main() -> int:
     if measured and not (SHARED / "linux_docs.jsonl.gz").exists():
         print(f"[measured] {SHARED} is absent: skipped")
         measured = []
-    packed = list(MEASURED_PACKED) if args.with_packed else []
     if "ranks" in measured:
-        if args.quick:
-            measured_part("2 ranks", 1, 2, "small", "wide", 4, 4, 4, 2, ["random", "stratified_node_balance", *packed],
-                          args.repeats, args.lock)
-        else:
-            for mix in ("wide", "default"):
-                measured_part("2 ranks", 1, 2, "medium", mix, 4, 4, 6, 2,
-                              ["random", "stratified_node_balance", "sorted_megabatch", *packed], args.repeats,
-                              args.lock)
-    if "nodes" in measured:  # global batch 32 as on 2 ranks
-        measured_part("2 nodes × 2 ranks", 2, 2, "small" if args.quick else "medium", "wide", 2, 4, 6, 2,
-                      ["random", "stratified_node_balance", *packed], args.repeats, args.lock)
+        for micro, accum in ((16, 1), (4, 4)):
+            measured_part("2 ranks", 1, 2, "small" if args.quick else "medium", "wide", micro, accum,
+                          4 if args.quick else 8, 2, MEASURED, args.repeats, args.lock,
+                          targets=TOKEN_TARGETS if (micro, accum) == (16, 1) else None)
+    if "nodes" in measured:
+        for micro, accum in ((16, 1), (4, 4)):
+            measured_part("2 nodes × 2 ranks", 2, 2, "small" if args.quick else "medium", "wide", micro, accum,
+                          4 if args.quick else 8, 2, MEASURED, args.repeats, args.lock)
+    if "convergence" in parts:
+        convergence_part([1, 2], 60 if args.quick else 300, args.quick)
     print(f"done in {time.perf_counter() - started:.0f} s")
     record_results("balance", {"summary": SUMMARY, "figures": FIGURES,
                                "note": f"parts {', '.join(parts)}; measured runs: {args.repeats} interleaved rounds, "

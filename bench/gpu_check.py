@@ -854,7 +854,7 @@ def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, k
     loss_diff = [abs(ref_loss[s] - cut_loss.get(s, math.inf)) for s in sorted(ref_loss)]
     samples_equal = True
     for rank in range(world):
-        def by_step(out):
+        def by_step(out, rank=rank):
             path = out / "samples" / f"rank{rank}.jsonl"
             rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
             return {row["step"]: row["indices"] for row in rows}

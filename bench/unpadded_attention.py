@@ -50,7 +50,7 @@ def bucketed(lengths, groups):
         qs, ks, vs = q.split(lengths), k.split(lengths), v.split(lengths)
         outs = []
         for a, b in groups:
-            pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs[a:b], batch_first=True)  # noqa: E731
+            pad = lambda xs, a=a, b=b: torch.nn.utils.rnn.pad_sequence(xs[a:b], batch_first=True)  # noqa: E731
             out = _sdpa(pad(qs), pad(ks), pad(vs), p, masks.get(a))
             outs.extend(out[r, :lengths[a + r]] for r in range(b - a))
         return torch.cat(outs)
@@ -79,7 +79,7 @@ def main(reps: int = 5) -> None:
         counts = token_counts(lengths)
         print(f"{count} sequences, lengths {low}..{high}: {total} real tokens; padded to the longest "
               f"{counts['padded_tokens']} ({1 - total / counts['padded_tokens']:.0%} of them padding)")
-        candidates = {"(c) per-sequence SDPA loop": lambda q, k, v, p: sdpa_loop_attention(q, k, v, lengths,
+        candidates = {"(c) per-sequence SDPA loop": lambda q, k, v, p, lengths=lengths: sdpa_loop_attention(q, k, v, lengths,
                                                                                          dropout_p=p)}
         for overhead in (2_000, 20_000):
             groups = bucket_groups(lengths, overhead)

@@ -15,7 +15,7 @@ import copy
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 from .comm.config import BucketClipConfig
 from .configlib import load_section, parse_override, set_dotted, to_dict

@@ -62,3 +62,22 @@ def test_bad_config_fails_fast_with_one_line(repo_root, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert errors == ["[ds_bertopt] error: bertopt.train: unknown key 'max_step' (did you mean 'max_steps'?); "
                       "known keys: " + errors[0].split("known keys: ")[1]]
+
+
+@pytest.mark.timeout(300)
+def test_dataloader_workers_and_the_unpadded_path_train_the_same_steps(repo_root, tmp_path, cache_dir):
+    """Collating (and masking) in DataLoader worker processes gives exactly the steps of in-process collation:
+    every micro-batch is seeded by its own (seed, epoch, step, micro-batch, rank). The unpadded path trains too."""
+    common = ("launch/pretrain.py", "--deepspeed_config", "ds_configs/bert.json", "--max_steps", "4",
+              "--eval_every", "0", "--log_every", "1", "-o", f"data.cache_dir={cache_dir}",
+              "-o", "data.max_documents=60", "-o", "train.save_model=false", "-o", 'train.precision="fp32"')
+    losses = {}
+    for name, extra in (("inline", ()), ("workers", ("-o", "train.dataloader_workers=2")),
+                        ("unpadded", ("-o", "model.unpadded=true", "--sampler", "packed_node_balance"))):
+        out = tmp_path / name
+        proc = run(deepspeed_cmd(*common, "--output_dir", str(out), *extra), 240)
+        losses[name] = [m["loss"] for m in metrics(out)[0]]
+        if name == "unpadded":
+            assert "unpadded" in proc.stdout
+    assert losses["workers"] == losses["inline"] and len(losses["inline"]) == 4
+    assert all(loss == loss and loss < 20 for loss in losses["unpadded"]) and len(losses["unpadded"]) == 4

@@ -78,7 +78,7 @@ def grads(model):
 def assert_grads_close(actual, expected, atol=1e-5, rtol=1e-4):
     assert actual.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(actual[name], expected[name], atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ---------------------------------------------------------------------------------------------------- collate

@@ -11,12 +11,14 @@ from .cost import BERT_LARGE_QUADRATIC, CostModel
 STRATEGIES = ("random", "sorted_megabatch", "global_sort", "stratified",
               "stratified_node_sort", "stratified_node_balance", "packed_node_balance", "padded_node_balance")
 PACKED_STRATEGIES = ("packed_node_balance", "padded_node_balance")  # variable micro-batch sizes (ragged plans)
+PEER_STRATEGIES = ("hf_batch_rebalance",)  # other libraries' planners, run inside our loop for side-by-side runs
 
 
 @dataclass(frozen=True)
 class SamplerConfig:
     strategy: Literal["random", "sorted_megabatch", "global_sort", "stratified", "stratified_node_sort",
-                      "stratified_node_balance", "packed_node_balance", "padded_node_balance"] = "random"
+                      "stratified_node_balance", "packed_node_balance", "padded_node_balance",
+                      "hf_batch_rebalance"] = "random"
     """How samples are assigned to ranks and micro-batches each step: ``random`` (DistributedSampler),
     ``sorted_megabatch`` (Hugging Face ``group_by_length``), ``global_sort`` (sort the global batch, deal
     across all ranks), ``stratified`` (same per-bin counts in every local batch), ``stratified_node_sort``
@@ -24,7 +26,8 @@ class SamplerConfig:
     each node), and two with micro-batches of varying size (the same samples per step, packed to equal
     cost): ``packed_node_balance`` for kernels that skip padding (``model.unpadded``; cost ``Σ a·L + b·L²``)
     and ``padded_node_balance`` for kernels that compute on padding (cost ``samples × cost(padded
-    length)``)."""
+    length)``). ``hf_batch_rebalance`` runs transformers' ``BatchRebalanceSampler`` (as ``Trainer`` builds it)
+    inside this loop, for side-by-side comparisons."""
     pad_multiple: int = 8
     """Dynamic padding rounds each micro-batch's length up to a multiple of this."""
     bins: tuple[int, ...] = ()

@@ -77,7 +77,7 @@ def check_corpus_file(path: str) -> None:
 def check_json_field(path: str, field: str) -> None:
     """The first non-empty line of a jsonl file must be an object with ``field``."""
     with _open_bytes(path) as fh:
-        for number, raw in enumerate(fh, 1):
+        for number, raw in enumerate(fh, 1):  # noqa: B007 - number names the line after the loop
             if raw.strip():
                 break
         else:

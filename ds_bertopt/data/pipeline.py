@@ -6,6 +6,7 @@ builds first under a file lock while the other ranks wait at a barrier, then the
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -56,6 +57,10 @@ def _tokenize_batch(batch, tokenizer):
     return {"sentences": out}
 
 
+def _pick(docs, others, rng):
+    return docs[rng.choice(others)]
+
+
 def _instance_batch(batch, indices, *, max_seq_length, short_seq_prob, nsp, seed, cls_id, sep_id):
     docs = batch["sentences"]
     rng = random.Random(seed * 1_000_003 + indices[0])
@@ -65,7 +70,7 @@ def _instance_batch(batch, indices, *, max_seq_length, short_seq_prob, nsp, seed
             continue
         if nsp:
             others = [j for j in range(len(docs)) if j != d and docs[j]]
-            random_document = (lambda: docs[rng.choice(others)]) if others else None
+            random_document = functools.partial(_pick, docs, others, rng) if others else None
             pairs = sequences.nsp_pairs(doc, max_seq_length=max_seq_length, short_seq_prob=short_seq_prob,
                                         rng=rng, random_document=random_document)
         else:

@@ -69,7 +69,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import ConfigError, DataError
-from .config import PACKED_STRATEGIES, STRATEGIES, SamplerConfig
+from .config import PACKED_STRATEGIES, PEER_STRATEGIES, STRATEGIES, SamplerConfig
 from .cost import CostModel, padded_lengths
 
 SWAP_ROUNDS = 4  # per rank of a pool: rounds of busiest/least-loaded swaps after the greedy dealing
@@ -270,8 +270,8 @@ def refine_by_swaps(positions: np.ndarray, costs: np.ndarray, micro: int, rounds
             break
         slot, pair = np.divmod(best[ok], micro * micro)
         from_hi, from_lo = slot * micro + pair // micro, slot * micro + pair % micro
-        p, h, l = rows[ok], hi[ok], lo[ok]
-        positions[p, h, from_hi], positions[p, l, from_lo] = positions[p, l, from_lo], positions[p, h, from_hi]
+        p, h, lw = rows[ok], hi[ok], lo[ok]
+        positions[p, h, from_hi], positions[p, lw, from_lo] = positions[p, lw, from_lo], positions[p, h, from_hi]
     return positions
 
 
@@ -439,17 +439,17 @@ def refine_packing(members: np.ndarray, costs: np.ndarray, tokens: np.ndarray, m
         move_score = np.where(move_ok, np.abs(gap[:, None] / 2 - hi_cost), np.inf)
         best_move = move_score.argmin(axis=1)
         moving = np.isfinite(move_score[np.arange(active.size), best_move])
-        p, h, l, j = active[moving], hi[moving], lo[moving], best_move[moving]
-        free = np.argmax(members[p, l] < 0, axis=1)  # the least-loaded bin has a free slot: count < room
+        p, h, lw, j = active[moving], hi[moving], lo[moving], best_move[moving]
+        free = np.argmax(members[p, lw] < 0, axis=1)  # the least-loaded bin has a free slot: count < room
         c, t = cost[p, h, j], tok[p, h, j]
-        members[p, l, free], cost[p, l, free], tok[p, l, free] = members[p, h, j], c, t
+        members[p, lw, free], cost[p, lw, free], tok[p, lw, free] = members[p, h, j], c, t
         members[p, h, j], cost[p, h, j], tok[p, h, j] = -1, 0, 0
         load[p, h] -= c
-        load[p, l] += c
+        load[p, lw] += c
         held[p, h] -= t
-        held[p, l] += t
+        held[p, lw] += t
         count[p, h] -= 1
-        count[p, l] += 1
+        count[p, lw] += 1
         # where no move helps: swap slot j of the busiest with slot k of the least-loaded
         q = np.flatnonzero(~moving)
         diff = hi_cost[q, :, None] - lo_cost[q, None, :]
@@ -463,15 +463,15 @@ def refine_packing(members: np.ndarray, costs: np.ndarray, tokens: np.ndarray, m
         found = np.isfinite(swap_score[np.arange(q.size), best_swap])
         swapping = np.zeros(active.size, dtype=bool)
         swapping[q[found]] = True
-        p, h, l = active[swapping], hi[swapping], lo[swapping]
+        p, h, lw = active[swapping], hi[swapping], lo[swapping]
         j, k = np.divmod(best_swap[found], slots)
-        d, e = cost[p, h, j] - cost[p, l, k], tok[p, h, j] - tok[p, l, k]
+        d, e = cost[p, h, j] - cost[p, lw, k], tok[p, h, j] - tok[p, lw, k]
         for array in (members, cost, tok):
-            array[p, h, j], array[p, l, k] = array[p, l, k], array[p, h, j]
+            array[p, h, j], array[p, lw, k] = array[p, lw, k], array[p, h, j]
         load[p, h] -= d
-        load[p, l] += d
+        load[p, lw] += d
         held[p, h] -= e
-        held[p, l] += e
+        held[p, lw] += e
         active = active[moving | swapping]
     return _compact(members)
 
@@ -699,8 +699,13 @@ def plan_epoch(lengths: np.ndarray, *, world_size: int, ranks_per_node: int, mic
     """
     cfg = cfg or SamplerConfig()
     strategy = strategy or cfg.strategy
+    if strategy in PEER_STRATEGIES:  # the peers module drives other libraries' planners (and imports this one)
+        from .peers import hf_batch_rebalance_plan
+
+        return hf_batch_rebalance_plan(np.asarray(lengths, dtype=np.int64), world_size=world_size,
+                                       micro_batch=micro_batch, grad_accum=grad_accum, seed=seed, epoch=epoch)[0]
     if strategy not in STRATEGIES:
-        raise ConfigError(f"sampler.strategy: {strategy!r} is not one of {', '.join(STRATEGIES)}")
+        raise ConfigError(f"sampler.strategy: {strategy!r} is not one of {', '.join(STRATEGIES + PEER_STRATEGIES)}")
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.ndim != 1 or len(lengths) == 0 or lengths.min() < 1:
         raise DataError("sampler: lengths must be a non-empty 1-D array of positive sequence lengths")

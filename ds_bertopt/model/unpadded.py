@@ -133,7 +133,7 @@ def probe_varlen(device: torch.device, dtype: torch.dtype, head_dim: int, with_d
             return bool(torch.isfinite(q.grad).all())  # the once-only sync
     except (RuntimeError, AttributeError, ImportError, NotImplementedError, TypeError) as err:
         warnings.warn(f"varlen flash attention unusable on {device} ({dtype}, head_dim {head_dim}, "
-                      f"dropout {with_dropout}): {str(err).splitlines()[0]}; falling back to the SDPA loop")
+                      f"dropout {with_dropout}): {str(err).splitlines()[0]}; falling back to the SDPA loop", stacklevel=2)
         return False
 
 

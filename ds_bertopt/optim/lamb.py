@@ -16,6 +16,7 @@ from :func:`ds_bertopt.optim.zero.attach_lamb`, which ``ds_bertopt.engine.attach
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -294,8 +295,7 @@ class Lamb(torch.optim.Optimizer):
                 st["step"] += 1
             reduce = None
             if layout is not None and layout.group is not None:
-                process_group = layout.group
-                reduce = lambda t: torch.distributed.all_reduce(t, group=process_group)  # noqa: E731
+                reduce = functools.partial(torch.distributed.all_reduce, group=layout.group)
             beta1, beta2 = group["betas"]
             scratch = None
             if params[0].device.type == "cpu":

@@ -6,6 +6,7 @@ when the window is logged, all-reduced together with the token and micro-batch c
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Optional
@@ -89,7 +90,7 @@ def sharded_evaluation(engine, topo, num_examples: int, batch_size: int, score, 
     engine.eval()
     device = engine.device
     mine = list(range(topo.rank, num_examples, topo.world_size))
-    batches = -(-(-(-num_examples // topo.world_size)) // batch_size)
+    batches = math.ceil(math.ceil(num_examples / topo.world_size) / batch_size)
     totals = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(2)]
     count = 0
     for b in range(batches):

@@ -117,7 +117,7 @@ def run_checks(out_dir: str, checks=ALL_CHECKS, steps: int = 4) -> None:
             scales = train_steps(engine, lamb, 0, steps)
             results[f"stage{stage}"] = {"params": flat_params(engine), "grad_scales": scales,
                                         "lr": engine.get_lr()[0], "clip": lamb.max_grad_norm,
-                                        "attached": sorted(len(l.fragments) for l in lamb._layouts.values())}
+                                        "attached": sorted(len(layout.fragments) for layout in lamb._layouts.values())}
     if "per_shard" in checks:
         # What a client LAMB does under ZeRO without our layouts: one "layer" per flat shard.
         engine, lamb = engine_for(1, max_grad_norm=0.05)
@@ -152,7 +152,7 @@ def run_checks(out_dir: str, checks=ALL_CHECKS, steps: int = 4) -> None:
                 "params": flat_params(engine), "masters": fp32_masters(engine), "grad_scales": scales,
                 "wrapper": type(engine.optimizer).__name__, "steps": sorted({lamb.state[p]["step"] for g in
                                                                              lamb.param_groups for p in g["params"]}),
-                "fragments": sum(len(l.fragments) for l in lamb._layouts.values())}
+                "fragments": sum(len(layout.fragments) for layout in lamb._layouts.values())}
         engine, lamb = engine_for(1, max_grad_norm=0.05, bf16=True)  # the per-shard control, in bf16
         for group in lamb.param_groups:
             lamb.set_layout(group["params"][0], Layout.whole([group["params"][0]]))
