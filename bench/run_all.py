@@ -9,6 +9,7 @@ and writes the numbers behind them with ``ds_bertopt.testing.measure.record_resu
 figures are generated from those files only. A benchmark that fails or times out is reported as such;
 the others still run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,27 +31,52 @@ from bench import _report  # noqa: E402
 BENCHES: dict[str, tuple[str, list[str], list[str], int, int]] = {
     "balance": ("balance", ["--quick", "--part", "planner", "--part", "ranks", "--repeats", "2"], [], 300, 3600),
     "bucket_clip": ("bucket_clip", ["--quick"], [], 300, 7200),
-    "bucket_clip_convergence": ("bucket_clip", ["--convergence", "--steps", "80", "--eval-every", "20", "--seeds",
-                                                "42", "--convergence-dir", "{out}/runs/bucket_clip_convergence"],
-                                ["--convergence", "--convergence-dir", "{out}/runs/bucket_clip_convergence"], 240, 3600),
+    "bucket_clip_convergence": (
+        "bucket_clip",
+        [
+            "--convergence",
+            "--steps",
+            "80",
+            "--eval-every",
+            "20",
+            "--seeds",
+            "42",
+            "--convergence-dir",
+            "{out}/runs/bucket_clip_convergence",
+        ],
+        ["--convergence", "--convergence-dir", "{out}/runs/bucket_clip_convergence"],
+        240,
+        3600,
+    ),
     "optim": ("optim", ["--quick"], [], 330, 7200),
-    "wtacrs": ("wtacrs", ["--quick"], [], 480, 7200),
-    "wtacrs_families": ("wtacrs", ["--sections", "families", "--family-batch", "8", "--record-as", "wtacrs_families"],
-                        ["--sections", "families", "--record-as", "wtacrs_families"], 1800, 7200),
+    "wtacrs": ("wtacrs", ["--quick"], [], 1200, 7200),
+    "wtacrs_families": (
+        "wtacrs",
+        ["--sections", "families", "--family-batch", "8", "--record-as", "wtacrs_families"],
+        ["--sections", "families", "--record-as", "wtacrs_families"],
+        1800,
+        7200,
+    ),
+    "time_to_train": ("time_to_train", ["--quick"], [], 900, 14400),
 }
 
 
 def run_bench(name: str, script: str, extra: list[str], timeout: int, raw_dir: Path, log_dir: Path) -> dict:
     """Run ``bench/<script>.py``; stream its output to the console and ``log_dir/<name>.log``."""
     cmd = [sys.executable, "-u", str(ROOT / "bench" / f"{script}.py"), *extra]
-    env = {**os.environ, "DS_BERTOPT_BENCH_OUT": str(raw_dir), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "DS_BERTOPT_BENCH_OUT": str(raw_dir),
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     print(f"\n=== {name}: {' '.join(cmd[2:])} (timeout {timeout} s)", flush=True)
     start = time.monotonic()
     log_path = log_dir / f"{name}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         lines: list[str] = []
         # A watchdog, not a per-line check: a benchmark that hangs silently must still be stopped.
         timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
@@ -69,8 +95,13 @@ def run_bench(name: str, script: str, extra: list[str], timeout: int, raw_dir: P
             status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
     seconds = time.monotonic() - start
     print(f"=== {name}: {status} in {seconds:.0f} s", flush=True)
-    return {"name": name, "status": status, "seconds": round(seconds, 1), "command": " ".join(cmd[2:]),
-            "ratio_lines": _report.ratio_lines(lines)}
+    return {
+        "name": name,
+        "status": status,
+        "seconds": round(seconds, 1),
+        "command": " ".join(cmd[2:]),
+        "ratio_lines": _report.ratio_lines(lines),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

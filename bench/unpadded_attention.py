@@ -1,4 +1,6 @@
-"""CPU forward+backward time of exact attention forms for a packed micro-batch (the design choice in ds_bertopt/model/unpadded.py).
+"""CPU forward+backward time of exact attention forms for a packed micro-batch.
+
+The design choice in ds_bertopt/model/unpadded.py.
 
 Candidates, all exact: (a) length-bucketed SDPA (sequences sorted by length, contiguous groups chosen by a
 dynamic programme minimising ``groups × overhead + Σ n·L_max²``, each group padded to its own longest with
@@ -8,6 +10,7 @@ longest sequence (what the padded model does). Medians of a few repeats; the CPU
 numbers are indicative. ``OMP_NUM_THREADS=1 python bench_attention.py`` (``--model``: the whole
 model, UnpaddedBert vs the stock padded BertForMaskedLM, 16 sequences of 20..512 tokens).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -21,8 +24,9 @@ from ds_bertopt.model.unpadded import sdpa_loop_attention, token_counts
 
 
 def _sdpa(q, k, v, p, mask=None):  # [n, L, heads, dim] in and out
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                          dropout_p=p).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, dropout_p=p
+    ).transpose(1, 2)
 
 
 def bucket_groups(lengths, overhead):
@@ -43,8 +47,11 @@ def bucket_groups(lengths, overhead):
 
 def bucketed(lengths, groups):
     """(a): pad each group to its own longest (``pad_sequence`` on ``split`` views), key-padding mask."""
-    masks = {a: (torch.arange(lengths[a]) < torch.tensor(lengths[a:b])[:, None]).view(b - a, 1, 1, lengths[a])
-             for a, b in groups if lengths[b - 1] != lengths[a]}
+    masks = {
+        a: (torch.arange(lengths[a]) < torch.tensor(lengths[a:b])[:, None]).view(b - a, 1, 1, lengths[a])
+        for a, b in groups
+        if lengths[b - 1] != lengths[a]
+    }
 
     def attend(q, k, v, p):
         qs, ks, vs = q.split(lengths), k.split(lengths), v.split(lengths)
@@ -52,8 +59,9 @@ def bucketed(lengths, groups):
         for a, b in groups:
             pad = lambda xs, a=a, b=b: torch.nn.utils.rnn.pad_sequence(xs[a:b], batch_first=True)  # noqa: E731
             out = _sdpa(pad(qs), pad(ks), pad(vs), p, masks.get(a))
-            outs.extend(out[r, :lengths[a + r]] for r in range(b - a))
+            outs.extend(out[r, : lengths[a + r]] for r in range(b - a))
         return torch.cat(outs)
+
     return attend
 
 
@@ -64,6 +72,7 @@ def block_diagonal(lengths):
 
     def attend(q, k, v, p):
         return _sdpa(q[None], k[None], v[None], p, mask)[0]
+
     return attend
 
 
@@ -77,10 +86,15 @@ def main(reps: int = 5) -> None:
         reference = sdpa_loop_attention(q0, k0, v0, lengths)
         padded_groups = [(0, count)]
         counts = token_counts(lengths)
-        print(f"{count} sequences, lengths {low}..{high}: {total} real tokens; padded to the longest "
-              f"{counts['padded_tokens']} ({1 - total / counts['padded_tokens']:.0%} of them padding)")
-        candidates = {"(c) per-sequence SDPA loop": lambda q, k, v, p, lengths=lengths: sdpa_loop_attention(q, k, v, lengths,
-                                                                                         dropout_p=p)}
+        print(
+            f"{count} sequences, lengths {low}..{high}: {total} real tokens; padded to the longest "
+            f"{counts['padded_tokens']} ({1 - total / counts['padded_tokens']:.0%} of them padding)"
+        )
+        candidates = {
+            "(c) per-sequence SDPA loop": lambda q, k, v, p, lengths=lengths: sdpa_loop_attention(
+                q, k, v, lengths, dropout_p=p
+            )
+        }
         for overhead in (2_000, 20_000):
             groups = bucket_groups(lengths, overhead)
             pad = sum((b - a) * lengths[a] for a, b in groups) / total - 1
@@ -98,8 +112,10 @@ def main(reps: int = 5) -> None:
                     (attend(q, k, v, p) * weight).sum().backward()
                     runs.append(time.perf_counter() - start)
                 times.append(statistics.median(runs[1:]) * 1e3)
-            print(f"  {name:38s} fwd+bwd  dropout 0: {times[0]:7.1f} ms   dropout 0.1: {times[1]:7.1f} ms   "
-                  f"max |diff| {error:.1e}")
+            print(
+                f"  {name:38s} fwd+bwd  dropout 0: {times[0]:7.1f} ms   dropout 0.1: {times[1]:7.1f} ms   "
+                f"max |diff| {error:.1e}"
+            )
 
 
 def bench_model(reps: int = 3) -> None:
@@ -111,8 +127,14 @@ def bench_model(reps: int = 3) -> None:
     from ds_bertopt.model.unpadded import UnpaddedBert
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                        intermediate_size=1024, max_position_embeddings=512)
+    config = BertConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        max_position_embeddings=512,
+    )
     config._attn_implementation = "sdpa"
     model = BertForMaskedLM(config).train()
     rng = np.random.default_rng(1)
@@ -120,27 +142,33 @@ def bench_model(reps: int = 3) -> None:
     samples = []
     for n in lengths:
         labels = np.where(rng.random(n) < 0.15, rng.integers(0, 8192, n), -100)
-        samples.append({"input_ids": rng.integers(5, 8192, n).tolist(), "token_type_ids": [0] * n,
-                        "labels": labels.tolist()})
+        samples.append(
+            {"input_ids": rng.integers(5, 8192, n).tolist(), "token_type_ids": [0] * n, "labels": labels.tolist()}
+        )
     packed = pack_sequences(samples)
     longest = max(lengths)
     padded = {k: torch.zeros(16, longest, dtype=torch.long) for k in ("input_ids", "token_type_ids", "attention_mask")}
     padded["labels"] = torch.full((16, longest), -100)
     for row, s in enumerate(samples):
-        padded["input_ids"][row, :len(s["input_ids"])] = torch.tensor(s["input_ids"])
-        padded["attention_mask"][row, :len(s["input_ids"])] = 1
-        padded["labels"][row, :len(s["input_ids"])] = torch.tensor(s["labels"])
+        padded["input_ids"][row, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
+        padded["attention_mask"][row, : len(s["input_ids"])] = 1
+        padded["labels"][row, : len(s["input_ids"])] = torch.tensor(s["labels"])
     wrapper = UnpaddedBert(model)
 
     def padded_sparse_head():  # ds_bertopt.model.SparseMLMHead's math: padded encoder, head at masked positions
-        hidden = model.bert(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
-                            token_type_ids=padded["token_type_ids"]).last_hidden_state
+        hidden = model.bert(
+            input_ids=padded["input_ids"],
+            attention_mask=padded["attention_mask"],
+            token_type_ids=padded["token_type_ids"],
+        ).last_hidden_state
         selected = padded["labels"] != -100
         return F.cross_entropy(model.cls(hidden[selected]), padded["labels"][selected])
 
-    for name, step in [("UnpaddedBert, packed", lambda: wrapper(**packed).loss),
-                       ("padded + sparse MLM head", padded_sparse_head),
-                       ("BertForMaskedLM, padded (sdpa)", lambda: model(**padded).loss)]:
+    for name, step in [
+        ("UnpaddedBert, packed", lambda: wrapper(**packed).loss),
+        ("padded + sparse MLM head", padded_sparse_head),
+        ("BertForMaskedLM, padded (sdpa)", lambda: model(**padded).loss),
+    ]:
         runs = []
         for _ in range(reps + 1):
             model.zero_grad(set_to_none=True)

@@ -3,14 +3,21 @@
     python bench/wtacrs.py --quick            # ~6 min: fp32 memory table, step time, 1 short accuracy run each
     python bench/wtacrs.py                    # everything, incl. bf16 autocast memory and 2 epochs × 3 seeds
     python bench/wtacrs.py --sections families [--family-batch 16 --family-seq 128] [--record-as wtacrs_families]
-    python bench/wtacrs.py --sections families --family-tiny    # its code path on tiny models (~2 min: a child per cell)
+    python bench/wtacrs.py --sections families --family-tiny  # the code path on tiny models (~2 min, a child per cell)
 
-Sections (``--sections memory,time,throughput,accuracy,families``; ``families`` runs in full mode or when named):
+Sections (``--sections memory,frontier,time,throughput,accuracy,families``; ``families`` runs in full mode or
+when named):
 
 * memory — saved-for-backward bytes by category and the whole-step peak (fresh child per variant,
   ``MALLOC_MMAP_THRESHOLD_=65536``; peak RSS above the bare interpreter) at batch 64 × seq 128, fp32
   and bf16 autocast, for: full fine-tuning, WTA@0.3 on the linears only, each kit part alone, the
   exact kit + WTA@0.3, plus bf16 GELU, LoRA, LoRA + kit.
+* frontier — the memory–time frontier against what a fine-tuner picks first: full, HF gradient checkpointing
+  (``activation_checkpointing_enable``), the shipped kit + WTA@0.3 (with and without checkpointing), the presets
+  ``exact`` / ``balanced`` / ``max_saving``, LoRA (with checkpointing, with ``balanced``): the step peak (fresh
+  child each) against the step time (interleaved, median), the Pareto front marked, one line per setup against
+  checkpointing and the target (checkpointing's saving at <= 1.10x full step time). MiniLM-L6 64 × 128; full
+  mode adds a BERT-base-shaped random-init model at 16 × 128 and 4 × 512.
 * time — step time (forward, backward, AdamW) at equal batch, variants interleaved, median.
 * throughput — the largest batch whose step peak fits ``--budget-gb`` (linear fit of two measured
   peaks) and the training throughput at that batch.
@@ -23,6 +30,7 @@ Sections (``--sections memory,time,throughput,accuracy,families``; ``families`` 
 
 Each figure is printed as one line; targets are printed next to them, met or not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +46,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
-from ds_bertopt.wtacrs.memory import (CATEGORIES, MiB, default_model_dir, measure_step_in_child,  # noqa: E402
-                                      variant)
+from ds_bertopt.model.local import default_model_dir  # noqa: E402
+from ds_bertopt.wtacrs.memory import (
+    CATEGORIES,
+    MiB,
+    measure_step_in_child,  # noqa: E402
+    variant,
+)
 
 DATA = ROOT.parent / "shared" / "data" / "rt_polarity"
 LOCK = "/tmp/ds_bertopt_cpu.lock"
@@ -90,8 +103,14 @@ def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, n
     dtype = "bf16 autocast" if bf16 else "fp32"
     results = {}
     for name in names:
-        spec = {"model": model, "wtacrs": MEMORY_VARIANTS[name], "batch": batch, "seq": seq, "threads": threads,
-                "bf16_autocast": bf16}
+        spec = {
+            "model": model,
+            "wtacrs": MEMORY_VARIANTS[name],
+            "batch": batch,
+            "seq": seq,
+            "threads": threads,
+            "bf16_autocast": bf16,
+        }
         results[name] = locked(measure_step_in_child, spec)
     full = results["full"]
     header = " ".join(f"{c[:10]:>10s}" for c in CATEGORIES)
@@ -99,36 +118,68 @@ def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, n
     print(f"{'variant':48s} {header} {'saved':>8s} {'peak':>8s} {'peak x':>7s} {'saved x':>7s}")
     for name, r in results.items():
         cats = " ".join(f"{r['saved'][c] / MiB:10.0f}" for c in CATEGORIES)
-        print(f"{name:48s} {cats} {r['saved']['total'] / MiB:8.0f} {r['step_peak'] / MiB:8.0f} "
-              f"{full['step_peak'] / r['step_peak']:6.2f}x {full['saved']['total'] / r['saved']['total']:6.2f}x")
+        print(
+            f"{name:48s} {cats} {r['saved']['total'] / MiB:8.0f} {r['step_peak'] / MiB:8.0f} "
+            f"{full['step_peak'] / r['step_peak']:6.2f}x {full['saved']['total'] / r['saved']['total']:6.2f}x"
+        )
     for name, r in results.items():
         if name == "full":
             continue
         target = TARGETS.get(name)
-        verdict = f" (target >= {target:.1f}x: {'met' if full['step_peak'] / r['step_peak'] >= target else 'NOT met'})" \
-            if target else ""
-        say(f"whole-step peak, {name} vs full fine-tuning ({dtype}): "
-              f"{full['step_peak'] / r['step_peak']:.2f}x lower{verdict}; saved-for-backward "
-              f"{full['saved']['total'] / r['saved']['total']:.2f}x lower")
-    FIGURES.append({"kind": "bars", "file": f"memory_{dtype.split()[0]}", "unit": "MiB",
-                    "stack": ["saved for backward", "rest of the step's peak"],
-                    "title": f"MiniLM-L6 fine-tuning step peak memory, batch {batch} × seq {seq}, {dtype}",
-                    "note": "whole-step peak RSS above the bare interpreter, one fresh child process per variant",
-                    "series": [{"label": name, "saved for backward": r["saved"]["total"] / MiB,
-                                "rest of the step's peak": max(0.0, (r["step_peak"] - r["saved"]["total"]) / MiB)}
-                               for name, r in results.items()]})
+        verdict = (
+            f" (target >= {target:.1f}x: {'met' if full['step_peak'] / r['step_peak'] >= target else 'NOT met'})"
+            if target
+            else ""
+        )
+        say(
+            f"whole-step peak, {name} vs full fine-tuning ({dtype}): "
+            f"{full['step_peak'] / r['step_peak']:.2f}x lower{verdict}; saved-for-backward "
+            f"{full['saved']['total'] / r['saved']['total']:.2f}x lower"
+        )
+    FIGURES.append(
+        {
+            "kind": "bars",
+            "file": f"memory_{dtype.split()[0]}",
+            "unit": "MiB",
+            "stack": ["saved for backward", "rest of the step's peak"],
+            "title": f"MiniLM-L6 fine-tuning step peak memory, batch {batch} × seq {seq}, {dtype}",
+            "note": "whole-step peak RSS above the bare interpreter, one fresh child process per variant",
+            "series": [
+                {
+                    "label": name,
+                    "saved for backward": r["saved"]["total"] / MiB,
+                    "rest of the step's peak": max(0.0, (r["step_peak"] - r["saved"]["total"]) / MiB),
+                }
+                for name, r in results.items()
+            ],
+        }
+    )
     return results
 
 
 # random-init, base-sized configs (``transformers.AutoConfig.for_model``): the shapes of the public checkpoints
 FAMILY_MODELS = {
     "BERT-base": {"model_type": "bert"},
-    "RoBERTa-base": {"model_type": "roberta", "max_position_embeddings": 514, "type_vocab_size": 1,
-                     "layer_norm_eps": 1e-5},
-    "DeBERTa-v3-base": {"model_type": "deberta-v2", "hidden_size": 768, "num_hidden_layers": 12,
-                        "num_attention_heads": 12, "intermediate_size": 3072, "relative_attention": True,
-                        "position_buckets": 256, "pos_att_type": ["p2c", "c2p"], "share_att_key": True,
-                        "norm_rel_ebd": "layer_norm", "position_biased_input": False, "pooler_hidden_size": 768},
+    "RoBERTa-base": {
+        "model_type": "roberta",
+        "max_position_embeddings": 514,
+        "type_vocab_size": 1,
+        "layer_norm_eps": 1e-5,
+    },
+    "DeBERTa-v3-base": {
+        "model_type": "deberta-v2",
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+        "relative_attention": True,
+        "position_buckets": 256,
+        "pos_att_type": ["p2c", "c2p"],
+        "share_att_key": True,
+        "norm_rel_ebd": "layer_norm",
+        "position_biased_input": False,
+        "pooler_hidden_size": 768,
+    },
     "ModernBERT-base": {"model_type": "modernbert"},
 }
 FAMILY_VARIANTS = {
@@ -141,20 +192,36 @@ TABLES: list[str] = []
 
 def _tiny(config: dict) -> dict:
     """The same family at a few-kilobyte size (``--family-tiny``: checks the code path in seconds)."""
-    out = {**config, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
-           "vocab_size": 3000}
+    out = {
+        **config,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "vocab_size": 3000,
+    }
     if config["model_type"] == "deberta-v2":
         out.update(pooler_hidden_size=32, position_buckets=8)
     if config["model_type"] == "modernbert":
-        out.update(num_hidden_layers=3, intermediate_size=48, local_attention=8, pad_token_id=0, bos_token_id=1,
-                   eos_token_id=2, cls_token_id=1, sep_token_id=2)
+        out.update(
+            num_hidden_layers=3,
+            intermediate_size=48,
+            local_attention=8,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+        )
     return out
 
 
 def families_section(minilm: str | None, batch: int, seq: int, threads: int, tiny: bool) -> dict:
     """Whole-step peak per family and variant at equal batch; a markdown table for the report."""
-    models: dict[str, dict] = {f"{name} (tiny)" if tiny else name: {"model_config": _tiny(cfg) if tiny else cfg}
-                               for name, cfg in FAMILY_MODELS.items()}
+    models: dict[str, dict] = {
+        f"{name} (tiny)" if tiny else name: {"model_config": _tiny(cfg) if tiny else cfg}
+        for name, cfg in FAMILY_MODELS.items()
+    }
     if minilm and not tiny:
         models["MiniLM-L6 (real weights)"] = {"model": minilm}
     results: dict[str, dict[str, dict]] = {}
@@ -164,10 +231,15 @@ def families_section(minilm: str | None, batch: int, seq: int, threads: int, tin
             spec = {**source, "wtacrs": wtacrs, "batch": batch, "seq": seq, "threads": threads}
             results[model_name][name] = locked(measure_step_in_child, spec)
     shape = "tiny" if tiny else "base"
-    print(f"\n== whole-step peak by family ({shape}-shaped random init unless noted), batch {batch} × seq {seq}, "
-          f"fp32 (MiB; x = full / variant) ==")
-    header = "| model | " + " | ".join(f"{name} peak" for name in FAMILY_VARIANTS) + \
-             " | saved for backward full → kit + WTA@0.3 | sampled / trainable (kit + WTA@0.3) |"
+    print(
+        f"\n== whole-step peak by family ({shape}-shaped random init unless noted), batch {batch} × seq {seq}, "
+        f"fp32 (MiB; x = full / variant) =="
+    )
+    header = (
+        "| model | "
+        + " | ".join(f"{name} peak" for name in FAMILY_VARIANTS)
+        + " | saved for backward full → kit + WTA@0.3 | sampled / trainable (kit + WTA@0.3) |"
+    )
     rows = [header, "|" + "---|" * (len(FAMILY_VARIANTS) + 3)]
     for model_name, by_variant in results.items():
         full = by_variant["full"]
@@ -176,38 +248,179 @@ def families_section(minilm: str | None, batch: int, seq: int, threads: int, tin
             ratio = full["step_peak"] / r["step_peak"]
             cells.append(f"{r['step_peak'] / MiB:.0f}" + ("" if name == "full" else f" ({ratio:.2f}x)"))
             if name != "full":
-                say(f"whole-step peak, {model_name}-shaped, {name} vs full fine-tuning (fp32, batch {batch} × {seq}): "
-                    f"{ratio:.2f}x lower")
+                say(
+                    f"whole-step peak, {model_name}-shaped, {name} vs full fine-tuning (fp32, batch {batch} × {seq}): "
+                    f"{ratio:.2f}x lower"
+                )
         kit = by_variant["kit + WTA@0.3"]
         cells.append(f"{full['saved']['total'] / MiB:.1f} → {kit['saved']['total'] / MiB:.1f} MiB")
         cells.append(f"{kit['sampled']} / {kit['trainable'] / 1e6:.1f}M")
         rows.append(f"| {model_name} | " + " | ".join(cells) + " |")
         print(rows[-1])
-    note = (f"Whole-step peak (forward, backward, AdamW step; fresh child per cell, peak RSS above the bare "
-            f"interpreter) at batch {batch} × seq {seq}, fp32, {threads} threads, full-length random token ids. "
-            f"{shape.capitalize()}-shaped random-init models from transformers' config classes; MiniLM-L6 has "
-            f"real weights. LoRA r=8 on each family's query/value projections (ModernBERT: the fused Wqkv).")
+    note = (
+        f"Whole-step peak (forward, backward, AdamW step; fresh child per cell, peak RSS above the bare "
+        f"interpreter) at batch {batch} × seq {seq}, fp32, {threads} threads, full-length random token ids. "
+        f"{shape.capitalize()}-shaped random-init models from transformers' config classes; MiniLM-L6 has "
+        f"real weights. LoRA r=8 on each family's query/value projections (ModernBERT: the fused Wqkv)."
+    )
     TABLES.append("\n".join([f"**Memory by model family.** {note}", ""] + rows))
-    FIGURES.append({"kind": "bars", "file": "families", "unit": "x lower whole-step peak than full fine-tuning",
-                    "stack": ["x lower"], "reference": 1.0,
-                    "title": f"Whole-step peak reduction by model family, batch {batch} × seq {seq}, fp32",
-                    "note": note,
-                    "series": [{"label": f"{model_name}: {name}",
-                                "x lower": by_variant["full"]["step_peak"] / r["step_peak"]}
-                               for model_name, by_variant in results.items()
-                               for name, r in by_variant.items() if name != "full"]})
+    FIGURES.append(
+        {
+            "kind": "bars",
+            "file": "families",
+            "unit": "x lower whole-step peak than full fine-tuning",
+            "stack": ["x lower"],
+            "reference": 1.0,
+            "title": f"Whole-step peak reduction by model family, batch {batch} × seq {seq}, fp32",
+            "note": note,
+            "series": [
+                {"label": f"{model_name}: {name}", "x lower": by_variant["full"]["step_peak"] / r["step_peak"]}
+                for model_name, by_variant in results.items()
+                for name, r in by_variant.items()
+                if name != "full"
+            ],
+        }
+    )
     return results
 
 
-def _step_fn(model_dir: str, spec: dict, batch: int, seq: int):
+def _step_fn(model_dir: str | None, spec: dict, batch: int, seq: int, model_config: dict | None = None):
     import torch
 
     from ds_bertopt.wtacrs.memory import load_variant, synthetic_batch, train_step
 
-    model = load_variant(model_dir, spec)
+    model = load_variant(model_dir, spec, model_config=model_config)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     data = synthetic_batch(batch, seq, model.config.vocab_size if hasattr(model, "config") else 30522)
     return lambda: train_step(model, optimizer, data) and None
+
+
+# the memory–time frontier: every setup a fine-tuner would pick, on the same batch
+FRONTIER_VARIANTS = {
+    "full": variant(),
+    "HF gradient checkpointing": variant(kit=["checkpoint"]),
+    "shipped kit + WTA@0.3": variant(0.3, kit=["exact"]),
+    "shipped kit + WTA@0.3 + checkpointing": variant(0.3, kit=["exact", "checkpoint"]),
+    "preset exact": variant(preset="exact"),
+    "preset balanced": variant(preset="balanced"),
+    "preset max_saving": variant(preset="max_saving"),
+    "LoRA": variant(lora=True),
+    "LoRA + checkpointing": variant(lora=True, kit=["checkpoint"]),
+    "LoRA + preset balanced": variant(lora=True, preset="balanced"),
+}
+FRONTIER_QUICK = [
+    "full",
+    "HF gradient checkpointing",
+    "shipped kit + WTA@0.3",
+    "preset exact",
+    "preset balanced",
+    "preset max_saving",
+    "LoRA",
+    "LoRA + preset balanced",
+]
+FRONTIER_TIME_LIMIT = 1.10  # the issue's "no step-time cost": at most 1.10× full fine-tuning
+
+
+def pareto_front(points: dict[str, tuple[float, float]]) -> set[str]:
+    """Names whose (memory, time) no other point beats in both (ties count as not beaten)."""
+    return {
+        a
+        for a, (ma, ta) in points.items()
+        if not any(mb <= ma and tb <= ta and (mb, tb) != (ma, ta) for b, (mb, tb) in points.items() if b != a)
+    }
+
+
+def frontier_section(
+    model_dir: str | None,
+    label: str,
+    batch: int,
+    seq: int,
+    threads: int,
+    repeats: int,
+    names,
+    model_config: dict | None = None,
+) -> None:
+    """Step peak (fresh child each) and step time (interleaved, in process) per setup; the Pareto front; how each
+    setup sits against HF gradient checkpointing."""
+    import torch
+
+    peaks = {}
+    for name in names:
+        spec = {
+            "model": model_dir,
+            "model_config": model_config,
+            "wtacrs": FRONTIER_VARIANTS[name],
+            "batch": batch,
+            "seq": seq,
+            "threads": threads,
+        }
+        peaks[name] = locked(measure_step_in_child, spec)["step_peak"]
+
+    def measure():
+        torch.manual_seed(0)
+        fns = {name: _step_fn(model_dir, FRONTIER_VARIANTS[name], batch, seq, model_config) for name in names}
+        return interleaved(fns, repeats=repeats, warmup=1)
+
+    times = locked(measure)
+    full_peak, full_time = peaks["full"], median(times["full"])
+    points = {name: (peaks[name] / full_peak, median(times[name]) / full_time) for name in names}
+    front = pareto_front(points)
+    gc_memory, gc_time = points["HF gradient checkpointing"]
+    print(
+        f"\n== memory–time frontier, {label}, batch {batch} × seq {seq}, fp32, {threads} threads "
+        f"(peak: fresh child; time: median of {repeats}, interleaved) =="
+    )
+    print(f"{'setup':40s} {'peak MiB':>9s} {'saving':>7s} {'time':>6s}  front")
+    for name in names:
+        memory, step = points[name]
+        print(f"{name:40s} {peaks[name] / MiB:9.0f} {1 / memory:6.2f}x {step:5.2f}x  {'*' if name in front else ''}")
+    dominating = [
+        n
+        for n in names
+        if n not in ("full", "HF gradient checkpointing")
+        and points[n][0] <= gc_memory
+        and points[n][1] <= FRONTIER_TIME_LIMIT
+    ]
+    for name in names:
+        if name in ("full", "HF gradient checkpointing"):
+            continue
+        memory, step = points[name]
+        say(
+            f"{label} {batch}x{seq}: {name}: peak {1 / memory:.2f}x lower than full (HF gradient checkpointing "
+            f"{1 / gc_memory:.2f}x), step time {step:.2f}x full (checkpointing {gc_time:.2f}x; median of {repeats})"
+        )
+    say(
+        f"[target] {label} {batch}x{seq}: a setup saving at least HF gradient checkpointing's memory "
+        f"({1 / gc_memory:.2f}x) at <= {FRONTIER_TIME_LIMIT:.2f}x full step time: "
+        f"{'met by ' + ', '.join(dominating) if dominating else 'NOT met'}"
+    )
+    FIGURES.append(
+        {
+            "kind": "scatter",
+            "file": f"frontier_{label.split()[0].lower()}_{seq}",
+            "xlabel": "whole-step peak / full fine-tuning",
+            "ylabel": "step time / full fine-tuning",
+            "title": f"Fine-tuning memory vs step time, {label}, batch {batch} x seq {seq}, fp32",
+            "note": "one point per setup; ringed: the Pareto front; dashed: 1.10x full step time",
+            "reference": FRONTIER_TIME_LIMIT,
+            "series": [{"label": n, "x": points[n][0], "y": points[n][1], "front": n in front} for n in names],
+        }
+    )
+    TABLES.append(
+        "\n".join(
+            [
+                f"**{label}, batch {batch} × seq {seq}** (fp32; * = on the Pareto front)",
+                "",
+                "| setup | step peak (MiB) | saving vs full | step time vs full |",
+                "|---|---|---|---|",
+                *(
+                    f"| {n}{' *' if n in front else ''} | {peaks[n] / MiB:.0f} | {1 / points[n][0]:.2f}x"
+                    f" | {points[n][1]:.2f}x |"
+                    for n in names
+                ),
+            ]
+        )
+    )
 
 
 def time_section(model_dir: str, batch: int, seq: int, repeats: int) -> None:
@@ -224,28 +437,40 @@ def time_section(model_dir: str, batch: int, seq: int, repeats: int) -> None:
     print(f"\n== step time, batch {batch} × seq {seq}, fp32, {torch.get_num_threads()} threads ==")
     for name in names:
         print(f"{name:30s} median {median(times[name]) * 1e3:8.0f} ms")
-    for name, base in (("WTA@0.3 linears only", "full"), ("exact kit + WTA@0.3", "full"), ("LoRA + exact kit + WTA@0.3", "LoRA"),
-                       ("LoRA + exact kit + WTA@0.3", "full")):
+    for name, base in (
+        ("WTA@0.3 linears only", "full"),
+        ("exact kit + WTA@0.3", "full"),
+        ("LoRA + exact kit + WTA@0.3", "LoRA"),
+        ("LoRA + exact kit + WTA@0.3", "full"),
+    ):
         line = ratio_line(f"step time {name}", times[name], times[base], base)
         ok = median(times[name]) <= 1.10 * median(times[base])
         say(f"{line} (target <= 1.10x: {'met' if ok else 'NOT met'})")
 
 
-def throughput_section(model_dir: str, seq: int, threads: int, budget_gb: float, probe: tuple[int, int],
-                       repeats: int) -> None:
+def throughput_section(
+    model_dir: str, seq: int, threads: int, budget_gb: float, probe: tuple[int, int], repeats: int
+) -> None:
     import torch
 
-    budget = budget_gb * 1024 ** 3
+    budget = budget_gb * 1024**3
     names = ["full", "exact kit + WTA@0.3", "LoRA + exact kit + WTA@0.3"]
     largest = {}
     for name in names:
-        peaks = {b: locked(measure_step_in_child, {"model": model_dir, "wtacrs": MEMORY_VARIANTS[name], "batch": b,
-                                                     "seq": seq, "threads": threads})["step_peak"] for b in probe}
+        peaks = {
+            b: locked(
+                measure_step_in_child,
+                {"model": model_dir, "wtacrs": MEMORY_VARIANTS[name], "batch": b, "seq": seq, "threads": threads},
+            )["step_peak"]
+            for b in probe
+        }
         (b1, p1), (b2, p2) = sorted(peaks.items())
         slope = (p2 - p1) / (b2 - b1)
         largest[name] = max(1, int((budget - (p1 - slope * b1)) / slope))
-        print(f"largest batch under {budget_gb} GiB step peak, {name}: {largest[name]} "
-              f"(fit over batch {b1}, {b2}: {slope / MiB:.1f} MiB per sequence of {seq})")
+        print(
+            f"largest batch under {budget_gb} GiB step peak, {name}: {largest[name]} "
+            f"(fit over batch {b1}, {b2}: {slope / MiB:.1f} MiB per sequence of {seq})"
+        )
 
     def measure():
         fns = {name: _step_fn(model_dir, MEMORY_VARIANTS[name], largest[name], seq) for name in names}
@@ -253,37 +478,99 @@ def throughput_section(model_dir: str, seq: int, threads: int, budget_gb: float,
 
     times = locked(measure)
     rate = {name: largest[name] / median(times[name]) for name in names}
-    print(f"\n== throughput at the largest batch under {budget_gb} GiB, seq {seq}, {torch.get_num_threads()} threads ==")
+    print(
+        f"\n== throughput at the largest batch under {budget_gb} GiB, seq {seq}, {torch.get_num_threads()} threads =="
+    )
     for name in names:
         print(f"{name:30s} batch {largest[name]:4d}: {rate[name]:7.1f} sequences/s (median of {repeats})")
     for name in names[1:]:
-        print(f"throughput under {budget_gb} GiB, {name} vs full: {rate[name] / rate['full']:.2f}x "
-              f"(batch {largest[name]} vs {largest['full']})")
+        print(
+            f"throughput under {budget_gb} GiB, {name} vs full: {rate[name] / rate['full']:.2f}x "
+            f"(batch {largest[name]} vs {largest['full']})"
+        )
 
 
 ACCURACY_VARIANTS = {
-    "full": ["wtacrs.enabled=false", "wtacrs.kit.sdpa_attention=false", "wtacrs.kit.layernorm_saves_output=false",
-             "wtacrs.kit.recompute_gelu=false", "wtacrs.kit.dropout_mask=\"float\""],
-    "WTA@0.3 (linears only)": ["wtacrs.kit.sdpa_attention=false", "wtacrs.kit.layernorm_saves_output=false",
-                               "wtacrs.kit.recompute_gelu=false", "wtacrs.kit.dropout_mask=\"float\""],
+    "full": [
+        "wtacrs.enabled=false",
+        "wtacrs.kit.sdpa_attention=false",
+        "wtacrs.kit.layernorm_saves_output=false",
+        "wtacrs.kit.recompute_gelu=false",
+        'wtacrs.kit.dropout_mask="float"',
+    ],
+    "WTA@0.3 (linears only)": [
+        "wtacrs.kit.sdpa_attention=false",
+        "wtacrs.kit.layernorm_saves_output=false",
+        "wtacrs.kit.recompute_gelu=false",
+        'wtacrs.kit.dropout_mask="float"',
+    ],
     "exact kit + WTA@0.3": [],
-    "LoRA": ["wtacrs.enabled=false", "wtacrs.lora.enabled=true", "optimizer.lr=5e-4",
-             "wtacrs.kit.sdpa_attention=false", "wtacrs.kit.layernorm_saves_output=false",
-             "wtacrs.kit.recompute_gelu=false", "wtacrs.kit.dropout_mask=\"float\""],
-    "LoRA + WTA@0.3 (lora_A)": ["wtacrs.lora.enabled=true", "optimizer.lr=5e-4", "wtacrs.targets=[\"lora_A\"]",
-                                "wtacrs.kit.sdpa_attention=false", "wtacrs.kit.layernorm_saves_output=false",
-                                "wtacrs.kit.recompute_gelu=false", "wtacrs.kit.dropout_mask=\"float\""],
+    # what the shipped config sets explicitly would override the preset: name the preset's fields again
+    "preset balanced": [
+        'wtacrs.preset="balanced"',
+        'wtacrs.targets=["all"]',
+        "wtacrs.kit.recompute_qkv=true",
+        "wtacrs.kit.recompute_ffn=true",
+    ],
+    "preset max_saving": [
+        'wtacrs.preset="max_saving"',
+        'wtacrs.targets=["all"]',
+        "wtacrs.kit.recompute_qkv=true",
+        "wtacrs.kit.recompute_ffn=true",
+        "wtacrs.kit.checkpoint_every=1",
+    ],
+    "LoRA": [
+        "wtacrs.enabled=false",
+        "wtacrs.lora.enabled=true",
+        "optimizer.lr=5e-4",
+        "wtacrs.kit.sdpa_attention=false",
+        "wtacrs.kit.layernorm_saves_output=false",
+        "wtacrs.kit.recompute_gelu=false",
+        'wtacrs.kit.dropout_mask="float"',
+    ],
+    "LoRA + WTA@0.3 (lora_A)": [
+        "wtacrs.lora.enabled=true",
+        "optimizer.lr=5e-4",
+        'wtacrs.targets=["lora_A"]',
+        "wtacrs.kit.sdpa_attention=false",
+        "wtacrs.kit.layernorm_saves_output=false",
+        "wtacrs.kit.recompute_gelu=false",
+        'wtacrs.kit.dropout_mask="float"',
+    ],
 }
-ACCURACY_PAIRS = (("WTA@0.3 (linears only)", "full"), ("exact kit + WTA@0.3", "full"), ("LoRA + WTA@0.3 (lora_A)", "LoRA"))
+ACCURACY_PAIRS = (
+    ("WTA@0.3 (linears only)", "full"),
+    ("exact kit + WTA@0.3", "full"),
+    ("preset balanced", "full"),
+    ("preset max_saving", "full"),
+    ("LoRA + WTA@0.3 (lora_A)", "LoRA"),
+)
 
 
-def _finetune_run(name: str, seed: int, epochs: int, max_train: int | None, threads: int,
-                  max_eval: int | None = None) -> float:
+def _finetune_run(
+    name: str, seed: int, epochs: int, max_train: int | None, threads: int, max_eval: int | None = None
+) -> float:
     out = Path(tempfile.mkdtemp(prefix="wtacrs_acc_"))
-    cmd = [sys.executable, str(ROOT / "launch" / "finetune.py"), "--deepspeed_config",
-           str(ROOT / "ds_configs" / "finetune_zero0.json"), "--train_file", str(DATA / "train.csv"),
-           "--validation_file", str(DATA / "dev.csv"), "--epochs", str(epochs), "--seed", str(seed),
-           "--output_dir", str(out), "--log_every", "100", "-o", "deepspeed.train_micro_batch_size_per_gpu=32"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "launch" / "finetune.py"),
+        "--deepspeed_config",
+        str(ROOT / "ds_configs" / "finetune_zero0.json"),
+        "--train_file",
+        str(DATA / "train.csv"),
+        "--validation_file",
+        str(DATA / "dev.csv"),
+        "--epochs",
+        str(epochs),
+        "--seed",
+        str(seed),
+        "--output_dir",
+        str(out),
+        "--log_every",
+        "100",
+        "-o",
+        "deepspeed.train_micro_batch_size_per_gpu=32",
+    ]
     if max_train:
         cmd += ["-o", f"finetune.max_train_samples={max_train}"]
     if max_eval:
@@ -298,8 +585,9 @@ def _finetune_run(name: str, seed: int, epochs: int, max_train: int | None, thre
     return 100.0 * evals[-1]["eval_accuracy"]
 
 
-def accuracy_section(seeds: list[int], epochs: int, max_train: int | None, threads: int, names,
-                     max_eval: int | None = None) -> None:
+def accuracy_section(
+    seeds: list[int], epochs: int, max_train: int | None, threads: int, names, max_eval: int | None = None
+) -> None:
     if not DATA.is_dir():
         print(f"accuracy: skipped, {DATA} is absent")
         return
@@ -310,33 +598,74 @@ def accuracy_section(seeds: list[int], epochs: int, max_train: int | None, threa
             print(f"accuracy run: {name}, seed {seed}: {scores[name][-1]:.2f}", flush=True)
     subset = f"{max_train} training examples" if max_train else "all 10,451 training examples"
     subset += f", first {max_eval} dev examples" if max_eval else ""
-    FIGURES.append({"kind": "errorbars", "file": "accuracy", "ylabel": "dev accuracy (%)",
-                    "title": f"rt_polarity dev accuracy, MiniLM-L6, {epochs} epoch(s), {subset}",
-                    "note": f"seeds {seeds}; bars: mean, whiskers: standard deviation, dots: runs",
-                    "series": [{"label": name, "mean": statistics.mean(v),
-                                "std": statistics.stdev(v) if len(v) > 1 else 0.0, "runs": v}
-                               for name, v in scores.items()]})
+    FIGURES.append(
+        {
+            "kind": "errorbars",
+            "file": "accuracy",
+            "ylabel": "dev accuracy (%)",
+            "title": f"rt_polarity dev accuracy, MiniLM-L6, {epochs} epoch(s), {subset}",
+            "note": f"seeds {seeds}; bars: mean, whiskers: standard deviation, dots: runs",
+            "series": [
+                {
+                    "label": name,
+                    "mean": statistics.mean(v),
+                    "std": statistics.stdev(v) if len(v) > 1 else 0.0,
+                    "runs": v,
+                }
+                for name, v in scores.items()
+            ],
+        }
+    )
     print(f"\n== dev accuracy (rt_polarity, {epochs} epoch(s), {subset}, seeds {seeds}) ==")
     for name in names:
         spread = f" ± {statistics.stdev(scores[name]):.2f}" if len(scores[name]) > 1 else ""
-        print(f"{name:30s} {statistics.mean(scores[name]):6.2f}{spread}  ({', '.join(f'{s:.2f}' for s in scores[name])})")
+        print(
+            f"{name:30s} {statistics.mean(scores[name]):6.2f}{spread}  ({', '.join(f'{s:.2f}' for s in scores[name])})"
+        )
     for ours, base in ACCURACY_PAIRS:
         if ours in scores and base in scores:
-            delta = statistics.mean(scores[ours]) - statistics.mean(scores[base])
-            say(f"dev accuracy {ours} vs {base}: {delta:+.2f} points (mean of {len(seeds)} seed(s); "
-                  f"target within 0.5: {'met' if abs(delta) <= 0.5 or delta > 0 else 'NOT met'})")
+            say(accuracy_verdict(ours, base, scores[ours], scores[base]))
+
+
+T_95_ONE_SIDED = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
+
+
+def accuracy_verdict(ours: str, base: str, ours_scores: list[float], base_scores: list[float], bar: float = 0.5):
+    """The seed-paired difference in points and whether it resolves the bar: "met" only when the one-sided 95 %
+    lower bound of the mean difference is above -bar, "NOT met" when the upper bound is below it."""
+    diffs = [a - b for a, b in zip(ours_scores, base_scores)]
+    mean = statistics.mean(diffs)
+    line = (
+        f"dev accuracy {ours} vs {base}: {mean:+.2f} points (seed-paired, {len(diffs)} seed(s): "
+        f"{statistics.mean(ours_scores):.2f} vs {statistics.mean(base_scores):.2f}"
+    )
+    if len(diffs) < 2:
+        return line + f"; target within {bar}: not resolved, one seed)"
+    spread = statistics.stdev(diffs)
+    margin = T_95_ONE_SIDED.get(len(diffs) - 1, 1.645) * spread / len(diffs) ** 0.5
+    verdict = "met" if mean - margin > -bar else "NOT met" if mean + margin < -bar else "not resolved"
+    return line + (
+        f"; difference std {spread:.2f}, one-sided 95 % bounds [{mean - margin:+.2f}, {mean + margin:+.2f}]; "
+        f"target within {bar}: {verdict})"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sections", default="memory,time,throughput,accuracy")
+    parser.add_argument("--sections", default="memory,frontier,time,throughput,accuracy")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: MiniLM-L6)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--budget-gb", type=float, default=2.0)
     parser.add_argument("--family-batch", type=int, default=16, help="families: batch (equal for every variant)")
     parser.add_argument("--family-seq", type=int, default=128, help="families: sequence length")
     parser.add_argument("--family-tiny", action="store_true", help="families: tiny models (checks the code path)")
+    parser.add_argument(
+        "--frontier-bert-base", action="store_true", help="frontier, quick mode: add BERT-base (random init) 16 × 128"
+    )
+    parser.add_argument("--accuracy-variants", help="accuracy: comma-separated names (default: all)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="accuracy: seeds")
+    parser.add_argument("--epochs", type=int, default=2, help="accuracy: epochs")
     parser.add_argument("--record-as", default="wtacrs", help="name of the recorded results (bench/run_all.py)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -353,12 +682,36 @@ def main() -> int:
     print(environment_line())
     print(f"model: {model}; {'quick' if args.quick else 'full'} mode")
     if "memory" in sections:
-        names = list(MEMORY_VARIANTS) if not args.quick else ["full", "WTA@0.3 linears only", "exact kit + WTA@0.3",
-                                                               "exact kit + WTA@0.1", "LoRA",
-                                                               "LoRA + exact kit + WTA@0.3"]
+        names = (
+            list(MEMORY_VARIANTS)
+            if not args.quick
+            else [
+                "full",
+                "WTA@0.3 linears only",
+                "exact kit + WTA@0.3",
+                "exact kit + WTA@0.1",
+                "LoRA",
+                "LoRA + exact kit + WTA@0.3",
+            ]
+        )
         memory_section(model, 64, 128, args.threads, False, names)
         if not args.quick:
             memory_section(model, 64, 128, args.threads, True, BF16_VARIANTS)
+    if "frontier" in sections:
+        names = FRONTIER_QUICK if args.quick else list(FRONTIER_VARIANTS)
+        frontier_section(model, "MiniLM-L6", 64, 128, args.threads, 3 if args.quick else 5, names)
+        if not args.quick or args.frontier_bert_base:
+            for batch, seq in ((16, 128), (4, 512)) if not args.quick else ((16, 128),):
+                frontier_section(
+                    None,
+                    "BERT-base (random init)",
+                    batch,
+                    seq,
+                    args.threads,
+                    3,
+                    FRONTIER_QUICK,
+                    model_config=FAMILY_MODELS["BERT-base"],
+                )
     if "time" in sections:
         time_section(model, 16 if args.quick else 32, 128, 3 if args.quick else 7)
     if "throughput" in sections and not args.quick:
@@ -367,13 +720,24 @@ def main() -> int:
         if args.quick:
             accuracy_section([0], 1, 600, args.threads, ["full", "exact kit + WTA@0.3"], max_eval=512)
         else:
-            accuracy_section([0, 1, 2], 2, None, args.threads, list(ACCURACY_VARIANTS))
+            names = args.accuracy_variants.split(",") if args.accuracy_variants else list(ACCURACY_VARIANTS)
+            unknown = [n for n in names if n not in ACCURACY_VARIANTS]
+            if unknown:
+                parser.error(f"--accuracy-variants: unknown {unknown[0]!r}; choose from {', '.join(ACCURACY_VARIANTS)}")
+            accuracy_section(args.seeds, args.epochs, None, args.threads, names)
     if "families" in sections:
         families_section(model, args.family_batch, args.family_seq, args.threads, args.family_tiny)
-    record_results(args.record_as, {"summary": SUMMARY, "figures": FIGURES, "tables": TABLES,
-                                    "note": f"sections {', '.join(sorted(sections))}; MiniLM-L6 unless a figure says "
-                                            f"otherwise; {'quick' if args.quick else 'full'} mode, "
-                                            f"{args.threads} threads"})
+    record_results(
+        args.record_as,
+        {
+            "summary": SUMMARY,
+            "figures": FIGURES,
+            "tables": TABLES,
+            "note": f"sections {', '.join(sorted(sections))}; MiniLM-L6 unless a figure says "
+            f"otherwise; {'quick' if args.quick else 'full'} mode, "
+            f"{args.threads} threads",
+        },
+    )
     return 0
 
 

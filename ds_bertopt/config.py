@@ -9,6 +9,7 @@ is an error naming it. Capability sections live next to their code
 Values that depend on the world size (``train_batch_size = micro × accumulation × world``) are
 resolved by :func:`resolve_batch` before ``deepspeed.initialize``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -79,14 +80,17 @@ class TrainConfig:
             check(getattr(self, name) >= 0, f"{name}: must be >= 0, got {getattr(self, name)}")
         check(self.log_every > 0, f"log_every: must be positive, got {self.log_every}")
         check(self.keep_last >= 1, f"keep_last: must be at least 1, got {self.keep_last}")
-        check(self.dataloader_workers is None or self.dataloader_workers >= 0,
-              f"dataloader_workers: must be >= 0, got {self.dataloader_workers}")
+        check(
+            self.dataloader_workers is None or self.dataloader_workers >= 0,
+            f"dataloader_workers: must be >= 0, got {self.dataloader_workers}",
+        )
         check(bool(self.output_dir.strip()), "output_dir: must not be empty")
         check(self.dist_timeout_s >= 10, f"dist_timeout_s: must be at least 10, got {self.dist_timeout_s}")
-        check(self.dist_init_timeout_s >= 5,
-              f"dist_init_timeout_s: must be at least 5, got {self.dist_init_timeout_s}")
-        check(self.max_consecutive_nonfinite >= 1,
-              f"max_consecutive_nonfinite: must be at least 1, got {self.max_consecutive_nonfinite}")
+        check(self.dist_init_timeout_s >= 5, f"dist_init_timeout_s: must be at least 5, got {self.dist_init_timeout_s}")
+        check(
+            self.max_consecutive_nonfinite >= 1,
+            f"max_consecutive_nonfinite: must be at least 1, got {self.max_consecutive_nonfinite}",
+        )
 
 
 @dataclass(frozen=True)
@@ -125,14 +129,19 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         check(self.max_seq_length >= 8, f"max_seq_length: must be at least 8, got {self.max_seq_length}")
-        check(self.num_labels is None or self.num_labels >= 2,
-              f"num_labels: must be at least 2, got {self.num_labels}")
-        check(len(set(self.label_names)) == len(self.label_names),
-              f"label_names: names must be distinct, got {list(self.label_names)}")
-        check(not self.label_names or len(self.label_names) >= 2,
-              f"label_names: give at least two classes, got {list(self.label_names)}")
-        check(self.num_labels is None or not self.label_names or self.num_labels == len(self.label_names),
-              f"num_labels: {self.num_labels} disagrees with the {len(self.label_names)} label_names")
+        check(self.num_labels is None or self.num_labels >= 2, f"num_labels: must be at least 2, got {self.num_labels}")
+        check(
+            len(set(self.label_names)) == len(self.label_names),
+            f"label_names: names must be distinct, got {list(self.label_names)}",
+        )
+        check(
+            not self.label_names or len(self.label_names) >= 2,
+            f"label_names: give at least two classes, got {list(self.label_names)}",
+        )
+        check(
+            self.num_labels is None or not self.label_names or self.num_labels == len(self.label_names),
+            f"num_labels: {self.num_labels} disagrees with the {len(self.label_names)} label_names",
+        )
         for name in ("max_train_samples", "max_eval_samples"):
             value = getattr(self, name)
             check(value is None or value >= 1, f"{name}: must be at least 1, got {value}")
@@ -161,9 +170,11 @@ class BertOptConfig:
     """Sequence-classification fine-tuning (``launch/finetune.py``)."""
 
     def __post_init__(self) -> None:
-        check(self.data.max_seq_length <= self.model.max_position_embeddings,
-              f"data.max_seq_length: {self.data.max_seq_length} exceeds the model's "
-              f"max_position_embeddings {self.model.max_position_embeddings}")
+        check(
+            self.data.max_seq_length <= self.model.max_position_embeddings,
+            f"data.max_seq_length: {self.data.max_seq_length} exceeds the model's "
+            f"max_position_embeddings {self.model.max_position_embeddings}",
+        )
 
 
 @dataclass(frozen=True)
@@ -196,8 +207,9 @@ def read_json(path: str) -> dict:
     except UnicodeDecodeError:
         raise ConfigError(f"config file {path} is not UTF-8 text") from None
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno} "
-                          f"column {exc.colno}") from None
+        raise ConfigError(
+            f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
     if not isinstance(data, dict):
@@ -216,9 +228,9 @@ def load_config(path: str, overrides: tuple[str, ...] | list[str] = ()) -> RunCo
     for text in overrides:
         key, value = parse_override(text)
         if key.startswith("deepspeed."):
-            set_dotted(raw, key[len("deepspeed."):], value)
+            set_dotted(raw, key[len("deepspeed.") :], value)
         else:
-            set_dotted(ours, key[len("bertopt."):] if key.startswith("bertopt.") else key, value)
+            set_dotted(ours, key[len("bertopt.") :] if key.startswith("bertopt.") else key, value)
     _point_to_other_sections(ours)
     bertopt = load_section(BertOptConfig, ours, "bertopt")
     return RunConfig(path=path, deepspeed=raw, bertopt=bertopt)
@@ -230,8 +242,11 @@ def _point_to_other_sections(ours: dict) -> None:
     import typing
 
     hints = typing.get_type_hints(BertOptConfig)
-    fields = {name: {f.name for f in dataclasses.fields(hints[name])} for name in hints
-              if dataclasses.is_dataclass(hints[name])}
+    fields = {
+        name: {f.name for f in dataclasses.fields(hints[name])}
+        for name in hints
+        if dataclasses.is_dataclass(hints[name])
+    }
     for section, values in ours.items():
         if section not in fields or not isinstance(values, dict):
             continue
@@ -251,8 +266,11 @@ def resolve_batch(ds: dict, world_size: int) -> dict:
     tbs = ds.get("train_batch_size")
     mbs = ds.get("train_micro_batch_size_per_gpu")
     gas = ds.get("gradient_accumulation_steps")
-    for name, value in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", mbs),
-                        ("gradient_accumulation_steps", gas)):
+    for name, value in (
+        ("train_batch_size", tbs),
+        ("train_micro_batch_size_per_gpu", mbs),
+        ("gradient_accumulation_steps", gas),
+    ):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ConfigError(f"{name}: must be a positive integer, got {json.dumps(value)}")
     if mbs is None and tbs is None:
@@ -261,21 +279,27 @@ def resolve_batch(ds: dict, world_size: int) -> dict:
         gas = 1
     if tbs is not None and mbs is not None and gas is None:
         if tbs % (mbs * world_size):
-            raise ConfigError(f"train_batch_size {tbs} is not divisible by "
-                              f"train_micro_batch_size_per_gpu {mbs} × world size {world_size}")
+            raise ConfigError(
+                f"train_batch_size {tbs} is not divisible by "
+                f"train_micro_batch_size_per_gpu {mbs} × world size {world_size}"
+            )
         gas = tbs // (mbs * world_size)
     if tbs is not None and mbs is None:
         gas = gas or 1
         if tbs % (gas * world_size):
-            raise ConfigError(f"train_batch_size {tbs} is not divisible by "
-                              f"gradient_accumulation_steps {gas} × world size {world_size}")
+            raise ConfigError(
+                f"train_batch_size {tbs} is not divisible by "
+                f"gradient_accumulation_steps {gas} × world size {world_size}"
+            )
         mbs = tbs // (gas * world_size)
     if tbs is None:
         tbs = mbs * gas * world_size
     if tbs != mbs * gas * world_size:
-        raise ConfigError(f"train_batch_size {tbs} != train_micro_batch_size_per_gpu {mbs} × "
-                          f"gradient_accumulation_steps {gas} × world size {world_size} "
-                          f"(= {mbs * gas * world_size}); drop train_batch_size to let it follow")
+        raise ConfigError(
+            f"train_batch_size {tbs} != train_micro_batch_size_per_gpu {mbs} × "
+            f"gradient_accumulation_steps {gas} × world size {world_size} "
+            f"(= {mbs * gas * world_size}); drop train_batch_size to let it follow"
+        )
     ds.update(train_batch_size=tbs, train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=gas)
     return ds
 
@@ -313,8 +337,11 @@ def auto_precision(device_type: str) -> tuple[str, str]:
     forced = os.environ.get(CPU_BF16_ENV, "").strip() in ("0", "1")
     if cpu_has_native_bf16():
         return "bf16", f"{CPU_BF16_ENV}=1" if forced else "this CPU has native bf16 (AVX512-BF16/AMX)"
-    return "fp32", (f"{CPU_BF16_ENV}=0" if forced else
-                    "this CPU has no native bf16, where bf16 matmuls are emulated and ~15x slower")
+    return "fp32", (
+        f"{CPU_BF16_ENV}=0"
+        if forced
+        else "this CPU has no native bf16, where bf16 matmuls are emulated and ~15x slower"
+    )
 
 
 def apply_precision(ds: dict, precision: str, device_type: str) -> tuple[str, str]:
@@ -338,14 +365,16 @@ def check_precision(ds: dict, device_type: str) -> str:
     for name in ("fp16", "bf16"):
         block = ds.get(name, {})
         if not isinstance(block, dict):
-            raise ConfigError(f"deepspeed.{name}: expected an object such as {{\"enabled\": true}}, "
-                              f"got {json.dumps(block)}")
+            raise ConfigError(
+                f'deepspeed.{name}: expected an object such as {{"enabled": true}}, got {json.dumps(block)}'
+            )
         blocks[name] = bool(block.get("enabled", False))
     fp16, bf16 = blocks["fp16"], blocks["bf16"]
     check(not (fp16 and bf16), "fp16 and bf16 are both enabled; enable one")
     if fp16 and device_type == "cpu":
-        raise ConfigError("fp16 is not supported on CPU by DeepSpeed; set \"bf16\": {\"enabled\": true} "
-                          "and \"fp16\": {\"enabled\": false}")
+        raise ConfigError(
+            'fp16 is not supported on CPU by DeepSpeed; set "bf16": {"enabled": true} and "fp16": {"enabled": false}'
+        )
     return "fp16" if fp16 else "bf16" if bf16 else "fp32"
 
 

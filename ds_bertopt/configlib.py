@@ -12,6 +12,7 @@ naming the dotted key:
 Nested dataclass fields are loaded recursively; ``Optional``, ``Literal``, ``tuple[...]``,
 ``list[...]`` and ``dict[str, ...]`` are understood. Nothing here knows about DeepSpeed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,13 +49,13 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 return _coerce(value, arg, path)
             except ConfigError as exc:
                 errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else
-                          f"{path}: expected {_type_name(tp)}, got {json.dumps(value)}")
+        raise ConfigError(
+            errors[0] if len(errors) == 1 else f"{path}: expected {_type_name(tp)}, got {json.dumps(value)}"
+        )
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:
-            raise ConfigError(f"{path}: {json.dumps(value)} is not one of "
-                              f"{', '.join(json.dumps(a) for a in allowed)}")
+            raise ConfigError(f"{path}: {json.dumps(value)} is not one of {', '.join(json.dumps(a) for a in allowed)}")
         return value
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
@@ -112,8 +113,7 @@ def load_section(cls: type, data: Any, path: str) -> Any:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{path}: unknown key {key!r}{hint}; "
-                              f"known keys: {', '.join(sorted(fields))}")
+            raise ConfigError(f"{path}: unknown key {key!r}{hint}; known keys: {', '.join(sorted(fields))}")
     kwargs = {name: _coerce(value, hints[name], f"{path}.{name}") for name, value in data.items()}
     try:
         return cls(**kwargs)
@@ -171,8 +171,12 @@ def field_docs(cls: type) -> dict[str, str]:
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
     for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = inspect.cleandoc(after.value.value)
     return docs
 
@@ -185,8 +189,11 @@ def iter_fields(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, Any, 
         if dataclasses.is_dataclass(tp):
             yield from iter_fields(tp, f"{key}.")
             continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        )
         yield key, tp, default, docs.get(f.name, "")
 
 
@@ -238,10 +245,14 @@ def add_config_arguments(parser, cls: type, root: str, shortcuts: Optional[dict[
         kind, nargs, choices = _cli_kind(tp)
         help_text = (doc.replace("%", "%%") + f" (built-in default: {json.dumps(to_dict(default))})").strip()
         names = [f"--{flag}" for flag in aliases.get(key, [])] + [f"--{key}"]
-        extra = {"nargs": "?", "const": True, "metavar": "true|false"} if kind is _parse_bool else {
-            "nargs": nargs, "choices": choices, "metavar": key.rsplit(".", 1)[-1].upper()}
-        groups[section].add_argument(*names, dest=f"cfg:{key}", type=kind, default=argparse.SUPPRESS,
-                                     help=help_text, **extra)
+        extra = (
+            {"nargs": "?", "const": True, "metavar": "true|false"}
+            if kind is _parse_bool
+            else {"nargs": nargs, "choices": choices, "metavar": key.rsplit(".", 1)[-1].upper()}
+        )
+        groups[section].add_argument(
+            *names, dest=f"cfg:{key}", type=kind, default=argparse.SUPPRESS, help=help_text, **extra
+        )
 
 
 def overrides_from_namespace(namespace) -> list[str]:

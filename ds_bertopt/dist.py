@@ -15,6 +15,7 @@ After the process group exists, :func:`verify_topology` all-gathers every rank's
 fails with one line if nodes differ in size or ranks of a node are not contiguous, because the
 node-local data planner (``ds_bertopt.data.plan``) depends on ``node = rank // ranks_per_node``.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -73,8 +74,10 @@ def topology_from_env(env: Optional[Mapping[str, str]] = None, local_rank_arg: O
     local_rank = _first_int(env, ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"))
     if local_rank is None:
         local_rank = local_rank_arg if local_rank_arg is not None and local_rank_arg >= 0 else rank
-    local_size = _first_int(env, ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                                  "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"))
+    local_size = _first_int(
+        env,
+        ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"),
+    )
     if local_size is None:
         nodes = _first_int(env, ("CROSS_SIZE", "GROUP_WORLD_SIZE", "SLURM_NNODES")) or 1
         local_size = world // nodes if world % nodes == 0 else world
@@ -84,12 +87,13 @@ def topology_from_env(env: Optional[Mapping[str, str]] = None, local_rank_arg: O
     if not 0 <= rank < world:
         raise BertOptError(f"rank {rank} is outside world size {world}")
     if local_size <= 0 or world % local_size:
-        raise BertOptError(f"world size {world} is not a multiple of ranks per node {local_size}: "
-                           "every node must run the same number of ranks")
+        raise BertOptError(
+            f"world size {world} is not a multiple of ranks per node {local_size}: "
+            "every node must run the same number of ranks"
+        )
     if not 0 <= local_rank < local_size:
         raise BertOptError(f"local rank {local_rank} is outside ranks per node {local_size}")
-    return Topology(rank=rank, world_size=world, local_rank=local_rank,
-                    ranks_per_node=local_size, node_rank=node_rank)
+    return Topology(rank=rank, world_size=world, local_rank=local_rank, ranks_per_node=local_size, node_rank=node_rank)
 
 
 def set_cpu_thread_default(topo: Topology) -> None:
@@ -102,6 +106,10 @@ def set_cpu_thread_default(topo: Topology) -> None:
     threads = max(1, cores // max(1, topo.ranks_per_node))
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+
+
+_own_master = False
+"""This process chose its own single-rank rendezvous (see :func:`init_distributed`)."""
 
 
 def init_distributed(topo: Topology, timeout_s: int = 120, init_timeout_s: int = 60) -> None:
@@ -121,17 +129,27 @@ def init_distributed(topo: Topology, timeout_s: int = 120, init_timeout_s: int =
         return
     # A single rank started without a launcher gets its own rendezvous on a fresh port, also when an
     # earlier run in this process set one (its store may still hold the old port).
-    if topo.world_size == 1 and ("MASTER_ADDR" not in os.environ or os.environ.get("DS_BERTOPT_OWN_MASTER")):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-                          WORLD_SIZE="1", DS_BERTOPT_OWN_MASTER="1")
+    # (A module flag, not an environment variable: a child process this one starts must not take a
+    # MASTER_PORT its own launcher gave it for ours.)
+    global _own_master
+    if topo.world_size == 1 and ("MASTER_ADDR" not in os.environ or _own_master):
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+        )
+        _own_master = True
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(name):
             raise BertOptError(f"{name} is not set: start the job with the deepspeed launcher or torchrun")
     bind_device(topo, get_accelerator())
     backend = get_accelerator().communication_backend_name()
     store = _rendezvous(topo, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), init_timeout_s)
-    dist.init_process_group(backend=backend, store=store, rank=topo.rank, world_size=topo.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend=backend,
+        store=store,
+        rank=topo.rank,
+        world_size=topo.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     # deepspeed.comm.init_distributed adopts an existing torch group (its "initialized torch.dist
     # themselves" branch) instead of creating its own.
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s), verbose=False)
@@ -147,8 +165,10 @@ def bind_device(topo: Topology, accelerator) -> None:
         return
     count = accelerator.device_count()
     if topo.local_rank >= count:
-        raise BertOptError(f"local rank {topo.local_rank} needs its own {accelerator.device_name()} device, but this "
-                           f"node shows {count}; start at most {count} ranks per node (check CUDA_VISIBLE_DEVICES)")
+        raise BertOptError(
+            f"local rank {topo.local_rank} needs its own {accelerator.device_name()} device, but this "
+            f"node shows {count}; start at most {count} ranks per node (check CUDA_VISIBLE_DEVICES)"
+        )
     accelerator.set_device(topo.local_rank)
 
 
@@ -160,17 +180,32 @@ def _rendezvous(topo: Topology, addr: str, port: int, timeout_s: int):
     import torch.distributed as dist
 
     deadline = time.monotonic() + timeout_s
-    view = {"rank": topo.rank, "world_size": topo.world_size, "ranks_per_node": topo.ranks_per_node,
-            "node_rank": topo.node_rank, "host": socket.gethostname()}
+    view = {
+        "rank": topo.rank,
+        "world_size": topo.world_size,
+        "ranks_per_node": topo.ranks_per_node,
+        "node_rank": topo.node_rank,
+        "host": socket.gethostname(),
+    }
     try:
-        store = dist.TCPStore(addr, port, world_size=topo.world_size, is_master=topo.rank == 0,
-                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        store = dist.TCPStore(
+            addr,
+            port,
+            world_size=topo.world_size,
+            is_master=topo.rank == 0,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
     except Exception as exc:  # noqa: BLE001 - torch raises several types for an unreachable master
         if topo.rank == 0 and ("EADDRINUSE" in str(exc) or "address already in use" in str(exc)):
-            raise BertOptError(f"port {port} on {addr} is already in use (another job on this machine?): start the "
-                               f"launcher with another --master_port (e.g. deepspeed --master_port {port + 1})") from None
-        raise BertOptError(f"cannot reach the rendezvous at {addr}:{port} within {timeout_s} s "
-                           f"({type(exc).__name__}); check MASTER_ADDR/MASTER_PORT and that rank 0 started") from None
+            raise BertOptError(
+                f"port {port} on {addr} is already in use (another job on this machine?): start the "
+                f"launcher with another --master_port (e.g. deepspeed --master_port {port + 1})"
+            ) from None
+        raise BertOptError(
+            f"cannot reach the rendezvous at {addr}:{port} within {timeout_s} s "
+            f"({type(exc).__name__}); check MASTER_ADDR/MASTER_PORT and that rank 0 started"
+        ) from None
     store.set(f"ds_bertopt/view/{topo.rank}", json.dumps(view))
     seen: dict[int, dict] = {}
     while True:
@@ -180,25 +215,32 @@ def _rendezvous(topo: Topology, addr: str, port: int, timeout_s: int):
                     seen[r] = json.loads(store.get(f"ds_bertopt/view/{r}"))
             extra = store.check([f"ds_bertopt/view/{topo.world_size}"])
         except Exception as exc:  # noqa: BLE001 - the store died with rank 0
-            raise BertOptError(f"lost the rendezvous store at {addr}:{port} ({type(exc).__name__}): "
-                               "another rank failed during start-up; see its message") from None
+            raise BertOptError(
+                f"lost the rendezvous store at {addr}:{port} ({type(exc).__name__}): "
+                "another rank failed during start-up; see its message"
+            ) from None
         for r, other in sorted(seen.items()):
             if (other["world_size"], other["ranks_per_node"]) != (topo.world_size, topo.ranks_per_node):
                 raise BertOptError(
                     f"launchers disagree on the topology: rank {r} on {other['host']} was started with world size "
                     f"{other['world_size']} and {other['ranks_per_node']} ranks per node, rank {topo.rank} on "
                     f"{view['host']} with {topo.world_size} and {topo.ranks_per_node}; every node must use the "
-                    "same hostfile (same hosts, same slots)")
+                    "same hostfile (same hosts, same slots)"
+                )
         if extra:
-            raise BertOptError(f"a rank beyond world size {topo.world_size} joined the rendezvous: the launchers "
-                               "disagree on the world size; every node must use the same hostfile")
+            raise BertOptError(
+                f"a rank beyond world size {topo.world_size} joined the rendezvous: the launchers "
+                "disagree on the world size; every node must use the same hostfile"
+            )
         if len(seen) == topo.world_size:
             return store
         if time.monotonic() > deadline:
             missing = sorted(set(range(topo.world_size)) - set(seen))
-            raise BertOptError(f"only {len(seen)} of {topo.world_size} ranks joined within {timeout_s} s "
-                               f"(missing ranks {missing[:8]}{'…' if len(missing) > 8 else ''}); check that every "
-                               "node was started, with the same hostfile, and can reach MASTER_ADDR")
+            raise BertOptError(
+                f"only {len(seen)} of {topo.world_size} ranks joined within {timeout_s} s "
+                f"(missing ranks {missing[:8]}{'…' if len(missing) > 8 else ''}); check that every "
+                "node was started, with the same hostfile, and can reach MASTER_ADDR"
+            )
         time.sleep(0.2)
 
 
@@ -215,23 +257,30 @@ def verify_topology(topo: Topology) -> None:
     if not dist.is_initialized():
         return
     if dist.get_world_size() != topo.world_size or dist.get_rank() != topo.rank:
-        raise BertOptError(f"launcher says rank {topo.rank} of {topo.world_size}, the process group says "
-                           f"{dist.get_rank()} of {dist.get_world_size()}")
+        raise BertOptError(
+            f"launcher says rank {topo.rank} of {topo.world_size}, the process group says "
+            f"{dist.get_rank()} of {dist.get_world_size()}"
+        )
     views: list = [None] * topo.world_size
-    dist.all_gather_object(views, (topo.rank, topo.node_rank, topo.local_rank, topo.ranks_per_node,
-                                   socket.gethostname(), os.getpid()))
+    dist.all_gather_object(
+        views, (topo.rank, topo.node_rank, topo.local_rank, topo.ranks_per_node, socket.gethostname(), os.getpid())
+    )
     _PEERS.clear()
     _PEERS.update({v[0]: (v[4], v[5]) for v in views})
     release_shm_buffer(topo.rank)  # every rank is past deepspeed.init_distributed now (the all-gather above)
     problems = []
     for rank, node_rank, local_rank, local_size, host, _ in views:
         if local_size != topo.ranks_per_node:
-            problems.append(f"rank {rank} on {host} reports {local_size} ranks per node, rank {topo.rank} "
-                            f"reports {topo.ranks_per_node}: every node must run the same number of ranks")
+            problems.append(
+                f"rank {rank} on {host} reports {local_size} ranks per node, rank {topo.rank} "
+                f"reports {topo.ranks_per_node}: every node must run the same number of ranks"
+            )
         elif node_rank != rank // local_size or local_rank != rank % local_size:
-            problems.append(f"rank {rank} on {host} is local rank {local_rank} of node {node_rank}; "
-                            f"expected node ranks to be contiguous (node {rank // local_size}, "
-                            f"local rank {rank % local_size})")
+            problems.append(
+                f"rank {rank} on {host} is local rank {local_rank} of node {node_rank}; "
+                f"expected node ranks to be contiguous (node {rank // local_size}, "
+                f"local rank {rank % local_size})"
+            )
     if problems:
         raise BertOptError(f"inconsistent topology: {problems[0]}")
 
@@ -245,8 +294,10 @@ def release_shm_buffer(rank: int) -> None:
     ~66 MB per rank in RAM for good. Unlinking after every peer mapped it keeps the mappings valid and
     lets the kernel free the memory when the ranks exit, even if they are killed.
     """
-    path = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    path = (
+        f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+        f"{os.environ.get('MASTER_PORT', '')}_{rank}"
+    )
     try:
         os.unlink(path)
     except OSError:
@@ -264,8 +315,17 @@ def is_comm_failure(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                                      "gloo", "NCCL", "Timed out", "timed out"))
+        marker in text
+        for marker in (
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "Broken pipe",
+            "gloo",
+            "NCCL",
+            "Timed out",
+            "timed out",
+        )
+    )
 
 
 def describe_dead_peers(rank: int) -> str:
@@ -284,8 +344,9 @@ def describe_dead_peers(rank: int) -> str:
     if dead:
         return f"{', '.join(dead)} on {host} exited"
     remote = sorted({h for r, (h, _) in _PEERS.items() if h != host})
-    return ("no rank on this host exited; a rank on " + ", ".join(remote) if remote
-            else "no rank exited; a peer") + " stopped responding"
+    return (
+        "no rank on this host exited; a rank on " + ", ".join(remote) if remote else "no rank exited; a peer"
+    ) + " stopped responding"
 
 
 def barrier() -> None:

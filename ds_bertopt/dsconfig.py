@@ -14,6 +14,7 @@ pinned version, not a list of ours. Then, with one line naming the key:
 * a pydantic error becomes ``deepspeed.<block>.<field>: <message>`` (with a suggestion for an unknown field);
 * any other error DeepSpeed's parser raises becomes ``deepspeed: <its first line>``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -98,14 +99,15 @@ def _walk(node: _Recording) -> None:
     if node.looked_up:  # a block DeepSpeed read key by key (not one handed on whole, e.g. optimizer params)
         for key in node:
             if key not in node.looked_up:
-                raise ConfigError(f"{node.path}: unknown key {key!r}{_suggest(key, node.looked_up)}; DeepSpeed "
-                                  f"{_deepspeed_version()} would ignore it")
+                raise ConfigError(
+                    f"{node.path}: unknown key {key!r}{_suggest(key, node.looked_up)}; DeepSpeed "
+                    f"{_deepspeed_version()} would ignore it"
+                )
         for key, default in node.defaults.items():
             if key in node:
                 problem = _type_problem(dict.__getitem__(node, key), default)
                 if problem:
-                    raise ConfigError(f"{node.path}.{key}: {problem}, got "
-                                      f"{json.dumps(dict.__getitem__(node, key))}")
+                    raise ConfigError(f"{node.path}.{key}: {problem}, got {json.dumps(dict.__getitem__(node, key))}")
     for value in dict.values(node):
         if isinstance(value, _Recording):
             _walk(value)

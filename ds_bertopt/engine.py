@@ -15,6 +15,7 @@ It takes the same arguments as ``deepspeed.initialize`` (``config`` may be a pat
 
 It returns DeepSpeed's 4-tuple unchanged in shape.
 """
+
 from __future__ import annotations
 
 import copy
@@ -46,11 +47,15 @@ def check_combinations(bertopt: BertOptConfig, ds: dict) -> None:
     """Refuse, before anything starts, feature combinations that cannot work together."""
     stage = int(ds.get("zero_optimization", {}).get("stage", 0) or 0)
     if bertopt.optimizer.type == "lamb" and stage >= 3:
-        raise ConfigError("optimizer.type: \"lamb\" is not supported under ZeRO stage 3 (parameters are "
-                          "partitioned); use zero_optimization.stage 0, 1 or 2, or type \"adamw\"")
+        raise ConfigError(
+            'optimizer.type: "lamb" is not supported under ZeRO stage 3 (parameters are '
+            'partitioned); use zero_optimization.stage 0, 1 or 2, or type "adamw"'
+        )
     if bertopt.bucket_clip.enabled and stage >= 3:
-        raise ConfigError(f"bucket_clip: ZeRO stage {stage} is not supported; use zero_optimization.stage "
-                          "0, 1 or 2, or set bucket_clip.enabled false")
+        raise ConfigError(
+            f"bucket_clip: ZeRO stage {stage} is not supported; use zero_optimization.stage "
+            "0, 1 or 2, or set bucket_clip.enabled false"
+        )
 
 
 def refuse_deepspeed_optimizer_blocks(ds: dict) -> None:
@@ -58,8 +63,10 @@ def refuse_deepspeed_optimizer_blocks(ds: dict) -> None:
     would be silently overridden, so it is an error there (``initialize`` itself accepts it)."""
     for block in ("optimizer", "scheduler"):
         if block in ds:
-            raise ConfigError(f"the DeepSpeed \"{block}\" block is not used by ds_bertopt's entry points; "
-                              "configure \"bertopt\": {\"optimizer\": ..., \"schedule\": ...} instead")
+            raise ConfigError(
+                f'the DeepSpeed "{block}" block is not used by ds_bertopt\'s entry points; '
+                'configure "bertopt": {"optimizer": ..., "schedule": ...} instead'
+            )
 
 
 # DeepSpeed monitor blocks and the package each imports when enabled (deepspeed/monitor/utils.py,
@@ -72,8 +79,10 @@ def check_monitor_packages(ds: dict) -> None:
 
     for block, package in MONITOR_PACKAGES.items():
         if (ds.get(block) or {}).get("enabled") and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"deepspeed.{block}: enabled but the '{package}' package is not installed "
-                              f"(pip install {package}, or -o deepspeed.{block}.enabled=false)")
+            raise ConfigError(
+                f"deepspeed.{block}: enabled but the '{package}' package is not installed "
+                f"(pip install {package}, or -o deepspeed.{block}.enabled=false)"
+            )
 
 
 def prepare_deepspeed_config(cfg: RunConfig, world_size: int, device_type: str) -> dict:
@@ -85,8 +94,10 @@ def prepare_deepspeed_config(cfg: RunConfig, world_size: int, device_type: str) 
     check_monitor_packages(ds)
     print0(f"precision: {precision} ({why})")
     if cfg.bertopt.bucket_clip.enabled and ds.get("gradient_clipping", 0):
-        print0(f"bucket_clip is on: DeepSpeed's gradient_clipping ({ds['gradient_clipping']}) set to 0; "
-               f"each rank clips each bucket to max_norm {cfg.bertopt.bucket_clip.max_norm} before allreduce")
+        print0(
+            f"bucket_clip is on: DeepSpeed's gradient_clipping ({ds['gradient_clipping']}) set to 0; "
+            f"each rank clips each bucket to max_norm {cfg.bertopt.bucket_clip.max_norm} before allreduce"
+        )
         ds["gradient_clipping"] = 0.0
     return ds
 
@@ -116,8 +127,10 @@ def _allow_our_optimizer_under_zero(ds: dict, optimizer) -> None:
     (``zero_allow_untested_optimizer``); our LAMB is made ZeRO-aware by :func:`attach_extensions`."""
     stage = int(ds.get("zero_optimization", {}).get("stage", 0))
     if isinstance(optimizer, Lamb) and stage in (1, 2) and not ds.get("zero_allow_untested_optimizer"):
-        print0(f"LAMB under ZeRO {stage}: zero_allow_untested_optimizer set to true "
-               "(ds_bertopt keeps the trust ratio layer-wise)")
+        print0(
+            f"LAMB under ZeRO {stage}: zero_allow_untested_optimizer set to true "
+            "(ds_bertopt keeps the trust ratio layer-wise)"
+        )
         ds["zero_allow_untested_optimizer"] = True
 
 

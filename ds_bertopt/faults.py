@@ -6,6 +6,7 @@
 ``raise@forward:…`` raises, ``hang@forward:…`` stops responding, ``nan@loss:rank=0:step>=2`` turns
 the loss into NaN. Real jobs never set it; the cost when unset is one dictionary lookup.
 """
+
 from __future__ import annotations
 
 import os

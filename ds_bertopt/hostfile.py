@@ -4,6 +4,7 @@ DeepSpeed's launcher stops on a malformed hostfile with a traceback; node-local 
 additionally needs every node to run the same number of ranks. This check says, in one line,
 what is wrong (duplicate host, bad line, unequal or zero slots) or prints the job's shape.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,10 @@ def parse_hostfile(path: str) -> list[tuple[str, int]]:
     slot_counts = {s for _, s in hosts}
     if len(slot_counts) > 1:
         detail = ", ".join(f"{h}={s}" for h, s in hosts)
-        raise ConfigError(f"hostfile {path}: nodes have different slot counts ({detail}); node-local batch "
-                          "planning needs the same number of ranks on every node")
+        raise ConfigError(
+            f"hostfile {path}: nodes have different slot counts ({detail}); node-local batch "
+            "planning needs the same number of ranks on every node"
+        )
     return hosts
 
 
@@ -52,6 +55,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     hosts = parse_hostfile(args.path)
     slots = hosts[0][1]
-    print(f"{args.path}: {len(hosts)} node(s) × {slots} rank(s) = world size {len(hosts) * slots}: "
-          + ", ".join(h for h, _ in hosts))
+    print(
+        f"{args.path}: {len(hosts)} node(s) × {slots} rank(s) = world size {len(hosts) * slots}: "
+        + ", ".join(h for h, _ in hosts)
+    )
     return 0

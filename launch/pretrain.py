@@ -2,6 +2,7 @@
 
 Thin on purpose: argument parsing and the loop live in ``ds_bertopt.train`` (task ``tasks.pretrain``).
 """
+
 import os
 import sys
 

@@ -1,4 +1,5 @@
 """Helpers for tests that start the real launchers (imported by test modules in this folder)."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,18 @@ def deepspeed_cmd(*args: str) -> list[str]:
 
 def pretrain_args(out: Path, cache_dir: Path, *extra: str, config: str = "ds_configs/bert.json") -> list[str]:
     """Arguments for a small, quick pretraining run on the embedded corpus."""
-    return ["launch/pretrain.py", "--deepspeed_config", config, "--output_dir", str(out),
-            "-o", f"data.cache_dir={cache_dir}", "-o", "data.max_documents=150", *extra]
+    return [
+        "launch/pretrain.py",
+        "--deepspeed_config",
+        config,
+        "--output_dir",
+        str(out),
+        "-o",
+        f"data.cache_dir={cache_dir}",
+        "-o",
+        "data.max_documents=150",
+        *extra,
+    ]
 
 
 def launcher_env(**extra: str) -> dict:
@@ -51,8 +62,15 @@ def run(cmd: list[str], timeout: int, check: bool = True, **env: str) -> subproc
 
 def run_timed(cmd: list[str], timeout: int, marker: str, **env: str) -> tuple[int, str, float | None]:
     """Run ``cmd``; return (exit code, output, seconds from the first line containing ``marker`` to exit)."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=launcher_env(**env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=launcher_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     seen_at: list[float] = []
 

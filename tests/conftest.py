@@ -1,4 +1,5 @@
 """Shared fixtures. Tests use real components; process-spawning tests carry timeouts."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """``ds-bertopt balance`` (the planner CLI) and the cost model it reports with."""
+
 from __future__ import annotations
 
 import re
@@ -7,14 +8,20 @@ import numpy as np
 import pytest
 
 from ds_bertopt.cli import main as cli_main
-from ds_bertopt.data.peers import (PEERS, check_ds_token_packs, ds_batch_by_seqlens_plan, hf_batch_rebalance_plan,
-                                   mlperf_phase2_lengths)
+from ds_bertopt.data.peers import (
+    PEERS,
+    check_ds_token_packs,
+    ds_batch_by_seqlens_plan,
+    hf_batch_rebalance_plan,
+    mlperf_phase2_lengths,
+)
 from ds_bertopt.data.config import STRATEGIES
-from ds_bertopt.data.cost import (CostModel, micro_batch_work, padding_fraction, plan_figures, rank_work,
-                                  slot_lengths)
+from ds_bertopt.data.cost import CostModel, micro_batch_work, padding_fraction, plan_figures, rank_work, slot_lengths
 
-ROW = re.compile(r"^(\w+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+(\d+)\s+([\d.]+) / ([\d.]+)"
-                 r"\s+(\d+)(?:-(\d+))?\s+([\d.]+)/(\d+)\s+(\d+)\s+([\d.]+)$")
+ROW = re.compile(
+    r"^(\w+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+(\d+)\s+([\d.]+) / ([\d.]+)"
+    r"\s+(\d+)(?:-(\d+))?\s+([\d.]+)/(\d+)\s+(\d+)\s+([\d.]+)$"
+)
 
 
 def table(out: str) -> dict[str, dict]:
@@ -22,12 +29,21 @@ def table(out: str) -> dict[str, dict]:
     for line in out.splitlines():
         m = ROW.match(line)
         if m and m.group(1) in (*STRATEGIES, *PEERS):
-            rows[m.group(1)] = dict(imbalance=float(m.group(2)), p99=float(m.group(3)), padded=float(m.group(4)),
-                                    padding=float(m.group(6)) / 100, tokens=int(m.group(7)),
-                                    step_time=float(m.group(8)), padded_step_time=float(m.group(9)),
-                                    samples_min=int(m.group(10)), samples_max=int(m.group(11) or m.group(10)),
-                                    micro_mean=float(m.group(12)), micro_max=int(m.group(13)),
-                                    dropped=int(m.group(14)), plan_seconds=float(m.group(15)))
+            rows[m.group(1)] = dict(
+                imbalance=float(m.group(2)),
+                p99=float(m.group(3)),
+                padded=float(m.group(4)),
+                padding=float(m.group(6)) / 100,
+                tokens=int(m.group(7)),
+                step_time=float(m.group(8)),
+                padded_step_time=float(m.group(9)),
+                samples_min=int(m.group(10)),
+                samples_max=int(m.group(11) or m.group(10)),
+                micro_mean=float(m.group(12)),
+                micro_max=int(m.group(13)),
+                dropped=int(m.group(14)),
+                plan_seconds=float(m.group(15)),
+            )
     return rows
 
 
@@ -36,8 +52,9 @@ def test_cost_model_by_hand():
     model = CostModel(linear=1.0, quadratic=0.5)
     np.testing.assert_allclose(rank_work(lengths, model), [[10 + 50 + 20 + 200, 30 + 450 + 1 + 0.5]])
     # padded: 2 × cost(24) and 2 × cost(32) (longest rounded up to a multiple of 8)
-    np.testing.assert_allclose(rank_work(lengths, model, padded=True, pad_multiple=8),
-                               [[2 * (24 + 288), 2 * (32 + 512)]])
+    np.testing.assert_allclose(
+        rank_work(lengths, model, padded=True, pad_multiple=8), [[2 * (24 + 288), 2 * (32 + 512)]]
+    )
     assert padding_fraction(lengths, 8) == pytest.approx(1 - 61 / (2 * 24 + 2 * 32))
     assert CostModel.for_hidden_size(1024) == CostModel()
 
@@ -76,8 +93,22 @@ def test_mlperf_mix_has_the_phase2_bin_ratio():
 
 def test_cli_on_1024_ranks_prints_every_strategy_and_a_png(tmp_path, capsys):
     png = tmp_path / "balance.png"
-    code = cli_main(["balance", "--mlperf-mix", "--world-size", "1024", "--ranks-per-node", "8", "--micro-batch", "16",
-                     "--steps", "10", "--plot", str(png)])
+    code = cli_main(
+        [
+            "balance",
+            "--mlperf-mix",
+            "--world-size",
+            "1024",
+            "--ranks-per-node",
+            "8",
+            "--micro-batch",
+            "16",
+            "--steps",
+            "10",
+            "--plot",
+            str(png),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     rows = table(out)
@@ -85,8 +116,12 @@ def test_cli_on_1024_ranks_prints_every_strategy_and_a_png(tmp_path, capsys):
     assert rows["random"]["padded_step_time"] == 1.0  # step times are relative to random on padded kernels
     assert rows["random"]["imbalance"] > 1.4
     assert rows["stratified_node_balance"]["imbalance"] <= 1.02 < rows["stratified_node_sort"]["imbalance"]
-    assert (rows["stratified_node_balance"]["step_time"] < rows["stratified_node_sort"]["step_time"]
-            < rows["random"]["step_time"] < 1.0)
+    assert (
+        rows["stratified_node_balance"]["step_time"]
+        < rows["stratified_node_sort"]["step_time"]
+        < rows["random"]["step_time"]
+        < 1.0
+    )
     assert rows["sorted_megabatch"]["padding"] < 0.05 < rows["random"]["padding"]
     # the packed strategies: a global batch of 16,384 every step, micro-batches of varying size
     assert rows["packed_node_balance"]["step_time"] <= 0.55 and rows["packed_node_balance"]["imbalance"] <= 1.02
@@ -97,35 +132,80 @@ def test_cli_on_1024_ranks_prints_every_strategy_and_a_png(tmp_path, capsys):
 
 
 def test_cli_on_a_corpus_and_a_lengths_file(tmp_path, capsys, small_corpus, cache_dir):
-    code = cli_main(["balance", "--corpus", str(small_corpus), "--cache-dir", str(cache_dir), "--max-seq-len", "128",
-                     "--world-size", "4", "--ranks-per-node", "2", "--micro-batch", "4", "--grad-accum", "2",
-                     "--strategies", "random", "stratified_node_balance", "--padded", "--hidden-size", "128"])
+    code = cli_main(
+        [
+            "balance",
+            "--corpus",
+            str(small_corpus),
+            "--cache-dir",
+            str(cache_dir),
+            "--max-seq-len",
+            "128",
+            "--world-size",
+            "4",
+            "--ranks-per-node",
+            "2",
+            "--micro-batch",
+            "4",
+            "--grad-accum",
+            "2",
+            "--strategies",
+            "random",
+            "stratified_node_balance",
+            "--padded",
+            "--hidden-size",
+            "128",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "balances the padded cost" in out and "b = 0.001302" in out
     assert set(table(out)) == {"random", "stratified_node_balance"}
     lengths_file = tmp_path / "lengths.txt"
     lengths_file.write_text("\n".join(str(x) for x in np.random.default_rng(0).integers(1, 129, size=500)))
-    code = cli_main(["balance", "--lengths", str(lengths_file), "--world-size", "2", "--ranks-per-node", "2",
-                     "--micro-batch", "8", "--bins", "32,64,128", "--bin-counts", "2,2,4",
-                     "--strategies", "stratified"])
+    code = cli_main(
+        [
+            "balance",
+            "--lengths",
+            str(lengths_file),
+            "--world-size",
+            "2",
+            "--ranks-per-node",
+            "2",
+            "--micro-batch",
+            "8",
+            "--bins",
+            "32,64,128",
+            "--bin-counts",
+            "2,2,4",
+            "--strategies",
+            "stratified",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "bins of stratified (per rank): [32, 64, 128]" in out
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
     missing = tmp_path / "nope.npy"
-    assert cli_main(["balance", "--lengths", str(missing), "--world-size", "2", "--ranks-per-node", "2",
-                     "--micro-batch", "2"]) == 2
+    assert (
+        cli_main(
+            ["balance", "--lengths", str(missing), "--world-size", "2", "--ranks-per-node", "2", "--micro-batch", "2"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err == f"ds-bertopt balance: error: lengths file {missing} does not exist"
-    assert cli_main(["balance", "--mlperf-mix", "--world-size", "6", "--ranks-per-node", "4",
-                     "--micro-batch", "2"]) == 2
+    assert (
+        cli_main(["balance", "--mlperf-mix", "--world-size", "6", "--ranks-per-node", "4", "--micro-batch", "2"]) == 2
+    )
     assert "--world-size 6 is not a multiple of --ranks-per-node 4" in capsys.readouterr().err
     bad = tmp_path / "bad.txt"
     bad.write_text("12 0 5")
-    assert cli_main(["balance", "--lengths", str(bad), "--world-size", "2", "--ranks-per-node", "2",
-                     "--micro-batch", "2"]) == 2
+    assert (
+        cli_main(["balance", "--lengths", str(bad), "--world-size", "2", "--ranks-per-node", "2", "--micro-batch", "2"])
+        == 2
+    )
     assert "needs positive integer lengths" in capsys.readouterr().err
 
 
@@ -161,9 +241,27 @@ def test_deepspeed_dynamic_batching_plan_is_dealt_as_its_loader_deals():
 
 
 def test_cli_prints_the_peers_next_to_ours(capsys):
-    code = cli_main(["balance", "--mlperf-mix", "--world-size", "4", "--ranks-per-node", "2", "--micro-batch", "4",
-                     "--grad-accum", "2", "--steps", "20", "--peers",
-                     "--strategies", "random", "packed_node_balance", "padded_node_balance"])
+    code = cli_main(
+        [
+            "balance",
+            "--mlperf-mix",
+            "--world-size",
+            "4",
+            "--ranks-per-node",
+            "2",
+            "--micro-batch",
+            "4",
+            "--grad-accum",
+            "2",
+            "--steps",
+            "20",
+            "--peers",
+            "--strategies",
+            "random",
+            "packed_node_balance",
+            "padded_node_balance",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     rows = table(out)

@@ -4,6 +4,7 @@ Each rank computes its local gradients a second time on a plain copy of the mode
 all-gather them, and the reference result is built from the formula in ``ds_bertopt.comm.clip``
 (float64, per bucket of the layout the engine used, thresholds recomputed from scratch).
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,9 +17,18 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from bucket_clip_reference import (TinyLM, build_engine, ds_config, expected_reduced,  # noqa: E402
-                                   layout_names, local_micro_grads, micro_batches, reduced_grads, reference_reduced,
-                                   train_micro_batches)
+from bucket_clip_reference import (
+    TinyLM,
+    build_engine,
+    ds_config,
+    expected_reduced,  # noqa: E402
+    layout_names,
+    local_micro_grads,
+    micro_batches,
+    reduced_grads,
+    reference_reduced,
+    train_micro_batches,
+)
 
 from ds_bertopt.testing.distributed import spawn_ranks  # noqa: E402
 
@@ -36,8 +46,9 @@ def assert_layout_covers_each_parameter_once(engine, layout):
 
 def assert_close(got: dict, want: dict, rtol: float, atol: float, what: str):
     for n in want:
-        assert torch.allclose(got[n], want[n], rtol=rtol, atol=atol), \
+        assert torch.allclose(got[n], want[n], rtol=rtol, atol=atol), (
             f"{what}: {n} differs by {(got[n] - want[n]).abs().max().item():.3e}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,8 +88,12 @@ def check_matches_reference(stage, gas, mode, max_norm, *, bf16=False, loss_scal
     ref_opt.step()
     updated = {n: p.detach().double() for n, p in engine.module.named_parameters()}
     expected = {n: p.detach().to(dtype).double() for n, p in reference.named_parameters()}
-    assert_close(updated, expected, what=f"stage {stage} gas {gas} {mode} step",
-                 **(dict(rtol=2e-2, atol=1e-2) if bf16 else dict(rtol=1e-5, atol=1e-6)))
+    assert_close(
+        updated,
+        expected,
+        what=f"stage {stage} gas {gas} {mode} step",
+        **(dict(rtol=2e-2, atol=1e-2) if bf16 else dict(rtol=1e-5, atol=1e-6)),
+    )
 
 
 def check_below_threshold_equals_plain_deepspeed(stage, gas, extra=None):
@@ -108,10 +123,12 @@ def check_inf_reaches_overflow_check(stage, bf16):
     engine, _ = build_engine(stage, 1, {"max_norm": 0.05}, bf16=bf16)
     target = engine.module.layers[2].weight
     if rank == 1:
+
         def poison(grad):
             grad = grad.clone()
             grad[0, 0] = float("inf")
             return grad
+
         target.register_hook(poison)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     train_micro_batches(engine, micro_batches(rank, 1))
@@ -135,31 +152,41 @@ def check_zero3_refused():
     with pytest.raises(ConfigError, match="ZeRO stage 3"):
         build_engine(3, 1, {"max_norm": 1.0})
     model = TinyLM()
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                                      config={k: v for k, v in ds_config(3, 1, clip=None).items() if k != "bertopt"})
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters()),
+        config={k: v for k, v in ds_config(3, 1, clip=None).items() if k != "bertopt"},
+    )
     with pytest.raises(ConfigError, match="ZeRO stage 3 is not supported"):
         install_bucket_clip(engine, BucketClipConfig(enabled=True))
 
 
 SCENARIOS = {
-    0: [lambda: check_matches_reference(0, 1, "uniform", 0.05),
+    0: [
+        lambda: check_matches_reference(0, 1, "uniform", 0.05),
         lambda: check_matches_reference(0, 2, "proportional", 0.05),
         lambda: check_matches_reference(0, 1, "uniform", 0.05, bf16=True),
         lambda: check_below_threshold_equals_plain_deepspeed(0, 2),
         lambda: check_below_threshold_equals_plain_deepspeed(0, 1, {"gradient_predivide_factor": 4.0}),
         lambda: check_below_threshold_equals_plain_deepspeed(0, 1, {"prescale_gradients": True}),
-        lambda: check_inf_reaches_overflow_check(0, bf16=True)],
-    1: [lambda: check_matches_reference(1, 1, "uniform", 0.05, loss_scale=8.0),
+        lambda: check_inf_reaches_overflow_check(0, bf16=True),
+    ],
+    1: [
+        lambda: check_matches_reference(1, 1, "uniform", 0.05, loss_scale=8.0),
         lambda: check_matches_reference(1, 2, "proportional", 0.05),
         lambda: check_below_threshold_equals_plain_deepspeed(1, 2),
         lambda: check_below_threshold_equals_plain_deepspeed(
-            1, 1, {"gradient_predivide_factor": 4.0, "zero_optimization": {"reduce_scatter": False}}),
-        lambda: check_inf_reaches_overflow_check(1, bf16=False)],
-    2: [lambda: check_matches_reference(2, 1, "proportional", 0.05),
+            1, 1, {"gradient_predivide_factor": 4.0, "zero_optimization": {"reduce_scatter": False}}
+        ),
+        lambda: check_inf_reaches_overflow_check(1, bf16=False),
+    ],
+    2: [
+        lambda: check_matches_reference(2, 1, "proportional", 0.05),
         lambda: check_matches_reference(2, 2, "uniform", 0.05),
         lambda: check_below_threshold_equals_plain_deepspeed(2, 2),
         lambda: check_inf_reaches_overflow_check(2, bf16=False),
-        check_zero3_refused],
+        check_zero3_refused,
+    ],
 }
 
 

@@ -1,4 +1,5 @@
 """Bucket clipping under the real ``deepspeed`` launcher: our check script, and ``launch/pretrain.py``."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,22 @@ def two_ranks(*args: str) -> list[str]:
 @pytest.mark.timeout(300)
 def test_every_step_matches_reference_under_the_launcher(tmp_path):
     out = tmp_path / "result.jsonl"
-    run(two_ranks("tests/scripts/bucket_clip_train.py", "--stages", "0", "1", "2", "--steps", "3", "--gas", "2",
-                  "--out", str(out)), timeout=280)
+    run(
+        two_ranks(
+            "tests/scripts/bucket_clip_train.py",
+            "--stages",
+            "0",
+            "1",
+            "2",
+            "--steps",
+            "3",
+            "--gas",
+            "2",
+            "--out",
+            str(out),
+        ),
+        timeout=280,
+    )
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["stage"] for r in results] == [0, 1, 2]
     for r in results:
@@ -46,10 +61,27 @@ def test_every_step_matches_reference_under_the_launcher(tmp_path):
 def test_pretrain_config_switch(stage, tmp_path, cache_dir):
     """``-o bucket_clip.enabled=true`` installs the hook in ``launch/pretrain.py`` and training runs."""
     out = tmp_path / "run"
-    proc = run(two_ranks(*pretrain_args(out, cache_dir, "--max_steps", "3", "-o", "bucket_clip.enabled=true",
-                                        "-o", "bucket_clip.bucket_size=300000",
-                                        "-o", f"deepspeed.zero_optimization.stage={stage}",
-                                        "-o", "train.eval_every=0", "-o", "train.save_model=false")), timeout=280)
+    proc = run(
+        two_ranks(
+            *pretrain_args(
+                out,
+                cache_dir,
+                "--max_steps",
+                "3",
+                "-o",
+                "bucket_clip.enabled=true",
+                "-o",
+                "bucket_clip.bucket_size=300000",
+                "-o",
+                f"deepspeed.zero_optimization.stage={stage}",
+                "-o",
+                "train.eval_every=0",
+                "-o",
+                "train.save_model=false",
+            )
+        ),
+        timeout=280,
+    )
     log = proc.stdout + proc.stderr
     assert "DeepSpeed's gradient_clipping (1.0) set to 0" in log
     assert f"bucket_clip: ZeRO stage {stage}," in log

@@ -1,4 +1,5 @@
 """The pure math of bucket clipping and the bucketer (no processes, no DeepSpeed)."""
+
 from __future__ import annotations
 
 import math
@@ -8,8 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_bertopt.comm import (BucketClipConfig, assign_buckets, bucket_thresholds, clip_bucket_, clip_coefficient,
-                             clip_tensors_, reverse_registration_buckets)
+from ds_bertopt.comm import (
+    BucketClipConfig,
+    assign_buckets,
+    bucket_thresholds,
+    clip_bucket_,
+    clip_coefficient,
+    clip_tensors_,
+    reverse_registration_buckets,
+)
 from ds_bertopt.configlib import load_section
 from ds_bertopt.errors import ConfigError
 
@@ -132,11 +140,13 @@ def test_reverse_registration_order():
 
 
 @settings(max_examples=200, deadline=None)
-@given(numels=st.lists(st.integers(min_value=1, max_value=50), min_size=1, max_size=40),
-       bucket_size=st.integers(min_value=1, max_value=120),
-       keys=st.lists(st.sampled_from(["a", "b"]), min_size=40, max_size=40))
+@given(
+    numels=st.lists(st.integers(min_value=1, max_value=50), min_size=1, max_size=40),
+    bucket_size=st.integers(min_value=1, max_value=120),
+    keys=st.lists(st.sampled_from(["a", "b"]), min_size=40, max_size=40),
+)
 def test_bucketer_properties(numels, bucket_size, keys):
-    keys = keys[:len(numels)]
+    keys = keys[: len(numels)]
     buckets = assign_buckets(numels, bucket_size, keys)
     assert buckets == assign_buckets(numels, bucket_size, keys), "deterministic"
     flat = sorted(i for bucket in buckets for i in bucket)
@@ -154,8 +164,9 @@ def test_config_validation_names_the_key():
         load_section(BucketClipConfig, {"threshold": "global"}, "bucket_clip")
     with pytest.raises(ConfigError, match="bucket_sise"):
         load_section(BucketClipConfig, {"bucket_sise": 10}, "bucket_clip")
-    cfg = load_section(BucketClipConfig, {"enabled": True, "bucket_size": 100, "threshold": "proportional"},
-                       "bucket_clip")
+    cfg = load_section(
+        BucketClipConfig, {"enabled": True, "bucket_size": 100, "threshold": "proportional"}, "bucket_clip"
+    )
     assert cfg.enabled and cfg.bucket_size == 100
 
 

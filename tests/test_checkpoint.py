@@ -1,4 +1,5 @@
 """Checkpoint files we write and read ourselves: RNG states round-trip, and loading them runs no code."""
+
 from __future__ import annotations
 
 import pickle

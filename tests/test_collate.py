@@ -1,4 +1,5 @@
 """Dynamic padding and MLM masking statistics."""
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,10 @@ def test_padded_length_rounds_up_to_multiple_and_caps():
 
 
 def test_pad_batch_masks_padding():
-    samples = [{"input_ids": [2, 10, 3], "token_type_ids": [0, 0, 0]},
-               {"input_ids": [2, 10, 11, 12, 13, 3], "token_type_ids": [0] * 6}]
+    samples = [
+        {"input_ids": [2, 10, 3], "token_type_ids": [0, 0, 0]},
+        {"input_ids": [2, 10, 11, 12, 13, 3], "token_type_ids": [0] * 6},
+    ]
     batch = pad_batch(samples, pad_id=0, pad_multiple=8, cap=512)
     assert batch["input_ids"].shape == (2, 8)
     assert batch["attention_mask"].sum(1).tolist() == [3, 6]
@@ -27,8 +30,9 @@ def test_masking_rates_80_10_10_and_never_special():
     maskable = torch.ones_like(ids, dtype=torch.bool)
     maskable[:, 0] = maskable[:, -1] = False  # [CLS]/[SEP]
     maskable[:, 100:] = False  # padding
-    masked, labels = mask_tokens(ids, maskable, mask_id=4, vocab_size=1000, probability=0.15,
-                                 generator=step_generator(1, 2, 3))
+    masked, labels = mask_tokens(
+        ids, maskable, mask_id=4, vocab_size=1000, probability=0.15, generator=step_generator(1, 2, 3)
+    )
     selected = labels != IGNORE_INDEX
     assert not selected[~maskable].any()
     rate = selected.sum().item() / maskable.sum().item()

@@ -1,4 +1,5 @@
 """Config loading: strict ``"bertopt"`` section, overrides, batch arithmetic, precision."""
+
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_bertopt.config import (CPU_BF16_ENV, BertOptConfig, apply_precision, load_config, resolve_batch)
+from ds_bertopt.config import CPU_BF16_ENV, BertOptConfig, apply_precision, load_config, resolve_batch
 from ds_bertopt.configlib import load_section, parse_override
 from ds_bertopt.errors import ConfigError
 
@@ -28,27 +29,37 @@ def test_shipped_configs_load(repo_root):
 
 
 def test_defaults_and_nested_values(tmp_path):
-    cfg = load_config(write(tmp_path, {"train_micro_batch_size_per_gpu": 4,
-                                       "bertopt": {"train": {"max_steps": 7}, "data": {"train_files": ["a.txt"]}}}))
+    cfg = load_config(
+        write(
+            tmp_path,
+            {
+                "train_micro_batch_size_per_gpu": 4,
+                "bertopt": {"train": {"max_steps": 7}, "data": {"train_files": ["a.txt"]}},
+            },
+        )
+    )
     assert cfg.bertopt.train.max_steps == 7
     assert cfg.bertopt.data.train_files == ("a.txt",)
     assert cfg.bertopt.model.hidden_size == BertOptConfig().model.hidden_size
 
 
-@pytest.mark.parametrize("section, message", [
-    ({"train": {"max_step": 3}}, "bertopt.train: unknown key 'max_step' (did you mean 'max_steps'?)"),
-    ({"trian": {}}, "bertopt: unknown key 'trian' (did you mean 'train'?)"),
-    ({"train": {"max_steps": "3"}}, "bertopt.train.max_steps: expected an integer"),
-    ({"train": {"max_steps": 0}}, "bertopt.train.max_steps: must be positive"),
-    ({"train": {"save_model": 1}}, "bertopt.train.save_model: expected true or false"),
-    ({"model": {"objective": "nsp"}}, "bertopt.model.objective: \"nsp\" is not one of"),
-    ({"model": {"num_attention_heads": 3}}, "bertopt.model.num_attention_heads: 3 does not divide"),
-    ({"data": {"max_seq_length": 1024}}, "exceeds the model's max_position_embeddings 512"),
-    ({"data": {"mlm_probability": 1.5}}, "bertopt.data.mlm_probability: must be in (0, 1)"),
-    ({"data": {"train_files": "a.txt"}}, "bertopt.data.train_files: expected a list"),
-    ({"train": []}, "bertopt.train: expected an object"),
-    ({"optimizer": {"lr": float("inf")}}, "bertopt.optimizer.lr: expected a finite number"),
-])
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"train": {"max_step": 3}}, "bertopt.train: unknown key 'max_step' (did you mean 'max_steps'?)"),
+        ({"trian": {}}, "bertopt: unknown key 'trian' (did you mean 'train'?)"),
+        ({"train": {"max_steps": "3"}}, "bertopt.train.max_steps: expected an integer"),
+        ({"train": {"max_steps": 0}}, "bertopt.train.max_steps: must be positive"),
+        ({"train": {"save_model": 1}}, "bertopt.train.save_model: expected true or false"),
+        ({"model": {"objective": "nsp"}}, 'bertopt.model.objective: "nsp" is not one of'),
+        ({"model": {"num_attention_heads": 3}}, "bertopt.model.num_attention_heads: 3 does not divide"),
+        ({"data": {"max_seq_length": 1024}}, "exceeds the model's max_position_embeddings 512"),
+        ({"data": {"mlm_probability": 1.5}}, "bertopt.data.mlm_probability: must be in (0, 1)"),
+        ({"data": {"train_files": "a.txt"}}, "bertopt.data.train_files: expected a list"),
+        ({"train": []}, "bertopt.train: expected an object"),
+        ({"optimizer": {"lr": float("inf")}}, "bertopt.optimizer.lr: expected a finite number"),
+    ],
+)
 def test_bad_bertopt_section_names_the_key(tmp_path, section, message):
     with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, {"train_micro_batch_size_per_gpu": 4, "bertopt": section}))
@@ -72,8 +83,15 @@ def test_file_errors(tmp_path):
 
 def test_overrides_apply_to_both_parts(tmp_path):
     path = write(tmp_path, {"train_micro_batch_size_per_gpu": 4, "bertopt": {"train": {"max_steps": 7}}})
-    cfg = load_config(path, ["train.max_steps=9", "bertopt.data.train_files=[\"x.txt\"]",
-                             "deepspeed.zero_optimization.stage=2", "train.output_dir=some/dir"])
+    cfg = load_config(
+        path,
+        [
+            "train.max_steps=9",
+            'bertopt.data.train_files=["x.txt"]',
+            "deepspeed.zero_optimization.stage=2",
+            "train.output_dir=some/dir",
+        ],
+    )
     assert cfg.bertopt.train.max_steps == 9
     assert cfg.bertopt.data.train_files == ("x.txt",)
     assert cfg.deepspeed["zero_optimization"]["stage"] == 2
@@ -84,24 +102,34 @@ def test_overrides_apply_to_both_parts(tmp_path):
         parse_override("train.max_steps")
 
 
-@pytest.mark.parametrize("given, world, expected", [
-    ({"train_micro_batch_size_per_gpu": 8}, 2, (16, 8, 1)),
-    ({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4}, 2, (64, 8, 4)),
-    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8}, 2, (64, 8, 4)),
-    ({"train_batch_size": 64, "gradient_accumulation_steps": 2}, 4, (64, 8, 2)),
-    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2}, 4, (64, 8, 2)),
-])
+@pytest.mark.parametrize(
+    "given, world, expected",
+    [
+        ({"train_micro_batch_size_per_gpu": 8}, 2, (16, 8, 1)),
+        ({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4}, 2, (64, 8, 4)),
+        ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8}, 2, (64, 8, 4)),
+        ({"train_batch_size": 64, "gradient_accumulation_steps": 2}, 4, (64, 8, 2)),
+        (
+            {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2},
+            4,
+            (64, 8, 2),
+        ),
+    ],
+)
 def test_resolve_batch(given, world, expected):
     ds = resolve_batch(given, world)
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == expected
 
 
-@pytest.mark.parametrize("given, world, message", [
-    ({"train_batch_size": 60, "train_micro_batch_size_per_gpu": 8}, 2, "not divisible by"),
-    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3}, 2, "!="),
-    ({"train_micro_batch_size_per_gpu": 0}, 2, "must be a positive integer"),
-    ({"gradient_accumulation_steps": 2}, 2, "give it"),
-])
+@pytest.mark.parametrize(
+    "given, world, message",
+    [
+        ({"train_batch_size": 60, "train_micro_batch_size_per_gpu": 8}, 2, "not divisible by"),
+        ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3}, 2, "!="),
+        ({"train_micro_batch_size_per_gpu": 0}, 2, "must be a positive integer"),
+        ({"gradient_accumulation_steps": 2}, 2, "give it"),
+    ],
+)
 def test_resolve_batch_rejects_inconsistent(given, world, message):
     with pytest.raises(ConfigError, match=message):
         resolve_batch(given, world)
@@ -149,9 +177,14 @@ def test_every_field_has_a_docstring():
         tree = ast.parse(inspect.getsource(cls))
         body = tree.body[0].body
         fields = [n.target.id for n in body if isinstance(n, ast.AnnAssign)]
-        documented = {body[i].target.id for i in range(len(body) - 1)
-                      if isinstance(body[i], ast.AnnAssign) and isinstance(body[i + 1], ast.Expr)
-                      and isinstance(body[i + 1].value, ast.Constant) and isinstance(body[i + 1].value.value, str)}
+        documented = {
+            body[i].target.id
+            for i in range(len(body) - 1)
+            if isinstance(body[i], ast.AnnAssign)
+            and isinstance(body[i + 1], ast.Expr)
+            and isinstance(body[i + 1].value, ast.Constant)
+            and isinstance(body[i + 1].value.value, str)
+        }
         missing = [f for f in fields if f not in documented]
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
     assert to_dict(BertOptConfig())["train"]["max_steps"] == BertOptConfig().train.max_steps
@@ -175,12 +208,11 @@ def _field_names():
     return sorted(names)
 
 
-
 json_values = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-10 ** 6, 10 ** 6), st.floats(allow_nan=True),
-              st.text(max_size=8)),
+    st.one_of(st.none(), st.booleans(), st.integers(-(10**6), 10**6), st.floats(allow_nan=True), st.text(max_size=8)),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=6)
+    max_leaves=6,
+)
 keys = st.one_of(st.sampled_from(_field_names()), st.text(max_size=6))
 sections = st.dictionaries(keys, st.one_of(json_values, st.dictionaries(keys, json_values, max_size=6)), max_size=6)
 

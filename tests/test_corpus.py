@@ -1,4 +1,5 @@
 """Corpus files: formats that work, and one-line errors for the ones that do not."""
+
 from __future__ import annotations
 
 import gzip
@@ -18,11 +19,15 @@ def test_txt_paragraphs_and_lines(tmp_path):
     path = tmp_path / "a.txt"
     path.write_text(TEXT)
     docs = load_documents(DataConfig(train_files=(str(path),)), str(tmp_path / "cache"))
-    assert docs["text"] == ["The cat sat on the mat. It was warm.", "A second paragraph follows here.",
-                            "And a third one."]
+    assert docs["text"] == [
+        "The cat sat on the mat. It was warm.",
+        "A second paragraph follows here.",
+        "And a third one.",
+    ]
     (tmp_path / "b.txt").write_text("line one\nline two\n\n\nline three\n")
-    lines = load_documents(DataConfig(train_files=(str(tmp_path / "b.txt"),), txt_format="line"),
-                           str(tmp_path / "cache"))
+    lines = load_documents(
+        DataConfig(train_files=(str(tmp_path / "b.txt"),), txt_format="line"), str(tmp_path / "cache")
+    )
     assert lines["text"] == ["line one", "line two", "line three"]  # empty lines skipped
 
 
@@ -32,8 +37,9 @@ def test_jsonl_gz_and_globs(tmp_path):
             for j in range(3):
                 fh.write(json.dumps({"body": f"document {i}-{j} text.", "id": j}) + "\n")
             fh.write(json.dumps({"body": "   ", "id": 9}) + "\n")
-    docs = load_documents(DataConfig(train_files=(str(tmp_path / "part*.jsonl.gz"),), text_field="body"),
-                          str(tmp_path / "cache"))
+    docs = load_documents(
+        DataConfig(train_files=(str(tmp_path / "part*.jsonl.gz"),), text_field="body"), str(tmp_path / "cache")
+    )
     assert len(docs) == 6 and docs.column_names == ["text"]
 
 
@@ -46,13 +52,16 @@ def bad(tmp_path, name, content):
     return str(path)
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("empty.txt", "", "is empty"),
-    ("blank.txt", "  \n\n \n", "holds only white space"),
-    ("latin.txt", "caf\xe9 au lait is nice. " .encode("latin-1") * 3, "is not UTF-8 text"),
-    ("data.csv", "a,b\n1,2\n", "unsupported extension"),
-    ("trunc.jsonl.gz", b"\x1f\x8b\x08\x00garbage", "cannot be read"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("empty.txt", "", "is empty"),
+        ("blank.txt", "  \n\n \n", "holds only white space"),
+        ("latin.txt", "caf\xe9 au lait is nice. ".encode("latin-1") * 3, "is not UTF-8 text"),
+        ("data.csv", "a,b\n1,2\n", "unsupported extension"),
+        ("trunc.jsonl.gz", b"\x1f\x8b\x08\x00garbage", "cannot be read"),
+    ],
+)
 def test_bad_files(tmp_path, name, content, message):
     with pytest.raises(DataError, match=message) as info:
         expand_train_files([bad(tmp_path, name, content)])
@@ -84,7 +93,7 @@ def test_jsonl_without_text_field(tmp_path):
 
 
 def test_jsonl_that_is_not_json(tmp_path):
-    path = bad(tmp_path, "docs.jsonl", "{\"text\": \"ok\"}\nthis is not json\n")
+    path = bad(tmp_path, "docs.jsonl", '{"text": "ok"}\nthis is not json\n')
     with pytest.raises(DataError, match="cannot be parsed"):
         load_documents(DataConfig(train_files=(path,)), str(tmp_path / "cache"))
 

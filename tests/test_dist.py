@@ -1,4 +1,5 @@
 """Topology from every launcher's variables, and its consistency check on real gloo ranks."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,11 +28,20 @@ def test_torchrun_variables():
 
 
 def test_mpi_and_slurm_variables():
-    ompi = {"OMPI_COMM_WORLD_RANK": "6", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
-            "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    ompi = {
+        "OMPI_COMM_WORLD_RANK": "6",
+        "OMPI_COMM_WORLD_SIZE": "8",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+    }
     assert topology_from_env(ompi).node_rank == 1
-    slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2(x2)",
-             "SLURM_NODEID": "1"}
+    slurm = {
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS_PER_NODE": "2(x2)",
+        "SLURM_NODEID": "1",
+    }
     topo = topology_from_env(slurm)
     assert (topo.rank, topo.world_size, topo.ranks_per_node, topo.node_rank) == (3, 4, 2, 1)
 
@@ -40,12 +50,15 @@ def test_local_rank_argument_is_used_when_env_lacks_it():
     assert topology_from_env({"RANK": "1", "WORLD_SIZE": "2"}, local_rank_arg=1).local_rank == 1
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"RANK": "4", "WORLD_SIZE": "4"}, "outside world size"),
-    ({"RANK": "0", "WORLD_SIZE": "6", "LOCAL_SIZE": "4"}, "not a multiple of ranks per node"),
-    ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_SIZE": "2", "LOCAL_RANK": "3"}, "outside ranks per node"),
-    ({"RANK": "x"}, "RANK='x' is not an integer"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"RANK": "4", "WORLD_SIZE": "4"}, "outside world size"),
+        ({"RANK": "0", "WORLD_SIZE": "6", "LOCAL_SIZE": "4"}, "not a multiple of ranks per node"),
+        ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_SIZE": "2", "LOCAL_RANK": "3"}, "outside ranks per node"),
+        ({"RANK": "x"}, "RANK='x' is not an integer"),
+    ],
+)
 def test_bad_variables(env, message):
     with pytest.raises(BertOptError, match=message):
         topology_from_env(env)
@@ -54,8 +67,7 @@ def test_bad_variables(env, message):
 def _verify(rank, world_size, lie):
     topo = topology_from_env()
     if lie and rank == 1:  # this rank believes nodes have 1 rank each
-        topo = Topology(rank=topo.rank, world_size=topo.world_size, local_rank=0, ranks_per_node=1,
-                        node_rank=topo.rank)
+        topo = Topology(rank=topo.rank, world_size=topo.world_size, local_rank=0, ranks_per_node=1, node_rank=topo.rank)
     try:
         verify_topology(topo)
         return "ok"
@@ -106,6 +118,7 @@ def test_init_distributed_binds_the_device_first(monkeypatch):
 
     calls = []
     monkeypatch.setattr(dist_mod, "bind_device", lambda topo, acc: calls.append("bind"))
+
     def rendezvous(*args, **kwargs):
         calls.append("rendezvous")
         raise BertOptError("stop here")

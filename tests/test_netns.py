@@ -1,4 +1,5 @@
 """The network-namespace helper: connectivity, the tbf rate limit, and cleanup in every exit path."""
+
 from __future__ import annotations
 
 import signal
@@ -49,8 +50,9 @@ CLIENT = textwrap.dedent("""
 
 
 def transfer(net: NetNamespaces, src: int, dst: int, nbytes: int) -> tuple[int, float]:
-    server = net.run(dst, [sys.executable, "-c", SERVER, net.addresses[dst], str(PORT)], stdout=subprocess.PIPE,
-                     text=True)
+    server = net.run(
+        dst, [sys.executable, "-c", SERVER, net.addresses[dst], str(PORT)], stdout=subprocess.PIPE, text=True
+    )
     assert server.stdout.readline().strip() == "ready"
     client = net.run(src, [sys.executable, "-c", CLIENT, net.addresses[dst], str(PORT), str(nbytes)])
     assert client.wait(timeout=60) == 0
@@ -92,7 +94,9 @@ def test_tbf_limits_throughput():
         received, seconds = transfer(net, 0, 1, nbytes)
     assert received == nbytes
     # an upper bound only: a busy machine can make the transfer slower, never faster than the wire
-    assert received * 8 / seconds <= 1.5 * rate_bits, f"{received * 8 / seconds / 1e6:.0f} Mbit/s through a 50 Mbit/s link"
+    assert received * 8 / seconds <= 1.5 * rate_bits, (
+        f"{received * 8 / seconds / 1e6:.0f} Mbit/s through a 50 Mbit/s link"
+    )
 
 
 @pytest.mark.timeout(60)
@@ -124,8 +128,10 @@ def test_cleanup_on_sigterm():
 
 @pytest.mark.timeout(60)
 def test_remove_stale_deletes_namespaces_of_dead_processes():
-    holder = "from ds_bertopt.testing.netns import NetNamespaces; import time\n" \
-             "net = NetNamespaces(2).__enter__(); print(' '.join(net.names), flush=True); time.sleep(600)"
+    holder = (
+        "from ds_bertopt.testing.netns import NetNamespaces; import time\n"
+        "net = NetNamespaces(2).__enter__(); print(' '.join(net.names), flush=True); time.sleep(600)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
     names = proc.stdout.readline().split()
     proc.kill()  # SIGKILL: no cleanup can run

@@ -1,4 +1,5 @@
 """LAMB math against an independent float64 formula, per-layer trust ratio, groups, state."""
+
 from __future__ import annotations
 
 import copy
@@ -15,8 +16,20 @@ SHAPES = [(7,), (3, 5), (4, 3, 2), (1,), (16, 9)]
 class Reference:
     """LAMB written out per tensor in float64, straight from the paper / MLPerf's reference."""
 
-    def __init__(self, params, *, lr, betas, eps, weight_decay, bias_correction, adapt=True,
-                 min_ratio=None, max_ratio=None, max_grad_norm=0.0):
+    def __init__(
+        self,
+        params,
+        *,
+        lr,
+        betas,
+        eps,
+        weight_decay,
+        bias_correction,
+        adapt=True,
+        min_ratio=None,
+        max_ratio=None,
+        max_grad_norm=0.0,
+    ):
         self.w = [p.detach().double().clone() for p in params]
         self.m = [torch.zeros_like(w) for w in self.w]
         self.v = [torch.zeros_like(w) for w in self.w]
@@ -37,8 +50,8 @@ class Reference:
         for i, g in enumerate(grads):
             self.m[i] = self.b1 * self.m[i] + (1 - self.b1) * g
             self.v[i] = self.b2 * self.v[i] + (1 - self.b2) * g * g
-            m_hat = self.m[i] / (1 - self.b1 ** self.t) if self.bc else self.m[i]
-            v_hat = self.v[i] / (1 - self.b2 ** self.t) if self.bc else self.v[i]
+            m_hat = self.m[i] / (1 - self.b1**self.t) if self.bc else self.m[i]
+            v_hat = self.v[i] / (1 - self.b2**self.t) if self.bc else self.v[i]
             update = m_hat / (v_hat.sqrt() + self.eps) + self.wd * self.w[i]
             w_norm, u_norm = float(self.w[i].norm()), float(update.norm())
             ratio = 1.0
@@ -79,19 +92,22 @@ def _run_both(params, steps=4, grad_scale=1.0, **kw):
 @pytest.mark.parametrize("bias_correction", [True, False])
 def test_lamb_step_matches_formula_reference(weight_decay, bias_correction):
     params = _params()
-    lamb, ref = _run_both(params, lr=0.02, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay,
-                          bias_correction=bias_correction)
+    lamb, ref = _run_both(
+        params, lr=0.02, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay, bias_correction=bias_correction
+    )
     for p, w in zip(params, ref.w):
         torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-7)
-    torch.testing.assert_close(lamb.last_trust_ratios[0], torch.tensor(ref.ratios, dtype=torch.float64),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        lamb.last_trust_ratios[0], torch.tensor(ref.ratios, dtype=torch.float64), rtol=1e-5, atol=0
+    )
 
 
 def test_trust_ratio_is_per_parameter():
     params = _params(1, [(6, 4), (5,)])
     before = [p.detach().clone() for p in params]
-    lamb, ref = _run_both(params, steps=1, lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
-                          bias_correction=True)
+    lamb, ref = _run_both(
+        params, steps=1, lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True
+    )
     # With the ratio ‖w‖/‖u‖ each layer moves by exactly lr·‖w‖, whatever its scale or gradient.
     for p, b in zip(params, before):
         assert float((p.detach() - b).norm() / b.norm()) == pytest.approx(0.01, rel=1e-5)
@@ -101,8 +117,9 @@ def test_trust_ratio_is_per_parameter():
     scaled = _params(1, [(6, 4), (5,)])
     with torch.no_grad():
         scaled[0].mul_(1000.0)
-    lamb2, _ = _run_both(scaled, steps=1, lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
-                         bias_correction=True)
+    lamb2, _ = _run_both(
+        scaled, steps=1, lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True
+    )
     torch.testing.assert_close(scaled[1].detach(), params[1].detach(), rtol=0, atol=0)
     # (bounded by 1/weight_decay once λw dominates the update)
     assert float(lamb2.last_trust_ratios[0][0]) > 50 * float(lamb.last_trust_ratios[0][0])
@@ -133,8 +150,16 @@ def test_trust_ratio_function_handles_zeros_and_clamps():
 
 def test_clamped_ratios_match_reference():
     params = _params(2)
-    _, ref = _run_both(params, lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01, bias_correction=True,
-                       min_ratio=0.5, max_ratio=2.0)
+    _, ref = _run_both(
+        params,
+        lr=0.05,
+        betas=(0.9, 0.99),
+        eps=1e-6,
+        weight_decay=0.01,
+        bias_correction=True,
+        min_ratio=0.5,
+        max_ratio=2.0,
+    )
     assert any(r in (0.5, 2.0) for r in ref.ratios), "clamps never engaged: the test proves nothing"
     for p, w in zip(params, ref.w):
         torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-7)
@@ -143,11 +168,20 @@ def test_clamped_ratios_match_reference():
 @pytest.mark.parametrize("grad_scale", [0.01, 10.0])
 def test_global_norm_clipping_matches_reference(grad_scale):
     params = _params(3)
-    _, ref = _run_both(params, grad_scale=grad_scale, lr=0.02, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
-                       bias_correction=True, max_grad_norm=1.0)
+    _, ref = _run_both(
+        params,
+        grad_scale=grad_scale,
+        lr=0.02,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        weight_decay=0.01,
+        bias_correction=True,
+        max_grad_norm=1.0,
+    )
     unclipped = _params(3)
-    _run_both(unclipped, grad_scale=grad_scale, lr=0.02, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
-              bias_correction=True)
+    _run_both(
+        unclipped, grad_scale=grad_scale, lr=0.02, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True
+    )
     for p, w in zip(params, ref.w):
         torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-7)
     moved_apart = any(not torch.allclose(a, b, rtol=1e-4) for a, b in zip(params, unclipped))
@@ -195,10 +229,23 @@ def test_fragment_layout_equals_whole_layers():
         lamb.step()
         flat_grad = torch.cat([g.reshape(-1) for g in grads])
         shard_grads = [flat_grad[:cut], torch.cat([flat_grad[cut:], torch.zeros(3)])]
-        lamb_update(shards, shard_grads, moments[0], moments[1], [step, step], lr=0.05, beta1=0.9, beta2=0.999,
-                    eps=1e-6, weight_decay=0.01, bias_correction=True, layout=layout)
-    torch.testing.assert_close(torch.cat([shards[0], shards[1][:-3]]),
-                               torch.cat([p.detach().reshape(-1) for p in whole]), rtol=1e-6, atol=1e-7)
+        lamb_update(
+            shards,
+            shard_grads,
+            moments[0],
+            moments[1],
+            [step, step],
+            lr=0.05,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-6,
+            weight_decay=0.01,
+            bias_correction=True,
+            layout=layout,
+        )
+    torch.testing.assert_close(
+        torch.cat([shards[0], shards[1][:-3]]), torch.cat([p.detach().reshape(-1) for p in whole]), rtol=1e-6, atol=1e-7
+    )
     assert torch.equal(shards[1][-3:], torch.zeros(3)), "padding must not move"
 
 
@@ -216,8 +263,16 @@ def _tiny_bert():
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
-    return BertForMaskedLM(BertConfig(vocab_size=97, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                      intermediate_size=32, max_position_embeddings=32))
+    return BertForMaskedLM(
+        BertConfig(
+            vocab_size=97,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def test_param_groups_exclude_biases_and_layernorm():

@@ -1,4 +1,5 @@
 """LR schedule values, MLPerf's formula, LR scaling, scheduler state, config errors, build()."""
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,7 @@ def test_poly_schedule_key_points():
     assert lr_multiplier(4, cfg, n) == pytest.approx(0.5)
     assert lr_multiplier(9, cfg, n) == pytest.approx(1.0)  # warmup end: peak
     assert lr_multiplier(10, cfg, n) == pytest.approx(1.0)  # decay starts at the peak
-    assert lr_multiplier(60, cfg, n) == pytest.approx(0.1 + 0.9 * 0.5 ** 2)  # mid-decay
+    assert lr_multiplier(60, cfg, n) == pytest.approx(0.1 + 0.9 * 0.5**2)  # mid-decay
     assert lr_multiplier(110, cfg, n) == pytest.approx(0.1)  # end
     assert lr_multiplier(500, cfg, n) == pytest.approx(0.1)  # stays there
     values = [lr_multiplier(k, cfg, n) for k in range(10, 111)]
@@ -62,11 +63,13 @@ def test_step0_decay_matches_mlperf_reference():
     cfg = sched(warmup_steps=100, start_warmup_step=-25, power=1.0, decay_from="step0", decay_steps=1271)
     for step in (80, 300, 700, 1270, 1271):
         assert lr_multiplier(step, cfg, 5000) == pytest.approx(
-            mlperf_reference_lr(step, 1.0, 1271, 100, 1.0, -25), rel=1e-9)
+            mlperf_reference_lr(step, 1.0, 1271, 100, 1.0, -25), rel=1e-9
+        )
     # During warmup we read the ramp one step ahead (the first update is never at LR 0).
     for step in (0, 10, 50):
         assert lr_multiplier(step, cfg, 5000) == pytest.approx(
-            mlperf_reference_lr(step + 1, 1.0, 1271, 100, 1.0, -25), rel=1e-9)
+            mlperf_reference_lr(step + 1, 1.0, 1271, 100, 1.0, -25), rel=1e-9
+        )
 
 
 @pytest.mark.parametrize("rule, expected", [("linear", 0.004), ("sqrt", 0.001 * math.sqrt(4)), ("none", 0.001)])
@@ -99,16 +102,19 @@ def test_scheduler_drives_group_lr_and_saves_only_counters():
     assert other.get_last_lr() == pytest.approx([0.5 * lr_multiplier(10, cfg, 9)])
 
 
-@pytest.mark.parametrize("section, override, message", [
-    ("schedule", "schedule.scaling=sqrt", "reference_batch: set it exactly when scaling"),
-    ("schedule", "schedule.start_warmup_step=5", "start_warmup_step: must be <= 0"),
-    ("schedule", "schedule.decay_from=end", "decay_from"),
-    ("schedule", "schedule.warmup_step=3", "did you mean 'warmup_steps'"),
-    ("optimizer", "optimizer.type=lars", "optimizer.type"),
-    ("optimizer", "optimizer.bias_correction=false", "bias_correction: false is only supported with type"),
-    ("optimizer", "optimizer.implementation=apex", "implementation: 'apex' is not one for type 'adamw'"),
-    ("optimizer", 'optimizer.betas=[0.9, 1.0]', "betas: must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "section, override, message",
+    [
+        ("schedule", "schedule.scaling=sqrt", "reference_batch: set it exactly when scaling"),
+        ("schedule", "schedule.start_warmup_step=5", "start_warmup_step: must be <= 0"),
+        ("schedule", "schedule.decay_from=end", "decay_from"),
+        ("schedule", "schedule.warmup_step=3", "did you mean 'warmup_steps'"),
+        ("optimizer", "optimizer.type=lars", "optimizer.type"),
+        ("optimizer", "optimizer.bias_correction=false", "bias_correction: false is only supported with type"),
+        ("optimizer", "optimizer.implementation=apex", "implementation: 'apex' is not one for type 'adamw'"),
+        ("optimizer", "optimizer.betas=[0.9, 1.0]", "betas: must be in [0, 1)"),
+    ],
+)
 def test_config_errors_name_the_key(tmp_path, section, override, message):
     path = tmp_path / "c.json"
     path.write_text('{"train_micro_batch_size_per_gpu": 1, "bertopt": {}}')
@@ -124,9 +130,11 @@ def _bertopt(**sections) -> BertOptConfig:
 
 def test_build_scales_lr_prints_it_and_returns_lamb(capsys):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    cfg = _bertopt(optimizer={"type": "lamb", "lr": 0.002, "max_grad_norm": 1.0},
-                   schedule={"scaling": "sqrt", "reference_batch": 256, "warmup_steps": 2},
-                   train={"max_steps": 10})
+    cfg = _bertopt(
+        optimizer={"type": "lamb", "lr": 0.002, "max_grad_norm": 1.0},
+        schedule={"scaling": "sqrt", "reference_batch": 256, "warmup_steps": 2},
+        train={"max_steps": 10},
+    )
     optimizer, scheduler = build(model, cfg, global_batch=1024, zero_stage=1)
     assert isinstance(optimizer, Lamb) and optimizer.max_grad_norm == 1.0
     assert [g["initial_lr"] for g in optimizer.param_groups] == pytest.approx([0.004, 0.004])
@@ -155,8 +163,9 @@ def test_build_refuses_lamb_under_zero3():
 
 
 def test_build_adamw_uses_torch_fused_on_cpu():
-    optimizer, _ = build(torch.nn.Linear(3, 3), _bertopt(optimizer={"type": "adamw", "lr": 0.01}),
-                         global_batch=8, zero_stage=2)
+    optimizer, _ = build(
+        torch.nn.Linear(3, 3), _bertopt(optimizer={"type": "adamw", "lr": 0.01}), global_batch=8, zero_stage=2
+    )
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"]
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]
 
@@ -183,4 +192,5 @@ def test_large_lamb_config_reproduces_mlperf_schedule():
     assert peak == pytest.approx(1.5e-3)
     for step in (100, 640, 1270):
         assert peak * lr_multiplier(step, sched_cfg, steps) == pytest.approx(
-            mlperf_reference_lr(step, 1.5e-3, 1271, 100, 1.0, -25))
+            mlperf_reference_lr(step, 1.5e-3, 1271, 100, 1.0, -25)
+        )

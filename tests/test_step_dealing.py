@@ -2,6 +2,7 @@
 micro-batches in two different ways, through the real ``deepspeed.initialize`` and the loop's
 ``step_loss_normalizer``, reduces to the same gradient, which is the one-process mean over every masked token.
 Padded (``SparseMLMHead``) and unpadded (``UnpaddedBert``) models, ZeRO 0 and 2."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,9 +37,18 @@ def _model(unpadded: bool):
     from ds_bertopt.model.unpadded import UnpaddedBert
 
     torch.manual_seed(0)
-    model = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=2,
-                                       intermediate_size=48, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                       attention_probs_dropout_prob=0.0))
+    model = BertForMaskedLM(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=48,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
     return UnpaddedBert(model) if unpadded else SparseMLMHead(model)
 
 
@@ -50,7 +60,7 @@ def _batch(samples: list[dict], unpadded: bool) -> dict:
     batch = pad_batch(samples, pad_id=0, pad_multiple=1, cap=32)
     labels = torch.full_like(batch["input_ids"], -100)
     for row, s in enumerate(samples):
-        labels[row, :len(s["labels"])] = torch.tensor(s["labels"])
+        labels[row, : len(s["labels"])] = torch.tensor(s["labels"])
     batch["labels"] = labels
     return batch
 
@@ -68,8 +78,14 @@ def _reduced_gradients(rank: int, world: int, unpadded: bool, stage: int) -> dic
         model = _model(unpadded)
         bertopt = load_section(BertOptConfig, {"train": {"max_steps": 2, "precision": "fp32"}}, "bertopt")
         optimizer, scheduler = optim.build(model, bertopt, global_batch=8, zero_stage=stage)
-        ds = {"train_batch_size": 8, "gradient_accumulation_steps": ACCUM, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9, "bertopt": {"train": {"precision": "fp32"}}}
+        ds = {
+            "train_batch_size": 8,
+            "gradient_accumulation_steps": ACCUM,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage},
+            "steps_per_print": 10**9,
+            "bertopt": {"train": {"precision": "fp32"}},
+        }
         engine, *_ = initialize(config=ds, model=model, optimizer=optimizer, lr_scheduler=scheduler)
         batches = [_batch([samples[i] for i in micro], unpadded) for micro in dealing[rank]]
         targets = sum(int((b["labels"] != -100).sum()) for b in batches)
@@ -94,15 +110,21 @@ def _reference(unpadded: bool) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("unpadded, stage", [(True, 0), (True, 2), (False, 0)],
-                         ids=["unpadded-zero0", "unpadded-zero2", "padded-zero0"])
+@pytest.mark.parametrize(
+    "unpadded, stage", [(True, 0), (True, 2), (False, 0)], ids=["unpadded-zero0", "unpadded-zero2", "padded-zero0"]
+)
 def test_two_dealings_give_the_big_batch_gradient(unpadded, stage):
     results = spawn_ranks(_reduced_gradients, WORLD, unpadded, stage, timeout=280)
     reference = _reference(unpadded)
     for rank_result in results:
         for name in DEALINGS:
             for key, want in reference.items():
-                torch.testing.assert_close(torch.from_numpy(rank_result[name][key]), want, rtol=1e-4, atol=1e-6,
-                                           msg=lambda m, k=key, d=name: f"{d} {k}: {m}")
+                torch.testing.assert_close(
+                    torch.from_numpy(rank_result[name][key]),
+                    want,
+                    rtol=1e-4,
+                    atol=1e-6,
+                    msg=lambda m, k=key, d=name: f"{d} {k}: {m}",
+                )
     moved = max(float(g.abs().max()) for g in reference.values())
     assert moved > 1e-3  # the gradients are not trivially zero

@@ -1,4 +1,5 @@
 """Tests of the unpadded BERT pretraining forward against the stock padded Hugging Face models (fp32, CPU)."""
+
 from __future__ import annotations
 
 import random
@@ -12,8 +13,14 @@ from ds_bertopt.model.bert import PretrainOutput
 from transformers import BertConfig, BertForMaskedLM, BertForPreTraining
 
 from ds_bertopt.model.unpadded import (
-    IGNORE_INDEX, UnpaddedBert, packed_attention,
-    probe_varlen, sdpa_loop_attention, sequence_lengths, token_counts, varlen_usable,
+    IGNORE_INDEX,
+    UnpaddedBert,
+    packed_attention,
+    probe_varlen,
+    sdpa_loop_attention,
+    sequence_lengths,
+    token_counts,
+    varlen_usable,
 )
 
 VOCAB = 120
@@ -21,9 +28,18 @@ LENGTHS = [7, 31, 2, 64, 19, 45]
 
 
 def tiny_config(**overrides) -> BertConfig:
-    config = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                  max_position_embeddings=128, type_vocab_size=2, pad_token_id=0,
-                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        type_vocab_size=2,
+        pad_token_id=0,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     config.update(overrides)
     cfg = BertConfig(**config)
     cfg._attn_implementation = "eager"  # an independent reference: HF's eager math with an additive padding mask
@@ -56,10 +72,12 @@ def make_samples(lengths, seed=0, nsp=False):
 def padded_batch(samples):
     """The same samples right-padded for the stock model."""
     longest = max(len(s["input_ids"]) for s in samples)
-    out = {"input_ids": torch.zeros(len(samples), longest, dtype=torch.long),
-           "token_type_ids": torch.zeros(len(samples), longest, dtype=torch.long),
-           "attention_mask": torch.zeros(len(samples), longest, dtype=torch.long),
-           "labels": torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)}
+    out = {
+        "input_ids": torch.zeros(len(samples), longest, dtype=torch.long),
+        "token_type_ids": torch.zeros(len(samples), longest, dtype=torch.long),
+        "attention_mask": torch.zeros(len(samples), longest, dtype=torch.long),
+        "labels": torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long),
+    }
     for row, s in enumerate(samples):
         n = len(s["input_ids"])
         out["input_ids"][row, :n] = torch.tensor(s["input_ids"])
@@ -78,10 +96,13 @@ def grads(model):
 def assert_grads_close(actual, expected, atol=1e-5, rtol=1e-4):
     assert actual.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            actual[name], expected[name], atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- collate
+
 
 def test_pack_sequences_builds_padding_free_batch():
     samples = make_samples([3, 1, 4], nsp=True)
@@ -102,8 +123,9 @@ def test_pack_sequences_builds_padding_free_batch():
 
 
 def test_pack_then_mask_with_mlm_labels():
-    batch = pack_sequences([{"input_ids": [5, 6, 7], "token_type_ids": [0, 0, 0]},
-                            {"input_ids": [8, 9], "token_type_ids": [0, 1]}])
+    batch = pack_sequences(
+        [{"input_ids": [5, 6, 7], "token_type_ids": [0, 0, 0]}, {"input_ids": [8, 9], "token_type_ids": [0, 1]}]
+    )
     assert "labels" not in batch
     masked = batch["input_ids"].clone()
     masked[[1, 4]] = 3
@@ -116,19 +138,25 @@ def test_pack_then_mask_with_mlm_labels():
         with_mlm_labels(batch, masked[:-1], labels[:-1])
 
 
-@pytest.mark.parametrize("bad, match", [
-    ([], "no samples"),
-    ([{"input_ids": [1, 2], "token_type_ids": [0]}], "unequal lengths"),
-    ([{"input_ids": [], "token_type_ids": []}], "no tokens"),
-    ([{"input_ids": [1], "token_type_ids": [0], "labels": [1]}, {"input_ids": [1], "token_type_ids": [0]}],
-     "some samples have labels"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ([], "no samples"),
+        ([{"input_ids": [1, 2], "token_type_ids": [0]}], "unequal lengths"),
+        ([{"input_ids": [], "token_type_ids": []}], "no tokens"),
+        (
+            [{"input_ids": [1], "token_type_ids": [0], "labels": [1]}, {"input_ids": [1], "token_type_ids": [0]}],
+            "some samples have labels",
+        ),
+    ],
+)
 def test_pack_sequences_rejects_bad_samples(bad, match):
     with pytest.raises(ValueError, match=match):
         pack_sequences(bad)
 
 
 # ---------------------------------------------------------------------------------------------------- attention
+
 
 def padded_reference_attention(query, key, value, lengths, dropout_p=0.0):
     """Pad to the longest sequence, one masked SDPA call, unpad."""
@@ -138,7 +166,7 @@ def padded_reference_attention(query, key, value, lengths, dropout_p=0.0):
     def pad(x):
         out = x.new_zeros(len(lengths), longest, heads, dim)
         for row, (start, n) in enumerate(zip(starts, lengths)):
-            out[row, :n] = x[start:start + n]
+            out[row, :n] = x[start : start + n]
         return out.transpose(1, 2)
 
     mask = (torch.arange(longest) < torch.tensor(lengths)[:, None]).view(len(lengths), 1, 1, longest)
@@ -169,7 +197,7 @@ def test_attention_dropout_is_applied_and_unbiased():
     ref = sdpa_loop_attention(q, k, v, lengths)
     samples = torch.stack([sdpa_loop_attention(q, k, v, lengths, dropout_p=p) for _ in range(draws)])
     assert (samples - ref).abs().amax() > 0.1  # dropout does something
-    standard_error = samples.std(0) / draws ** 0.5
+    standard_error = samples.std(0) / draws**0.5
     assert ((samples.mean(0) - ref).abs() <= 6 * standard_error + 1e-9).all()
 
 
@@ -180,8 +208,9 @@ def test_varlen_backend_fails_loudly_where_unusable():
         packed_attention(q, q, q, cu, 4, [4], backend="varlen")
     with pytest.raises(ValueError, match="backend"):
         packed_attention(q, q, q, cu, 4, [4], backend="flex")
-    torch.testing.assert_close(packed_attention(q, q, q, cu, 4, [4]), packed_attention(q, q, q, cu, 4, [4],
-                                                                                       backend="sdpa_loop"))
+    torch.testing.assert_close(
+        packed_attention(q, q, q, cu, 4, [4]), packed_attention(q, q, q, cu, 4, [4], backend="sdpa_loop")
+    )
 
 
 @pytest.mark.parametrize("with_dropout", [False, True])
@@ -198,6 +227,7 @@ def test_varlen_probe_falls_back_with_a_warning_and_keeps_the_rng(with_dropout):
 
 
 # ---------------------------------------------------------------------------------------------------- model parity
+
 
 @pytest.mark.parametrize("cls", [BertForMaskedLM, BertForPreTraining])
 def test_loss_logits_and_gradients_match_padded_hf_model(cls):
@@ -297,6 +327,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
 
 # ---------------------------------------------------------------------------------------------------- normalizer
 
+
 def test_loss_normalizer_makes_dealing_irrelevant():
     """The same 6 sequences as 2 × 3 or (shuffled) 3 × 2 micro-batches: summed gradients equal the big batch's."""
     samples = make_samples(LENGTHS, seed=2, nsp=True)
@@ -307,15 +338,16 @@ def test_loss_normalizer_makes_dealing_irrelevant():
     wrapper(**pack_sequences(samples)).loss.backward()
     big_mean = grads(model)
     model.zero_grad()
-    wrapper(**pack_sequences(samples), loss_normalizer=torch.tensor(float(masked_total)),
-            nsp_normalizer=float(len(samples))).loss.backward()
+    wrapper(
+        **pack_sequences(samples), loss_normalizer=torch.tensor(float(masked_total)), nsp_normalizer=float(len(samples))
+    ).loss.backward()
     big = grads(model)
     assert_grads_close(big, big_mean, atol=1e-6, rtol=1e-5)  # sum / global count == the big batch's mean
 
     def dealt(order, size, normalized=True):
         model.zero_grad()
         for start in range(0, len(order), size):
-            micro = [samples[i] for i in order[start:start + size]]
+            micro = [samples[i] for i in order[start : start + size]]
             kwargs = {"loss_normalizer": float(masked_total), "nsp_normalizer": float(len(samples))}
             kwargs = kwargs if normalized else {}
             wrapper(**pack_sequences(micro), **kwargs).loss.backward()
@@ -345,8 +377,9 @@ def test_state_dict_is_the_wrapped_models_and_round_trips(tmp_path):
     assert list(reloaded) == list(expected)
     assert all(torch.equal(reloaded[k], expected[k]) for k in expected)
     packed = pack_sequences(make_samples(LENGTHS))
-    torch.testing.assert_close(UnpaddedBert(loaded).eval()(**packed).loss, wrapper.eval()(**packed).loss,
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        UnpaddedBert(loaded).eval()(**packed).loss, wrapper.eval()(**packed).loss, atol=0, rtol=0
+    )
 
 
 def test_rejects_unsupported_models():
@@ -360,10 +393,12 @@ def test_rejects_unsupported_models():
 
 # ---------------------------------------------------------------------------------------------------- bf16
 
+
 def test_bf16_autocast_forward_backward_close_to_fp32():
     samples = make_samples(LENGTHS[:4], seed=3, nsp=True)
-    model = make_model(BertForPreTraining, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=2).eval()
+    model = make_model(
+        BertForPreTraining, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    ).eval()
     wrapper = UnpaddedBert(model).eval()
     packed = pack_sequences(samples)
     fp32 = wrapper(**packed)

@@ -6,13 +6,20 @@ for an unbiased estimator and grows like T × bias² for a biased one. The bound
 the unbiased paths reach with these seeds (≤ ~2) and far below what a broken weighting gives (≫ 100),
 which ``test_broken_weighting_is_caught`` demonstrates.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ds_bertopt.wtacrs.estimator import (RowSelection, budget, row_probabilities, select_rows, weight_gradient,
-                                         winner_count)
+from ds_bertopt.wtacrs.estimator import (
+    RowSelection,
+    budget,
+    row_probabilities,
+    select_rows,
+    weight_gradient,
+    winner_count,
+)
 
 BIAS_BOUND = 4.0
 
@@ -218,8 +225,12 @@ def _previous_select_rows(p, k, generator):
     counts = torch.bincount(picks, minlength=residual_p.numel())
     drawn = torch.nonzero(counts).flatten()
     drawn_weights = counts[drawn].to(torch.float64) * residual_p.sum() / (draws * residual_p[drawn])
-    return RowSelection(torch.cat([order[:winners], order[winners:][drawn]]),
-                        torch.cat([torch.ones(winners, dtype=torch.float64), drawn_weights]), winners, draws)
+    return RowSelection(
+        torch.cat([order[:winners], order[winners:][drawn]]),
+        torch.cat([torch.ones(winners, dtype=torch.float64), drawn_weights]),
+        winners,
+        draws,
+    )
 
 
 @pytest.mark.parametrize("scores", [False, True])

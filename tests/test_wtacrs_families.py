@@ -2,6 +2,7 @@
 kit + WTA@0.3 saves, and whatever cannot be converted is one warning line (``strict``: an error).
 
 Models are tiny random-init configs of transformers' own config classes (no download)."""
+
 from __future__ import annotations
 
 import copy
@@ -17,17 +18,40 @@ from wtacrs_common import TINY_FAMILIES, tiny_batch, tiny_family  # noqa: E402
 
 from ds_bertopt.configlib import load_section  # noqa: E402
 from ds_bertopt.errors import ConfigError  # noqa: E402
-from ds_bertopt.wtacrs import (GatedFfn, GatedLinear, GeluLinear, OutputSavingLayerNorm, SampledLinear,  # noqa: E402
-                               apply_kit, convert, detect, prepare_model, saved_tensor_bytes)
+from ds_bertopt.wtacrs import (
+    GatedFfn,
+    GatedLinear,
+    GeluLinear,
+    OutputSavingLayerNorm,
+    SampledLinear,  # noqa: E402
+    apply_kit,
+    convert,
+    detect,
+    prepare_model,
+    saved_tensor_bytes,
+)
 from ds_bertopt.wtacrs.config import KitConfig, WtaCrsConfig  # noqa: E402
 from ds_bertopt.wtacrs.families import matches  # noqa: E402
 
-EXACT_KIT = {"sdpa_attention": True, "dropout_mask": "regenerate", "layernorm_saves_output": True,
-             "recompute_gelu": True}
+EXACT_KIT = {
+    "sdpa_attention": True,
+    "dropout_mask": "regenerate",
+    "layernorm_saves_output": True,
+    "recompute_gelu": True,
+}
 NO_SDPA = {"mpnet", "deberta-v2"}  # transformers runs their attention eagerly only
-FAMILY_OF = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "camembert": "bert", "electra": "bert",
-             "distilbert": "distilbert", "albert": "albert", "mpnet": "mpnet", "deberta-v2": "deberta-v2",
-             "modernbert": "modernbert"}
+FAMILY_OF = {
+    "bert": "bert",
+    "roberta": "bert",
+    "xlm-roberta": "bert",
+    "camembert": "bert",
+    "electra": "bert",
+    "distilbert": "distilbert",
+    "albert": "albert",
+    "mpnet": "mpnet",
+    "deberta-v2": "deberta-v2",
+    "modernbert": "modernbert",
+}
 
 
 def wtacrs_config(**raw) -> WtaCrsConfig:
@@ -67,8 +91,10 @@ def test_registry_finds_every_part(model_type):
 def test_kit_and_sampling_at_ratio_one_are_exact(model_type):
     """fp32, dropout off: logits and every gradient match the unconverted model (sampling keeps every row)."""
     reference = tiny_family(model_type, attn="eager")
-    model, lines = prepare_model(copy.deepcopy(reference), wtacrs_config(
-        enabled=True, ratio=1.0, min_k=1, targets=["ffn_out", "qkv"], kit=EXACT_KIT))
+    model, lines = prepare_model(
+        copy.deepcopy(reference),
+        wtacrs_config(enabled=True, ratio=1.0, min_k=1, targets=["ffn_out", "qkv"], kit=EXACT_KIT),
+    )
     sampled = [m for m in model.modules() if isinstance(m, SampledLinear)]
     distinct = 1 if model_type == "albert" else layers_of(reference)
     assert len(sampled) == distinct * (2 if model_type == "modernbert" else 4), lines
@@ -94,8 +120,9 @@ def test_kit_and_sampling_at_ratio_one_are_exact(model_type):
 def test_kit_and_wta_save_memory(model_type):
     """Dropout on: kit + WTA@0.3 keeps well under the saved-for-backward bytes of the plain model."""
     reference = tiny_family(model_type, dropout=0.1)
-    model, lines = prepare_model(copy.deepcopy(reference), wtacrs_config(
-        enabled=True, ratio=0.3, min_k=4, kit=EXACT_KIT))
+    model, lines = prepare_model(
+        copy.deepcopy(reference), wtacrs_config(enabled=True, ratio=0.3, min_k=4, kit=EXACT_KIT)
+    )
     assert any(isinstance(m, SampledLinear) for m in model.modules()), lines
     batch = family_batch(model_type, batch=4, seq=32, pad_from=None)
     before, after = saved_tensor_bytes(reference, batch), saved_tensor_bytes(model, batch)
@@ -114,16 +141,21 @@ def test_an_attention_without_sdpa_is_one_warning_and_strict_makes_it_an_error(m
     attention = detect(model).family.attention.module
     assert "kit.sdpa_attention" in warnings[0] and attention in warnings[0] and "eager only" in warnings[0]
     # its probability dropout is left on (no SDPA, no modelling change) but keeps no mask
-    probability_dropouts = [m for name, m in model.named_modules()
-                            if matches(name, attention + "." + detect(model).family.attention.prob_dropout)]
+    probability_dropouts = [
+        m
+        for name, m in model.named_modules()
+        if matches(name, attention + "." + detect(model).family.attention.prob_dropout)
+    ]
     assert probability_dropouts and all(m.p == 0.1 and m.mode == "regenerate" for m in probability_dropouts)
     with pytest.raises(ConfigError, match=rf"wtacrs.strict: .*{attention}.*eager only"):
         prepare_model(tiny_family(model_type, dropout=0.1), wtacrs_config(**raw, strict=True))
 
 
 def test_fully_converted_family_has_no_warning_even_when_strict():
-    model, lines = prepare_model(tiny_family("distilbert", dropout=0.1),
-                                 wtacrs_config(enabled=True, ratio=0.3, min_k=4, kit=EXACT_KIT, strict=True))
+    model, lines = prepare_model(
+        tiny_family("distilbert", dropout=0.1),
+        wtacrs_config(enabled=True, ratio=0.3, min_k=4, kit=EXACT_KIT, strict=True),
+    )
     assert not any(line.startswith("warning:") for line in lines), lines
     assert any("ffn.lin2" in line for line in lines), lines
     assert model.config._attn_implementation == "sdpa"
@@ -133,8 +165,15 @@ def test_fully_converted_family_has_no_warning_even_when_strict():
 def _unknown(model_type: str):
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    config = AutoConfig.for_model(model_type, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, vocab_size=200, max_position_embeddings=64)
+    config = AutoConfig.for_model(
+        model_type,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=200,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     return AutoModelForSequenceClassification.from_config(config)
 
@@ -152,8 +191,9 @@ def test_unknown_bert_like_family_uses_the_generic_patterns_and_says_so():
 
 def test_unknown_family_names_what_did_not_convert():
     # Nyströmformer: BERT module names, but its attention has no SDPA path
-    model, lines = prepare_model(_unknown("nystromformer"), wtacrs_config(enabled=True, ratio=0.3, min_k=4,
-                                                                          kit=EXACT_KIT))
+    model, lines = prepare_model(
+        _unknown("nystromformer"), wtacrs_config(enabled=True, ratio=0.3, min_k=4, kit=EXACT_KIT)
+    )
     warnings = [line for line in lines if line.startswith("warning:")]
     assert len(warnings) == 1 and "kit.sdpa_attention" in warnings[0] and "'eager'" in warnings[0], lines
     assert sum(isinstance(m, SampledLinear) for m in model.modules()) == 2  # the generic ffn_out pattern matched
@@ -161,24 +201,29 @@ def test_unknown_family_names_what_did_not_convert():
 
 def test_targets_that_match_nothing_are_an_error_listing_the_linears():
     model = tiny_family("bert")
-    with pytest.raises(ConfigError, match=r"wtacrs.targets: 'nonexistent' matched no trainable nn.Linear .*"
-                                          r"bert.encoder.layer.\*.attention.self.query"):
+    with pytest.raises(
+        ConfigError,
+        match=r"wtacrs.targets: 'nonexistent' matched no trainable nn.Linear .*"
+        r"bert.encoder.layer.\*.attention.self.query",
+    ):
         prepare_model(model, wtacrs_config(enabled=True, targets=["nonexistent"]))
     with pytest.raises(ConfigError, match="'layer.*.ffn.lin2'"):  # a DistilBERT pattern on a BERT model
         convert(tiny_family("bert"), targets=["ffn_out", "layer.*.ffn.lin2"])
 
 
 def test_a_target_the_kit_fused_is_a_warning_not_silence():
-    model, lines = prepare_model(tiny_family("bert"), wtacrs_config(enabled=True, targets=["ffn_out", "ffn_in"],
-                                                                    kit={"recompute_gelu": True}))
+    model, lines = prepare_model(
+        tiny_family("bert"), wtacrs_config(enabled=True, targets=["ffn_out", "ffn_in"], kit={"recompute_gelu": True})
+    )
     warnings = [line for line in lines if line.startswith("warning:")]
     assert len(warnings) == 1 and "ffn_in" in warnings[0] and "GeluLinear" in warnings[0], lines
 
 
 def test_lora_auto_targets_follow_the_family():
     for model_type, expected in (("modernbert", "Wqkv"), ("deberta-v2", "query_proj"), ("distilbert", "q_lin")):
-        model, lines = prepare_model(tiny_family(model_type), wtacrs_config(lora={"enabled": True,
-                                                                                  "targets": ["auto"]}))
+        model, lines = prepare_model(
+            tiny_family(model_type), wtacrs_config(lora={"enabled": True, "targets": ["auto"]})
+        )
         assert any(name.endswith(f"{expected}.lora_A.default") for name, _ in model.named_modules()), lines
 
 
@@ -235,8 +280,10 @@ def test_generic_activation_recompute_matches_albert_gelu_new():
 def test_bf16_autocast_kit_and_sampling_track_the_plain_model(model_type):
     """bf16 autocast (emulated on this CPU: tiny model): kit + WTA@1.0 follows the plain model in bf16."""
     reference = tiny_family(model_type, attn="eager")
-    model, lines = prepare_model(copy.deepcopy(reference), wtacrs_config(
-        enabled=True, ratio=1.0, min_k=1, targets=["ffn_out", "qkv"], kit=EXACT_KIT))
+    model, lines = prepare_model(
+        copy.deepcopy(reference),
+        wtacrs_config(enabled=True, ratio=1.0, min_k=1, targets=["ffn_out", "qkv"], kit=EXACT_KIT),
+    )
     batch = family_batch(model_type, batch=2, seq=8, pad_from=6)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out_ref, out = reference(**batch), model(**batch)

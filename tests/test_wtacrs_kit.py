@@ -1,4 +1,5 @@
 """The memory kit: each part exact (or within its stated error) and each saving less on its own."""
+
 from __future__ import annotations
 
 import copy
@@ -13,8 +14,14 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from wtacrs_common import tiny_batch, tiny_bert  # noqa: E402
 
-from ds_bertopt.wtacrs import (Bf16InputGelu, CompactDropout, GeluLinear, OutputSavingLayerNorm,  # noqa: E402
-                               apply_kit, saved_tensor_bytes)
+from ds_bertopt.wtacrs import (
+    Bf16InputGelu,
+    CompactDropout,
+    GeluLinear,
+    OutputSavingLayerNorm,  # noqa: E402
+    apply_kit,
+    saved_tensor_bytes,
+)
 from ds_bertopt.wtacrs.config import KitConfig  # noqa: E402
 from ds_bertopt.wtacrs.kit import gelu_grad_, pack_bits, unpack_bits  # noqa: E402
 
@@ -162,8 +169,10 @@ def test_exact_kit_on_bert_reproduces_loss_and_grads():
     batch = tiny_batch(pad_from=11)
     reference = tiny_bert(hidden_dropout=0.0, attention_dropout=0.0, attn="eager")
     model = copy.deepcopy(reference)
-    lines = apply_kit(model, KitConfig(sdpa_attention=True, layernorm_saves_output=True, recompute_gelu=True,
-                                       dropout_mask="regenerate"))
+    lines = apply_kit(
+        model,
+        KitConfig(sdpa_attention=True, layernorm_saves_output=True, recompute_gelu=True, dropout_mask="regenerate"),
+    )
     assert len(lines) == 4
     assert sum(isinstance(m, OutputSavingLayerNorm) for m in model.modules()) == 5
     assert sum(isinstance(m, GeluLinear) for m in model.modules()) == 2
@@ -180,13 +189,16 @@ def test_exact_kit_on_bert_reproduces_loss_and_grads():
 ACTIVATION = 8 * 32 * 64 * 4  # one hidden-wide fp32 tensor of the batch below
 
 
-@pytest.mark.parametrize("part,category,at_least", [
-    ({"sdpa_attention": True}, "attention", 2 * 3 * ACTIVATION),  # probabilities and their dropout gone
-    ({"dropout_mask": "bits"}, "dropout", 5 * ACTIVATION * 3 // 4),  # 5 hidden dropouts: 4 → ≤ 1 byte
-    ({"layernorm_saves_output": True}, "total", 4 * ACTIVATION),  # the 4 in-layer LayerNorm inputs
-    ({"recompute_gelu": True}, "activation", 2 * 4 * ACTIVATION),  # the 4h-wide GELU inputs
-    ({"bf16_gelu": True}, "activation", 2 * 2 * ACTIVATION),  # half of them
-])
+@pytest.mark.parametrize(
+    "part,category,at_least",
+    [
+        ({"sdpa_attention": True}, "attention", 2 * 3 * ACTIVATION),  # probabilities and their dropout gone
+        ({"dropout_mask": "bits"}, "dropout", 5 * ACTIVATION * 3 // 4),  # 5 hidden dropouts: 4 → ≤ 1 byte
+        ({"layernorm_saves_output": True}, "total", 4 * ACTIVATION),  # the 4 in-layer LayerNorm inputs
+        ({"recompute_gelu": True}, "activation", 2 * 4 * ACTIVATION),  # the 4h-wide GELU inputs
+        ({"bf16_gelu": True}, "activation", 2 * 2 * ACTIVATION),  # half of them
+    ],
+)
 def test_each_kit_part_saves_on_its_own(part, category, at_least):
     batch = tiny_batch(batch=8, seq=32)
     reference = tiny_bert(hidden=64)

@@ -1,4 +1,5 @@
 """SampledLinear and convert(): exact forward/∇X, unbiased ∇W through autograd, padding, cache, sharing."""
+
 from __future__ import annotations
 
 import copy
@@ -12,8 +13,13 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from wtacrs_common import bias_statistic, tiny_batch, tiny_bert  # noqa: E402
 
-from ds_bertopt.wtacrs import (NUM_VALID_ROWS_KWARG, SampledLinear, convert, estimate_saving,  # noqa: E402
-                               saved_tensor_bytes)
+from ds_bertopt.wtacrs import (
+    NUM_VALID_ROWS_KWARG,
+    SampledLinear,
+    convert,
+    estimate_saving,  # noqa: E402
+    saved_tensor_bytes,
+)
 from ds_bertopt.wtacrs.estimator import budget  # noqa: E402
 
 BIAS_BOUND = 4.0

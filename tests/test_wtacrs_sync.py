@@ -11,6 +11,7 @@ reads memory without dispatching, so a source check covers it: the one documente
 LayerNorm γ check once per optimizer step, is the only ``.tolist()`` in the per-step modules, and
 :attr:`GammaGuard.host_checks` counts it.
 """
+
 from __future__ import annotations
 
 import ast
@@ -29,17 +30,35 @@ from wtacrs_common import tiny_batch, tiny_family  # noqa: E402
 
 import ds_bertopt.wtacrs as wtacrs  # noqa: E402
 from ds_bertopt.configlib import load_section  # noqa: E402
-from ds_bertopt.wtacrs import (EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, GammaGuard, OutputSavingLayerNorm,  # noqa: E402
-                               SampledLinear, convert, prepare_model)
+from ds_bertopt.wtacrs import (
+    EXAMPLE_IDS_KWARG,
+    NUM_VALID_ROWS_KWARG,
+    GammaGuard,
+    OutputSavingLayerNorm,  # noqa: E402
+    SampledLinear,
+    convert,
+    prepare_model,
+)
 from ds_bertopt.wtacrs.cache import GradNormCache  # noqa: E402
 from ds_bertopt.wtacrs.config import WtaCrsConfig  # noqa: E402
 from ds_bertopt.wtacrs.estimator import row_probabilities, select_rows  # noqa: E402
 
 OURS = str(Path(wtacrs.__file__).resolve().parent)
 _aten = torch.ops.aten
-_SYNC_NAMES = ("_local_scalar_dense.default", "nonzero.default", "equal.default", "is_nonzero.default",
-               "masked_select.default", "_unique2.default", "unique_dim.default", "unique_consecutive.default",
-               "bincount.default", "multinomial.default", "repeat_interleave.Tensor", "histc.default")
+_SYNC_NAMES = (
+    "_local_scalar_dense.default",
+    "nonzero.default",
+    "equal.default",
+    "is_nonzero.default",
+    "masked_select.default",
+    "_unique2.default",
+    "unique_dim.default",
+    "unique_consecutive.default",
+    "bincount.default",
+    "multinomial.default",
+    "repeat_interleave.Tensor",
+    "histc.default",
+)
 SYNC_OPS = {getattr(getattr(_aten, name.split(".")[0]), name.split(".")[1]) for name in _SYNC_NAMES}
 BOOL_INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default}
 
@@ -86,8 +105,14 @@ def test_the_detector_catches_each_kind_of_sync():
     with detector:
         _old_style_syncs(torch.randn(16))
     ops = {op for op, _ in detector.hits}
-    assert {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.index.Tensor",
-            "aten.bincount.default", "aten.multinomial.default", "aten._unique2.default"} <= ops, ops
+    assert {
+        "aten._local_scalar_dense.default",
+        "aten.nonzero.default",
+        "aten.index.Tensor",
+        "aten.bincount.default",
+        "aten.multinomial.default",
+        "aten._unique2.default",
+    } <= ops, ops
     assert sum(op == "aten._local_scalar_dense.default" for op, _ in detector.hits) == 3
     detector = HostSyncDetector()  # the same code outside ds_bertopt/wtacrs is not ours: not counted
     with detector:
@@ -120,8 +145,11 @@ def test_selection_cache_and_sampled_linear_have_no_host_sync():
     convert(model, ratio=0.3, targets=("heads.*",), min_k=2, cache_capacity=8)
     with detector:
         for _ in range(2):
-            out = model(x.requires_grad_(), attention_mask=mask, **{EXAMPLE_IDS_KWARG: ids,
-                                                                    NUM_VALID_ROWS_KWARG: int(mask.sum())})
+            out = model(
+                x.requires_grad_(),
+                attention_mask=mask,
+                **{EXAMPLE_IDS_KWARG: ids, NUM_VALID_ROWS_KWARG: int(mask.sum())},
+            )
             out.sum().backward()
     assert detector.hits == [], detector.hits
 
@@ -134,10 +162,20 @@ def _guards(model) -> list[GammaGuard]:
 def test_training_steps_sync_only_in_the_documented_gamma_check(model_type):
     """Kit + WTA + gradient-norm cache, dropout on: no sync from our code in forward or backward; the
     LayerNorm γ check is one batched host read after each optimizer step, none between."""
-    raw = {"enabled": True, "ratio": 0.3, "min_k": 4, "grad_norm_cache": True, "cache_capacity": 64,
-           "targets": ["ffn_out", "qkv"],
-           "kit": {"sdpa_attention": True, "dropout_mask": "regenerate", "layernorm_saves_output": True,
-                   "recompute_gelu": True}}
+    raw = {
+        "enabled": True,
+        "ratio": 0.3,
+        "min_k": 4,
+        "grad_norm_cache": True,
+        "cache_capacity": 64,
+        "targets": ["ffn_out", "qkv"],
+        "kit": {
+            "sdpa_attention": True,
+            "dropout_mask": "regenerate",
+            "layernorm_saves_output": True,
+            "recompute_gelu": True,
+        },
+    }
     model, _ = prepare_model(tiny_family(model_type, dropout=0.1), load_section(WtaCrsConfig, raw, "wtacrs"))
     model.train()
     (guard,) = _guards(model)
@@ -195,8 +233,9 @@ def test_gamma_guard_recheck_follows_the_weights():
 
 
 def test_gamma_guard_survives_deepcopy():
-    model, _ = prepare_model(tiny_family("bert"), load_section(WtaCrsConfig, {"kit": {"layernorm_saves_output": True}},
-                                                               "wtacrs"))
+    model, _ = prepare_model(
+        tiny_family("bert"), load_section(WtaCrsConfig, {"kit": {"layernorm_saves_output": True}}, "wtacrs")
+    )
     clone = copy.deepcopy(model)
     (guard,), (clone_guard,) = _guards(model), _guards(clone)
     assert clone_guard is not guard

@@ -1,4 +1,5 @@
 """WTA-CRS + the memory kit through real ``deepspeed.initialize`` on 2 gloo ranks, ZeRO 0, 2 and 3 (bf16)."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,6 @@ import wtacrs_zero_worker  # noqa: E402
 KIT = {"sdpa_attention": True, "dropout_mask": "regenerate", "layernorm_saves_output": True, "recompute_gelu": True}
 
 
-
-
 def run_ranks(tmp_path: Path, stage: int, steps: int, wtacrs: dict) -> list[dict]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     mp.spawn(wtacrs_zero_worker.run, args=(2, free_port(), stage, str(tmp_path), steps, wtacrs), nprocs=2)
@@ -26,8 +25,14 @@ def run_ranks(tmp_path: Path, stage: int, steps: int, wtacrs: dict) -> list[dict
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_finetuning_under_zero_learns(tmp_path, stage):
-    wtacrs = {"enabled": True, "ratio": 0.3, "min_k": 4, "grad_norm_cache": True,
-              "targets": ["ffn_out", "qkv"], "kit": KIT}
+    wtacrs = {
+        "enabled": True,
+        "ratio": 0.3,
+        "min_k": 4,
+        "grad_norm_cache": True,
+        "targets": ["ffn_out", "qkv"],
+        "kit": KIT,
+    }
     results = run_ranks(tmp_path, stage, 30, wtacrs)
     for result in results:
         assert result["sampled"] == 2 * 4  # ffn_out and q/k/v of both layers
@@ -38,8 +43,9 @@ def test_finetuning_under_zero_learns(tmp_path, stage):
 @pytest.mark.timeout(240)
 def test_zero3_ratio_one_matches_unsampled_training(tmp_path):
     """At ratio 1.0 every row is kept with weight 1: ZeRO-3 training must follow the unconverted run."""
-    sampled = run_ranks(tmp_path / "a", 3, 8, {"enabled": True, "ratio": 1.0, "min_k": 1,
-                                               "targets": ["ffn_out", "qkv"], "kit": KIT})
+    sampled = run_ranks(
+        tmp_path / "a", 3, 8, {"enabled": True, "ratio": 1.0, "min_k": 1, "targets": ["ffn_out", "qkv"], "kit": KIT}
+    )
     plain = run_ranks(tmp_path / "b", 3, 8, {"enabled": False, "kit": KIT})
     assert sampled[0]["sampled"] == 8 and plain[0]["sampled"] == 0
     for ours, reference in zip(sampled, plain):

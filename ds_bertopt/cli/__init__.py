@@ -1,5 +1,6 @@
 """``ds-bertopt``: the console script. Each subcommand lives next to its capability and is imported
 only when used, so ``ds-bertopt balance`` never imports DeepSpeed."""
+
 from __future__ import annotations
 
 import importlib
@@ -9,14 +10,22 @@ from ..errors import BertOptError
 
 # name -> ("module", "function(argv) -> exit code", "one-line help")
 COMMANDS = {
-    "balance": ("ds_bertopt.cli.balance", "main",
-                "plan batches for a corpus and world size; print load balance per strategy"),
-    "memory": ("ds_bertopt.wtacrs.memory_cli", "main",
-               "saved-activation bytes and peak memory of fine-tuning, full vs WTA-CRS / LoRA / kit"),
-    "config": ("ds_bertopt.cli.config", "main",
-               "validate a config file and print the resolved result"),
-    "hostfile": ("ds_bertopt.hostfile", "main",
-                 "check a DeepSpeed hostfile (duplicates, bad lines, unequal slots) before launching"),
+    "balance": (
+        "ds_bertopt.cli.balance",
+        "main",
+        "plan batches for a corpus and world size; print load balance per strategy",
+    ),
+    "memory": (
+        "ds_bertopt.cli.memory",
+        "main",
+        "saved-activation bytes and peak memory of fine-tuning, full vs WTA-CRS / LoRA / kit",
+    ),
+    "config": ("ds_bertopt.cli.config", "main", "validate a config file and print the resolved result"),
+    "hostfile": (
+        "ds_bertopt.hostfile",
+        "main",
+        "check a DeepSpeed hostfile (duplicates, bad lines, unequal slots) before launching",
+    ),
 }
 
 

@@ -19,6 +19,7 @@ planners of transformers and DeepSpeed, driven as their trainers drive them (:fu
 ``--plot`` writes a PNG: the corpus length histogram and, per strategy, the distribution of rank work
 relative to the step mean.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,15 @@ import numpy as np
 
 from ..data.config import STRATEGIES, SamplerConfig
 from ..data.cost import CostModel
-from ..data.peers import (PEERS, StrategyResult, evaluate, mlperf_phase2_lengths, per_global_batch, read_lengths,
-                          simulation_lengths)
+from ..data.peers import (
+    PEERS,
+    StrategyResult,
+    evaluate,
+    mlperf_phase2_lengths,
+    per_global_batch,
+    read_lengths,
+    simulation_lengths,
+)
 from ..errors import DataError, check
 
 
@@ -45,30 +53,42 @@ def corpus_lengths(path: str, max_seq_len: int, tokenizer: Optional[str], cache_
         data["tokenizer"] = tokenizer
     if cache_dir:
         data["cache_dir"] = cache_dir
-    cfg = load_section(BertOptConfig, {"data": data, "model": {"max_position_embeddings": max(512, max_seq_len)}},
-                       "bertopt")
+    cfg = load_section(
+        BertOptConfig, {"data": data, "model": {"max_position_embeddings": max(512, max_seq_len)}}, "bertopt"
+    )
     return build_pretrain_data(cfg).lengths.astype(np.int64)
 
 
 def format_table(results: dict[str, StrategyResult], global_batch: Optional[int] = None) -> list[str]:
     """One row per strategy; step times relative to ``random``'s with padded kernels, per global batch."""
     base = results.get("random")
-    lines = [f"{'strategy':<25} {'work max/mean':>13} {'p99':>6} {'padded max/mean':>15} {'p99':>6} "
-             f"{'padding':>8} {'tokens/rank':>11} {'step time / random':>19} {'samples/step':>13} "
-             f"{'micro mean/max':>14} {'dropped':>8} {'plan CPU s':>11}",
-             f"{'':<25} {'(unpadded)':>13} {'':>6} {'':>15} {'':>6} {'':>8} {'':>11} {'unpadded / padded':>19} "
-             f"{'':>13} {'':>14} {'':>8} {'per step':>11}"]
+    lines = [
+        f"{'strategy':<25} {'work max/mean':>13} {'p99':>6} {'padded max/mean':>15} {'p99':>6} "
+        f"{'padding':>8} {'tokens/rank':>11} {'step time / random':>19} {'samples/step':>13} "
+        f"{'micro mean/max':>14} {'dropped':>8} {'plan CPU s':>11}",
+        f"{'':<25} {'(unpadded)':>13} {'':>6} {'':>15} {'':>6} {'':>8} {'':>11} {'unpadded / padded':>19} "
+        f"{'':>13} {'':>14} {'':>8} {'per step':>11}",
+    ]
     for name, r in results.items():
         f = r.figures
         scale = per_global_batch(f, global_batch) if global_batch else 1.0
-        rel = (f"{scale * f.step_time / base.figures.padded_step_time:.3f} / "
-               f"{scale * f.padded_step_time / base.figures.padded_step_time:.3f}" if base is not None else "-")
-        samples = (f"{f.samples_per_step_min}" if f.samples_per_step_min == f.samples_per_step_max
-                   else f"{f.samples_per_step_min}-{f.samples_per_step_max}")
+        rel = (
+            f"{scale * f.step_time / base.figures.padded_step_time:.3f} / "
+            f"{scale * f.padded_step_time / base.figures.padded_step_time:.3f}"
+            if base is not None
+            else "-"
+        )
+        samples = (
+            f"{f.samples_per_step_min}"
+            if f.samples_per_step_min == f.samples_per_step_max
+            else f"{f.samples_per_step_min}-{f.samples_per_step_max}"
+        )
         micro = f"{f.micro_batch_samples_mean:.1f}/{f.micro_batch_samples_max}"
-        lines.append(f"{name:<25} {f.imbalance_mean:>13.3f} {f.imbalance_p99:>6.3f} {f.padded_imbalance_mean:>15.3f} "
-                     f"{f.padded_imbalance_p99:>6.3f} {100 * f.padding:>7.1f}% {f.tokens_per_rank:>11.0f} {rel:>19} "
-                     f"{samples:>13} {micro:>14} {r.plan.dropped:>8d} {r.seconds:>11.4f}")
+        lines.append(
+            f"{name:<25} {f.imbalance_mean:>13.3f} {f.imbalance_p99:>6.3f} {f.padded_imbalance_mean:>15.3f} "
+            f"{f.padded_imbalance_p99:>6.3f} {100 * f.padding:>7.1f}% {f.tokens_per_rank:>11.0f} {rel:>19} "
+            f"{samples:>13} {micro:>14} {r.plan.dropped:>8d} {r.seconds:>11.4f}"
+        )
     return lines
 
 
@@ -82,14 +102,17 @@ def plot(path: str, corpus: np.ndarray, results: dict[str, StrategyResult], titl
     hist_ax.hist(corpus, bins=min(128, int(corpus.max())), color="#4c72b0")
     hist_ax.set(title=f"sequence lengths: {title}", xlabel="tokens", ylabel="sequences")
     names = list(results)
-    for ax, attr, what in ((work_ax, "work_per_rank", "unpadded cost a·L + b·L²"),
-                           (padded_ax, "padded_work_per_rank", "padded cost (micro × cost of padded length)")):
+    for ax, attr, what in (
+        (work_ax, "work_per_rank", "unpadded cost a·L + b·L²"),
+        (padded_ax, "padded_work_per_rank", "padded cost (micro × cost of padded length)"),
+    ):
         data = [getattr(results[n].figures, attr).ravel() for n in names]
         ax.boxplot(data, whis=(0, 100), showfliers=False)
         ax.set_xticks(range(1, len(names) + 1), names, rotation=12)
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set(title=f"rank work / step mean, every rank and step — {what} (whiskers: min, max)",
-               ylabel="work / step mean")
+        ax.set(
+            title=f"rank work / step mean, every rank and step — {what} (whiskers: min, max)", ylabel="work / step mean"
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -98,10 +121,15 @@ def plot(path: str, corpus: np.ndarray, results: dict[str, StrategyResult], titl
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-bertopt balance", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--corpus", help="a corpus file (.txt/.jsonl[.gz]); sequences are built as pretraining builds them")
+    src.add_argument(
+        "--corpus", help="a corpus file (.txt/.jsonl[.gz]); sequences are built as pretraining builds them"
+    )
     src.add_argument("--lengths", help="sequence lengths: .npy or text with one integer per sequence")
-    src.add_argument("--mlperf-mix", action="store_true",
-                     help="MLPerf BERT phase-2 mix: bins 1-128/129-256/257-384/385-512 as 6:3:2:5, spike at 512")
+    src.add_argument(
+        "--mlperf-mix",
+        action="store_true",
+        help="MLPerf BERT phase-2 mix: bins 1-128/129-256/257-384/385-512 as 6:3:2:5, spike at 512",
+    )
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--ranks-per-node", type=int, required=True)
     p.add_argument("--micro-batch", type=int, required=True)
@@ -115,17 +143,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bins", help="comma-separated upper bin edges, e.g. 128,256,384,512")
     p.add_argument("--bin-counts", help="comma-separated samples per bin in a local batch, e.g. 6,3,2,5")
     p.add_argument("--num-bins", type=int, help="quantile bins when --bins is not given")
-    p.add_argument("--hidden-size", type=int, default=None,
-                   help="cost model b = 1/(6·hidden) (default: the config's cost_quadratic, BERT-large)")
+    p.add_argument(
+        "--hidden-size",
+        type=int,
+        default=None,
+        help="cost model b = 1/(6·hidden) (default: the config's cost_quadratic, BERT-large)",
+    )
     objective = p.add_mutually_exclusive_group()
-    objective.add_argument("--padded", dest="padded", action="store_const", const=True,
-                           help="stratified_node_balance balances the padded micro-batch cost (the default)")
-    objective.add_argument("--unpadded", dest="padded", action="store_const", const=False,
-                           help="stratified_node_balance balances the per-sample cost (both costs are printed)")
-    p.add_argument("--peers", action="store_true",
-                   help=f"also plan with {' and '.join(PEERS)} (transformers, DeepSpeed; slow at 1,024 ranks)")
-    p.add_argument("--peer-budget", type=float, default=60.0,
-                   help="seconds of planning after which the transformers peer stops adding steps (at least one)")
+    objective.add_argument(
+        "--padded",
+        dest="padded",
+        action="store_const",
+        const=True,
+        help="stratified_node_balance balances the padded micro-batch cost (the default)",
+    )
+    objective.add_argument(
+        "--unpadded",
+        dest="padded",
+        action="store_const",
+        const=False,
+        help="stratified_node_balance balances the per-sample cost (both costs are printed)",
+    )
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help=f"also plan with {' and '.join(PEERS)} (transformers, DeepSpeed; slow at 1,024 ranks)",
+    )
+    p.add_argument(
+        "--peer-budget",
+        type=float,
+        default=60.0,
+        help="seconds of planning after which the transformers peer stops adding steps (at least one)",
+    )
     p.add_argument("--micro-batch-tokens", type=int, help="sampler.micro_batch_tokens for the packed strategies")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", help="write a PNG here")
@@ -150,10 +199,13 @@ def sampler_config(args: argparse.Namespace) -> SamplerConfig:
 
         base = load_config(args.config).bertopt.sampler
     raw = to_dict(base)
-    for key, value in (("bins", _int_list(args.bins, "--bins")),
-                       ("bin_counts", _int_list(args.bin_counts, "--bin-counts")),
-                       ("num_bins", args.num_bins), ("padded", args.padded),
-                       ("micro_batch_tokens", args.micro_batch_tokens)):
+    for key, value in (
+        ("bins", _int_list(args.bins, "--bins")),
+        ("bin_counts", _int_list(args.bin_counts, "--bin-counts")),
+        ("num_bins", args.num_bins),
+        ("padded", args.padded),
+        ("micro_batch_tokens", args.micro_batch_tokens),
+    ):
         if value is not None:
             raw[key] = list(value) if isinstance(value, tuple) else value
     if args.hidden_size is not None:
@@ -166,8 +218,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     for flag in ("world_size", "ranks_per_node", "micro_batch", "grad_accum", "steps", "max_seq_len"):
         check(getattr(args, flag) > 0, f"--{flag.replace('_', '-')}: must be positive, got {getattr(args, flag)}")
-    check(args.world_size % args.ranks_per_node == 0,
-          f"--world-size {args.world_size} is not a multiple of --ranks-per-node {args.ranks_per_node}")
+    check(
+        args.world_size % args.ranks_per_node == 0,
+        f"--world-size {args.world_size} is not a multiple of --ranks-per-node {args.ranks_per_node}",
+    )
     cfg = sampler_config(args)
     rng = np.random.default_rng(args.seed)
     global_batch = args.world_size * args.micro_batch * args.grad_accum
@@ -180,19 +234,34 @@ def main(argv: Optional[list[str]] = None) -> int:
         corpus, source = corpus_lengths(args.corpus, args.max_seq_len, args.tokenizer, args.cache_dir), args.corpus
     lengths = simulation_lengths(corpus, global_batch, args.steps, rng)
     p10, p50, p90 = np.percentile(corpus, [10, 50, 90])
-    print(f"corpus: {source}: {len(corpus)} sequences, length mean {corpus.mean():.1f}, p10/p50/p90 "
-          f"{p10:.0f}/{p50:.0f}/{p90:.0f}, max {corpus.max()}, {np.mean(corpus == corpus.max()):.1%} at the max")
+    print(
+        f"corpus: {source}: {len(corpus)} sequences, length mean {corpus.mean():.1f}, p10/p50/p90 "
+        f"{p10:.0f}/{p50:.0f}/{p90:.0f}, max {corpus.max()}, {np.mean(corpus == corpus.max()):.1%} at the max"
+    )
     drawn = " (lengths drawn from the corpus's mix)" if len(lengths) != len(corpus) else ""
-    print(f"plan: {args.world_size} ranks ({args.world_size // args.ranks_per_node} nodes × {args.ranks_per_node}) × "
-          f"micro-batch {args.micro_batch} × accumulation {args.grad_accum} = global batch {global_batch}; "
-          f"{len(lengths)} sequences{drawn}")
+    print(
+        f"plan: {args.world_size} ranks ({args.world_size // args.ranks_per_node} nodes × {args.ranks_per_node}) × "
+        f"micro-batch {args.micro_batch} × accumulation {args.grad_accum} = global batch {global_batch}; "
+        f"{len(lengths)} sequences{drawn}"
+    )
     cost = cfg.cost_model
-    print(f"cost model: a·L + b·L² with a = {cost.linear:g}, b = {cost.quadratic:.4g}; padding to a multiple of "
-          f"{cfg.pad_multiple}; stratified_node_balance balances the {'padded' if cfg.padded else 'unpadded'} cost")
-    results = evaluate(lengths, world_size=args.world_size, ranks_per_node=args.ranks_per_node,
-                       micro_batch=args.micro_batch, grad_accum=args.grad_accum, cfg=cfg, cost=cost, seed=args.seed,
-                       strategies=tuple(args.strategies), peers=PEERS if args.peers else (),
-                       peer_budget_s=args.peer_budget)
+    print(
+        f"cost model: a·L + b·L² with a = {cost.linear:g}, b = {cost.quadratic:.4g}; padding to a multiple of "
+        f"{cfg.pad_multiple}; stratified_node_balance balances the {'padded' if cfg.padded else 'unpadded'} cost"
+    )
+    results = evaluate(
+        lengths,
+        world_size=args.world_size,
+        ranks_per_node=args.ranks_per_node,
+        micro_batch=args.micro_batch,
+        grad_accum=args.grad_accum,
+        cfg=cfg,
+        cost=cost,
+        seed=args.seed,
+        strategies=tuple(args.strategies),
+        peers=PEERS if args.peers else (),
+        peer_budget_s=args.peer_budget,
+    )
     for name, r in results.items():
         if r.note:
             print(f"{name}: {r.note}")
@@ -205,9 +274,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"figures over {min(steps)}–{max(steps)} steps" if len(steps) > 1 else f"figures over {steps.pop()} steps")
     for line in format_table(results, global_batch):
         print(line)
-    print("step time: the busiest rank's work per step (mean over steps, per global batch of samples) relative to "
-          "random with padded kernels; unpadded = kernels that skip padding (the packed strategies' micro-batches "
-          "compute no padding there)")
+    print(
+        "step time: the busiest rank's work per step (mean over steps, per global batch of samples) relative to "
+        "random with padded kernels; unpadded = kernels that skip padding (the packed strategies' micro-batches "
+        "compute no padding there)"
+    )
     if args.plot:
         plot(args.plot, corpus, results, source)
         print(f"plot written to {args.plot}")

@@ -5,6 +5,7 @@ part through DeepSpeed's own parser, the run directory, the resume checkpoint, t
 given world size, and prints the resolved config. Training flags are the task's own (``--max_steps``,
 ``-o key=value``, …), so a command line can be checked before it is launched.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,12 @@ def main(argv: list[str]) -> int:
     head.add_argument("--task", choices=sorted(TASKS), default="pretrain")
     head.add_argument("--world-size", type=int, default=1)
     head.add_argument("--ranks-per-node", type=int, default=None)
-    head.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                      help="the accelerator the job will run on (precision and fp16 rules differ)")
+    head.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="the accelerator the job will run on (precision and fp16 rules differ)",
+    )
     known, rest = head.parse_known_args(argv)
     if any(a in ("-h", "--help") for a in rest) or not rest:
         head.print_help()

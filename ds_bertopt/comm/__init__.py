@@ -9,12 +9,28 @@ is ready in backward, then the bucket is allreduce-averaged; no global norm is c
 * :func:`install_bucket_clip` — called by ``ds_bertopt.engine.initialize`` when enabled;
 * :func:`register_ddp_bucket_clip` — the same clip as a ``DistributedDataParallel`` comm hook.
 """
-from .clip import (assign_buckets, bucket_thresholds, clip_bucket_, clip_coefficient, clip_tensors_,
-                   reverse_registration_buckets)
+
+from .clip import (
+    assign_buckets,
+    bucket_thresholds,
+    clip_bucket_,
+    clip_coefficient,
+    clip_tensors_,
+    reverse_registration_buckets,
+)
 from .config import BucketClipConfig
 from .ddp import register_ddp_bucket_clip
 from .install import TESTED_DEEPSPEED, install_bucket_clip
 
-__all__ = ["BucketClipConfig", "install_bucket_clip", "register_ddp_bucket_clip", "clip_bucket_", "clip_tensors_",
-           "clip_coefficient", "bucket_thresholds", "assign_buckets", "reverse_registration_buckets",
-           "TESTED_DEEPSPEED"]
+__all__ = [
+    "BucketClipConfig",
+    "install_bucket_clip",
+    "register_ddp_bucket_clip",
+    "clip_bucket_",
+    "clip_tensors_",
+    "clip_coefficient",
+    "bucket_thresholds",
+    "assign_buckets",
+    "reverse_registration_buckets",
+    "TESTED_DEEPSPEED",
+]

@@ -15,6 +15,7 @@ included when there is one)::
   overflow check and loss scaler still see the overflow after the allreduce.
 * Nothing here calls ``.item()``: the coefficient stays a 0-d tensor on the gradient's device.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,9 @@ import torch
 Threshold = Union[float, torch.Tensor]
 
 
-def bucket_thresholds(bucket_numels: Sequence[int], max_norm: float,
-                      mode: Literal["uniform", "proportional"] = "uniform") -> list[float]:
+def bucket_thresholds(
+    bucket_numels: Sequence[int], max_norm: float, mode: Literal["uniform", "proportional"] = "uniform"
+) -> list[float]:
     """Per-bucket thresholds tau_b whose squares sum to ``max_norm**2`` (see module docstring)."""
     if not bucket_numels:
         return []
@@ -49,8 +51,9 @@ def clip_coefficient(norm: torch.Tensor, threshold: Threshold, eps: float) -> to
     return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
 
 
-def clip_bucket_(flat: torch.Tensor, threshold: Threshold, *, eps: float = 1e-6,
-                 post_scale: float = 1.0) -> torch.Tensor:
+def clip_bucket_(
+    flat: torch.Tensor, threshold: Threshold, *, eps: float = 1e-6, post_scale: float = 1.0
+) -> torch.Tensor:
     """Clip one flat gradient bucket in place; return the clip coefficient (a 0-d tensor).
 
     ``post_scale`` is folded into the same multiply (e.g. ``1 / world`` to pre-divide for an
@@ -62,8 +65,9 @@ def clip_bucket_(flat: torch.Tensor, threshold: Threshold, *, eps: float = 1e-6,
     return coef
 
 
-def clip_tensors_(tensors: Sequence[torch.Tensor], threshold: Threshold, *, eps: float = 1e-6,
-                  post_scale: float = 1.0) -> torch.Tensor:
+def clip_tensors_(
+    tensors: Sequence[torch.Tensor], threshold: Threshold, *, eps: float = 1e-6, post_scale: float = 1.0
+) -> torch.Tensor:
     """:func:`clip_bucket_` for a bucket held as separate tensors (their joint norm is clipped)."""
     if not tensors:
         raise ValueError("clip_tensors_: empty bucket")
@@ -76,8 +80,7 @@ def clip_tensors_(tensors: Sequence[torch.Tensor], threshold: Threshold, *, eps:
     return coef
 
 
-def assign_buckets(numels: Sequence[int], bucket_size: int,
-                   keys: Optional[Sequence[object]] = None) -> list[list[int]]:
+def assign_buckets(numels: Sequence[int], bucket_size: int, keys: Optional[Sequence[object]] = None) -> list[list[int]]:
     """Group items, taken in the order given, into buckets of at most ``bucket_size`` elements.
 
     Items are gradients in the order they are expected to become ready (reverse registration
@@ -105,8 +108,9 @@ def assign_buckets(numels: Sequence[int], bucket_size: int,
     return closed + sorted(tail, key=lambda members: members[-1])
 
 
-def reverse_registration_buckets(params: Iterable[torch.Tensor], bucket_size: int,
-                                 key=lambda p: p.dtype) -> list[list[int]]:
+def reverse_registration_buckets(
+    params: Iterable[torch.Tensor], bucket_size: int, key=lambda p: p.dtype
+) -> list[list[int]]:
     """Buckets over ``params`` (registration order) filled from the last parameter backwards.
 
     Returns lists of indices into ``list(params)``.

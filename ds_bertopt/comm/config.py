@@ -1,4 +1,5 @@
 """Config of the bucket-wise gradient clipping hook (``"bertopt": {"bucket_clip": {...}}``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

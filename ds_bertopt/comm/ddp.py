@@ -6,6 +6,7 @@ DDP decides its buckets itself and rebuilds them after the first iteration, so t
 buckets B is not known when the first bucket is ready: only ``threshold: "proportional"``
 (tau_b = max_norm * sqrt(n_b / n), which needs no B) is offered here.
 """
+
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -40,14 +41,20 @@ def ddp_bucket_clip_hook(state: DDPBucketClipState, bucket: dist.GradBucket) -> 
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def register_ddp_bucket_clip(ddp_model: torch.nn.parallel.DistributedDataParallel, cfg: BucketClipConfig,
-                             loss_scale: Optional[Callable[[], object]] = None) -> DDPBucketClipState:
+def register_ddp_bucket_clip(
+    ddp_model: torch.nn.parallel.DistributedDataParallel,
+    cfg: BucketClipConfig,
+    loss_scale: Optional[Callable[[], object]] = None,
+) -> DDPBucketClipState:
     """Register :func:`ddp_bucket_clip_hook` on ``ddp_model``; return its state."""
     if cfg.threshold != "proportional":
-        raise ConfigError(f"bucket_clip.threshold: {cfg.threshold!r} is not available with torch DDP (its bucket "
-                          "count is only known after backward); use \"proportional\"")
+        raise ConfigError(
+            f"bucket_clip.threshold: {cfg.threshold!r} is not available with torch DDP (its bucket "
+            'count is only known after backward); use "proportional"'
+        )
     total = sum(p.numel() for p in ddp_model.module.parameters() if p.requires_grad)
-    state = DDPBucketClipState(max_norm=cfg.max_norm, eps=cfg.eps, total_numel=total,
-                               group=ddp_model.process_group, loss_scale=loss_scale)
+    state = DDPBucketClipState(
+        max_norm=cfg.max_norm, eps=cfg.eps, total_numel=total, group=ddp_model.process_group, loss_scale=loss_scale
+    )
     ddp_model.register_comm_hook(state, ddp_bucket_clip_hook)
     return state

@@ -12,6 +12,7 @@
   that split. With the default f = 1 the whole ``1/world`` goes before (folded into the clip's
   multiply, so the bucket is written once): the same average, and fp16 sums stay in range.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -24,9 +25,11 @@ def loss_scale_reader(optimizer, fp16: bool) -> Callable[[], float]:
     if hasattr(optimizer, "loss_scale"):
         return lambda: optimizer.loss_scale
     if fp16:
-        raise ConfigError(f"bucket_clip: fp16 is on, but DeepSpeed's optimizer {type(optimizer).__name__} exposes no "
-                          "loss_scale, so the clip threshold cannot follow the loss scale; use bf16, or set "
-                          "bucket_clip.enabled false")
+        raise ConfigError(
+            f"bucket_clip: fp16 is on, but DeepSpeed's optimizer {type(optimizer).__name__} exposes no "
+            "loss_scale, so the clip threshold cannot follow the loss scale; use bf16, or set "
+            "bucket_clip.enabled false"
+        )
     return lambda: 1.0
 
 

@@ -21,6 +21,7 @@ and copies the result back (``allreduce_and_copy``). Here instead:
 
 Non-boundary micro-batches accumulate in ``param.grad`` as usual; nothing is sent for them.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -46,8 +47,11 @@ class ZeroStage0BucketClip:
         self.params = [p for p in engine.module.parameters() if p.requires_grad and p.numel() > 0]
         self.comm_dtype = engine.communication_data_type
         self.pre_scale, self.post_scale = averaging_factors(
-            self.world, average=engine.gradient_average, postscale=engine.postscale_gradients(),
-            predivide=engine.gradient_predivide_factor())
+            self.world,
+            average=engine.gradient_average,
+            postscale=engine.postscale_gradients(),
+            predivide=engine.gradient_predivide_factor(),
+        )
         self.loss_scale = loss_scale_reader(engine.optimizer, engine.fp16_enabled())
         self.buckets = reverse_registration_buckets(self.params, cfg.bucket_size)
         self.bucket_numels = [sum(self.params[i].numel() for i in members) for members in self.buckets]
@@ -63,8 +67,9 @@ class ZeroStage0BucketClip:
         self.last_coefficients: list[Optional[torch.Tensor]] = [None] * len(self.buckets)
         """Clip coefficient of each bucket in the last reduction (0-d tensors; 1 = not clipped)."""
         self._reset()
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                              for i, p in enumerate(self.params)]
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
+        ]
         engine.allreduce_gradients = self.allreduce_gradients
 
     # -- per-backward state --------------------------------------------------------------------
@@ -101,19 +106,24 @@ class ZeroStage0BucketClip:
     def _make_hook(self, i: int):
         def on_grad_ready(param: torch.Tensor) -> None:
             engine = self.engine
-            if (engine.inside_no_sync_ctxt or not engine.enable_backward_allreduce
-                    or not engine.is_gradient_accumulation_boundary()):
+            if (
+                engine.inside_no_sync_ctxt
+                or not engine.enable_backward_allreduce
+                or not engine.is_gradient_accumulation_boundary()
+            ):
                 return  # accumulate locally; reduce once at the boundary
             if self._staged[i]:
                 raise RuntimeError(
                     f"bucket_clip: a parameter of shape {tuple(param.shape)} received its gradient twice in one "
                     "backward (reentrant activation checkpointing?); use non-reentrant checkpointing "
-                    "(use_reentrant=False) with bucket_clip at ZeRO stage 0")
+                    "(use_reentrant=False) with bucket_clip at ZeRO stage 0"
+                )
             self._stage(i)
             b = self._where[i][0]
             self._pending[b] -= 1
             if self._pending[b] == 0:
                 self._launch_ready()
+
         return on_grad_ready
 
     def _launch_ready(self) -> None:

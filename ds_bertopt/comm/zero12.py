@@ -32,6 +32,7 @@ What is clipped, with gradient accumulation (GAS micro-batches per step, each ba
   divided by GAS), clipped to tau_b / GAS. Each micro-batch is clipped as if it were a whole step,
   and by the triangle inequality the rank's accumulated bucket still has norm <= tau_b.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,8 +57,10 @@ class ZeroStage12BucketClip:
         self.optimizer = opt = engine.optimizer
         self.stage = engine.zero_optimization_stage()
         if opt.reduce_bucket_size != cfg.bucket_size:
-            print0(f"bucket_clip: ZeRO reduce bucket size {opt.reduce_bucket_size} -> bucket_clip.bucket_size "
-                   f"{cfg.bucket_size} (the clip buckets are DeepSpeed's IPG buckets)")
+            print0(
+                f"bucket_clip: ZeRO reduce bucket size {opt.reduce_bucket_size} -> bucket_clip.bucket_size "
+                f"{cfg.bucket_size} (the clip buckets are DeepSpeed's IPG buckets)"
+            )
             # read again each time a bucket is filled and when its buffers are (re)allocated in
             # DeepSpeedZeroOptimizer.setup_buckets, so setting it before the first backward is enough
             opt.reduce_bucket_size = cfg.bucket_size
@@ -68,8 +71,12 @@ class ZeroStage12BucketClip:
         """B of the uniform threshold: the number of buckets DeepSpeed's rule gives in the expected order."""
         self._micro_divisor = engine.gradient_accumulation_steps() if opt.partition_gradients else 1
         world = dist.get_world_size(group=opt.dp_process_group)
-        before, after = averaging_factors(world, average=opt.gradient_average, postscale=opt.postscale_gradients,
-                                          predivide=opt.gradient_predivide_factor)
+        before, after = averaging_factors(
+            world,
+            average=opt.gradient_average,
+            postscale=opt.postscale_gradients,
+            predivide=opt.gradient_predivide_factor,
+        )
         # fold the average into the clip only when DeepSpeed's split is "all of it before the reduction"
         self.fold_average = opt.gradient_average and after == 1.0
         self.post_scale = before if self.fold_average else 1.0
@@ -95,8 +102,9 @@ class ZeroStage12BucketClip:
             order = list(reversed(registered))
         else:
             order = list(self.params)
-        buckets = assign_buckets([p.numel() for p in order], opt.reduce_bucket_size,
-                                 [opt.get_param_comm_dtype(p) for p in order])
+        buckets = assign_buckets(
+            [p.numel() for p in order], opt.reduce_bucket_size, [opt.get_param_comm_dtype(p) for p in order]
+        )
         return [[order[i] for i in members] for members in buckets]
 
     def threshold(self, numel: int):
@@ -124,8 +132,12 @@ class ZeroStage12BucketClip:
             flat = bucket.buffer[bucket.index].narrow(0, 0, bucket.elements)
             coef = clip_bucket_(flat, self.threshold(bucket.elements), eps=self.cfg.eps, post_scale=self.post_scale)
         else:
-            coef = clip_tensors_(bucket.grads, self.threshold(sum(g.numel() for g in bucket.grads)),
-                                 eps=self.cfg.eps, post_scale=self.post_scale)
+            coef = clip_tensors_(
+                bucket.grads,
+                self.threshold(sum(g.numel() for g in bucket.grads)),
+                eps=self.cfg.eps,
+                post_scale=self.post_scale,
+            )
         if streams:
             bucket.copy_streams.add(current)  # average_tensor's reduction stream waits on the clip too
         self._coefficients.append(coef)
@@ -154,9 +166,11 @@ class ZeroStage12BucketClip:
         self.last_coefficients, self._coefficients = self._coefficients, []
         if not self._warned_layout and len(self.last_layout) != self.num_buckets:
             self._warned_layout = True
-            print0(f"bucket_clip: warning: DeepSpeed reduced {len(self.last_layout)} buckets, expected "
-                   f"{self.num_buckets} (gradients became ready in an unexpected order); uniform thresholds keep "
-                   f"using B = {self.num_buckets}")
+            print0(
+                f"bucket_clip: warning: DeepSpeed reduced {len(self.last_layout)} buckets, expected "
+                f"{self.num_buckets} (gradients became ready in an unexpected order); uniform thresholds keep "
+                f"using B = {self.num_buckets}"
+            )
 
     def layout(self) -> list[list[torch.nn.Parameter]]:
         """The parameters of each bucket DeepSpeed is expected to reduce, in order."""

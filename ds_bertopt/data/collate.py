@@ -6,6 +6,7 @@ the non-special tokens; of those 80 % become ``[MASK]``, 10 % a random token, 10
 is a ``torch.Generator`` the caller seeds from (seed, epoch, step, rank), so masks are
 reproducible and a resumed run sees exactly the masks an uninterrupted run would.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -38,8 +39,15 @@ def pad_batch(samples: Sequence[dict], pad_id: int, pad_multiple: int, cap: int)
     return out
 
 
-def mask_tokens(input_ids: torch.Tensor, maskable: torch.Tensor, *, mask_id: int, vocab_size: int,
-                probability: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def mask_tokens(
+    input_ids: torch.Tensor,
+    maskable: torch.Tensor,
+    *,
+    mask_id: int,
+    vocab_size: int,
+    probability: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(masked_input_ids, labels)``; labels are ``IGNORE_INDEX`` except at selected positions.
 
     ``maskable`` is a bool tensor, False at padding and special tokens. At least one token per
@@ -76,8 +84,13 @@ class MLMCollator:
         batch = pad_batch(samples, self.pad_id, self.pad_multiple, self.max_length)
         maskable = batch["attention_mask"].bool() & ~torch.isin(batch["input_ids"], self.special_ids)
         batch["input_ids"], batch["labels"] = mask_tokens(
-            batch["input_ids"], maskable, mask_id=self.mask_id, vocab_size=self.vocab_size,
-            probability=self.mlm_probability, generator=generator)
+            batch["input_ids"],
+            maskable,
+            mask_id=self.mask_id,
+            vocab_size=self.vocab_size,
+            probability=self.mlm_probability,
+            generator=generator,
+        )
         # flat indices of the masked tokens, found here on the host so the model's gather needs no device sync
         batch["masked_positions"] = torch.nonzero(batch["labels"].reshape(-1) != IGNORE_INDEX).flatten()
         return batch
@@ -136,8 +149,10 @@ def with_mlm_labels(batch: dict, input_ids: torch.Tensor, labels: torch.Tensor) 
     """A copy of a packed ``batch`` with (masked) ``input_ids``, ``labels`` ``[T]`` and the host-computed
     ``masked_positions`` (indices where ``labels != -100``), so the forward's gather needs no sync."""
     if input_ids.shape != batch["position_ids"].shape or labels.shape != input_ids.shape:
-        raise ValueError(f"with_mlm_labels: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} "
-                         f"must both be [T] = {tuple(batch['position_ids'].shape)}")
+        raise ValueError(
+            f"with_mlm_labels: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} "
+            f"must both be [T] = {tuple(batch['position_ids'].shape)}"
+        )
     out = dict(batch)
     out["input_ids"] = input_ids.long()
     out["labels"] = labels.long()
@@ -151,30 +166,41 @@ class PackedMLMCollator(MLMCollator):
     def __call__(self, samples: Sequence[dict], generator: torch.Generator) -> dict[str, torch.Tensor]:
         batch = pack_sequences(samples)
         maskable = ~torch.isin(batch["input_ids"], self.special_ids)
-        ids, labels = mask_tokens(batch["input_ids"], maskable, mask_id=self.mask_id, vocab_size=self.vocab_size,
-                                  probability=self.mlm_probability, generator=generator)
+        ids, labels = mask_tokens(
+            batch["input_ids"],
+            maskable,
+            mask_id=self.mask_id,
+            vocab_size=self.vocab_size,
+            probability=self.mlm_probability,
+            generator=generator,
+        )
         return with_mlm_labels(batch, ids, labels)
 
 
-def pad_classification_batch(ids: list[list[int]], labels: list[int], example_ids: list[int], pad_id: int,
-                             pad_multiple: int = 1) -> dict:
+def pad_classification_batch(
+    ids: list[list[int]], labels: list[int], example_ids: list[int], pad_id: int, pad_multiple: int = 1
+) -> dict:
     """Dynamic padding to the longest input of the micro-batch, rounded up to ``pad_multiple``."""
     longest = max(len(x) for x in ids)
     longest = -(-longest // pad_multiple) * pad_multiple
     input_ids = torch.full((len(ids), longest), pad_id, dtype=torch.long)
     mask = torch.zeros((len(ids), longest), dtype=torch.long)
     for row, tokens in enumerate(ids):
-        input_ids[row, :len(tokens)] = torch.tensor(tokens)
-        mask[row, :len(tokens)] = 1
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": torch.tensor(labels),
-            "example_ids": torch.tensor(example_ids)}
+        input_ids[row, : len(tokens)] = torch.tensor(tokens)
+        mask[row, : len(tokens)] = 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "labels": torch.tensor(labels),
+        "example_ids": torch.tensor(example_ids),
+    }
 
 
 def step_generator(*keys: int) -> torch.Generator:
     """A generator seeded deterministically from integer keys (seed, epoch, step, rank, …)."""
     seed = 0
     for key in keys:
-        seed = (seed * 1_000_003 + int(key) + 1) % (2 ** 63 - 1)
+        seed = (seed * 1_000_003 + int(key) + 1) % (2**63 - 1)
     gen = torch.Generator()
     gen.manual_seed(seed)
     return gen

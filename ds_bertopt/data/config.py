@@ -1,5 +1,6 @@
 """Config of the data pipeline: the corpus and sequence building (``"bertopt": {"data": {...}}``) and the
 length-aware batch planner (``"bertopt": {"sampler": {...}}``); see ``docs/data.md``."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,17 +9,33 @@ from typing import Literal, Optional
 from ..errors import check
 from .cost import BERT_LARGE_QUADRATIC, CostModel
 
-STRATEGIES = ("random", "sorted_megabatch", "global_sort", "stratified",
-              "stratified_node_sort", "stratified_node_balance", "packed_node_balance", "padded_node_balance")
+STRATEGIES = (
+    "random",
+    "sorted_megabatch",
+    "global_sort",
+    "stratified",
+    "stratified_node_sort",
+    "stratified_node_balance",
+    "packed_node_balance",
+    "padded_node_balance",
+)
 PACKED_STRATEGIES = ("packed_node_balance", "padded_node_balance")  # variable micro-batch sizes (ragged plans)
 PEER_STRATEGIES = ("hf_batch_rebalance",)  # other libraries' planners, run inside our loop for side-by-side runs
 
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    strategy: Literal["random", "sorted_megabatch", "global_sort", "stratified", "stratified_node_sort",
-                      "stratified_node_balance", "packed_node_balance", "padded_node_balance",
-                      "hf_batch_rebalance"] = "random"
+    strategy: Literal[
+        "random",
+        "sorted_megabatch",
+        "global_sort",
+        "stratified",
+        "stratified_node_sort",
+        "stratified_node_balance",
+        "packed_node_balance",
+        "padded_node_balance",
+        "hf_batch_rebalance",
+    ] = "random"
     """How samples are assigned to ranks and micro-batches each step: ``random`` (DistributedSampler),
     ``sorted_megabatch`` (Hugging Face ``group_by_length``), ``global_sort`` (sort the global batch, deal
     across all ranks), ``stratified`` (same per-bin counts in every local batch), ``stratified_node_sort``
@@ -75,24 +92,38 @@ class SamplerConfig:
     def __post_init__(self) -> None:
         check(self.pad_multiple >= 1, f"pad_multiple: must be at least 1, got {self.pad_multiple}")
         check(all(b >= 1 for b in self.bins), f"bins: edges must be positive, got {list(self.bins)}")
-        check(all(a < b for a, b in zip(self.bins, self.bins[1:])),
-              f"bins: edges must be strictly ascending, got {list(self.bins)}")
+        check(
+            all(a < b for a, b in zip(self.bins, self.bins[1:])),
+            f"bins: edges must be strictly ascending, got {list(self.bins)}",
+        )
         check(self.num_bins >= 1, f"num_bins: must be at least 1, got {self.num_bins}")
         if self.bin_counts:
             check(bool(self.bins), "bin_counts: needs explicit bins (bin counts for quantile bins are derived)")
-            check(len(self.bin_counts) == len(self.bins),
-                  f"bin_counts: {len(self.bin_counts)} counts for {len(self.bins)} bins")
-            check(all(c >= 0 for c in self.bin_counts) and sum(self.bin_counts) > 0,
-                  f"bin_counts: must be non-negative with a positive sum, got {list(self.bin_counts)}")
-        check(self.cost_linear >= 0 and self.cost_quadratic >= 0 and self.cost_linear + self.cost_quadratic > 0,
-              f"cost_linear/cost_quadratic: must be non-negative, not both 0, got {self.cost_linear}, "
-              f"{self.cost_quadratic}")
-        check(self.megabatch_mult is None or self.megabatch_mult >= 1,
-              f"megabatch_mult: must be at least 1, got {self.megabatch_mult}")
-        check(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
-              f"micro_batch_tokens: must be at least 1, got {self.micro_batch_tokens}")
-        check(self.max_micro_batch_samples is None or self.max_micro_batch_samples >= 1,
-              f"max_micro_batch_samples: must be at least 1, got {self.max_micro_batch_samples}")
+            check(
+                len(self.bin_counts) == len(self.bins),
+                f"bin_counts: {len(self.bin_counts)} counts for {len(self.bins)} bins",
+            )
+            check(
+                all(c >= 0 for c in self.bin_counts) and sum(self.bin_counts) > 0,
+                f"bin_counts: must be non-negative with a positive sum, got {list(self.bin_counts)}",
+            )
+        check(
+            self.cost_linear >= 0 and self.cost_quadratic >= 0 and self.cost_linear + self.cost_quadratic > 0,
+            f"cost_linear/cost_quadratic: must be non-negative, not both 0, got {self.cost_linear}, "
+            f"{self.cost_quadratic}",
+        )
+        check(
+            self.megabatch_mult is None or self.megabatch_mult >= 1,
+            f"megabatch_mult: must be at least 1, got {self.megabatch_mult}",
+        )
+        check(
+            self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
+            f"micro_batch_tokens: must be at least 1, got {self.micro_batch_tokens}",
+        )
+        check(
+            self.max_micro_batch_samples is None or self.max_micro_batch_samples >= 1,
+            f"max_micro_batch_samples: must be at least 1, got {self.max_micro_batch_samples}",
+        )
 
     @property
     def cost_model(self) -> CostModel:
@@ -140,9 +171,12 @@ class DataConfig:
         check(0.0 < self.mlm_probability < 1.0, f"mlm_probability: must be in (0, 1), got {self.mlm_probability}")
         check(0.0 < self.eval_fraction < 1.0, f"eval_fraction: must be in (0, 1), got {self.eval_fraction}")
         check(self.max_eval_samples > 0, f"max_eval_samples: must be positive, got {self.max_eval_samples}")
-        check(self.tokenizer_vocab_size >= 1000,
-              f"tokenizer_vocab_size: must be at least 1000, got {self.tokenizer_vocab_size}")
-        check(self.max_documents is None or self.max_documents > 1,
-              f"max_documents: must be at least 2, got {self.max_documents}")
-        check(not (self.train_files and self.dataset),
-              "train_files: give either train_files or dataset, not both")
+        check(
+            self.tokenizer_vocab_size >= 1000,
+            f"tokenizer_vocab_size: must be at least 1000, got {self.tokenizer_vocab_size}",
+        )
+        check(
+            self.max_documents is None or self.max_documents > 1,
+            f"max_documents: must be at least 2, got {self.max_documents}",
+        )
+        check(not (self.train_files and self.dataset), "train_files: give either train_files or dataset, not both")

@@ -12,6 +12,7 @@ read, starts with valid UTF-8 — and a problem is one line naming the file.
 Everything ends as a ``datasets.Dataset`` with a single ``text`` column (one row per document), so
 the later ``map`` steps are cached by ``datasets``.
 """
+
 from __future__ import annotations
 
 import ast
@@ -89,8 +90,10 @@ def check_json_field(path: str, field: str) -> None:
     if not isinstance(first, dict):
         raise DataError(f"corpus file {path} line {number} is not a JSON object")
     if field not in first:
-        raise DataError(f"corpus file {path} line {number} has no field {field!r} "
-                        f"(fields: {', '.join(first) or 'none'}); set data.text_field")
+        raise DataError(
+            f"corpus file {path} line {number} has no field {field!r} "
+            f"(fields: {', '.join(first) or 'none'}); set data.text_field"
+        )
 
 
 def expand_train_files(patterns: tuple[str, ...] | list[str], text_field: str | None = None) -> list[str]:
@@ -167,8 +170,11 @@ def load_documents(data_cfg, cache_dir: str):
         ds = _load_named_dataset(data_cfg, hf_cache)
         source = data_cfg.dataset
     else:
-        files = (expand_train_files(data_cfg.train_files, data_cfg.text_field) if data_cfg.train_files
-                 else [embedded_corpus_path(cache_dir)])
+        files = (
+            expand_train_files(data_cfg.train_files, data_cfg.text_field)
+            if data_cfg.train_files
+            else [embedded_corpus_path(cache_dir)]
+        )
         source = ", ".join(files)
         kinds = {file_kind(f) for f in files}
         if len(kinds) > 1:
@@ -177,29 +183,38 @@ def load_documents(data_cfg, cache_dir: str):
         try:
             if kind == "text":
                 sample_by = "paragraph" if data_cfg.txt_format == "paragraph" else "line"
-                ds = datasets.load_dataset("text", data_files=files, sample_by=sample_by, split="train",
-                                           cache_dir=hf_cache)
+                ds = datasets.load_dataset(
+                    "text", data_files=files, sample_by=sample_by, split="train", cache_dir=hf_cache
+                )
             else:
                 ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir=hf_cache)
         except Exception as exc:  # datasets wraps parse errors in several types; name the file
             raise DataError(f"corpus {source} cannot be parsed: {str(exc).splitlines()[0][:300]}") from None
-    field = "text" if (not data_cfg.dataset and data_cfg.train_files and
-                       file_kind(data_cfg.train_files[0]) == "text") else data_cfg.text_field
+    field = (
+        "text"
+        if (not data_cfg.dataset and data_cfg.train_files and file_kind(data_cfg.train_files[0]) == "text")
+        else data_cfg.text_field
+    )
     if not data_cfg.train_files and not data_cfg.dataset:
         field = "text"
     if field not in ds.column_names:
-        raise DataError(f"corpus {source} has no field {field!r} (fields: {', '.join(ds.column_names)}); "
-                        "set data.text_field")
+        raise DataError(
+            f"corpus {source} has no field {field!r} (fields: {', '.join(ds.column_names)}); set data.text_field"
+        )
     ds = ds.select_columns([field])
     if field != "text":
         ds = ds.rename_column(field, "text")
-    ds = ds.filter(lambda batch: [isinstance(t, str) and bool(t.strip()) for t in batch["text"]], batched=True,
-                   desc="dropping empty documents")
+    ds = ds.filter(
+        lambda batch: [isinstance(t, str) and bool(t.strip()) for t in batch["text"]],
+        batched=True,
+        desc="dropping empty documents",
+    )
     if data_cfg.max_documents is not None:
         ds = ds.select(range(min(len(ds), data_cfg.max_documents)))
     if len(ds) < 2:
-        raise DataError(f"corpus {source} has {len(ds)} non-empty document(s); need at least 2 "
-                        "(one is held out for evaluation)")
+        raise DataError(
+            f"corpus {source} has {len(ds)} non-empty document(s); need at least 2 (one is held out for evaluation)"
+        )
     return ds
 
 
@@ -212,8 +227,7 @@ def _load_named_dataset(data_cfg, hf_cache: str):
             ds = datasets.load_from_disk(name)
             if isinstance(ds, datasets.DatasetDict):
                 if data_cfg.dataset_split not in ds:
-                    raise DataError(f"dataset {name} has no split {data_cfg.dataset_split!r} "
-                                    f"(splits: {', '.join(ds)})")
+                    raise DataError(f"dataset {name} has no split {data_cfg.dataset_split!r} (splits: {', '.join(ds)})")
                 ds = ds[data_cfg.dataset_split]
             return ds
         return datasets.load_dataset(name, split=data_cfg.dataset_split, cache_dir=hf_cache)

@@ -14,6 +14,7 @@ Plans may be ragged (the packed strategies: micro-batches of varying size, unuse
 unused slot has length 0 (:func:`slot_lengths`): a 0 costs nothing and is no sample, so a micro-batch
 of ``n`` samples costs ``n × cost(padded length)`` whatever the number of slots.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,8 +52,9 @@ def slot_lengths(indices: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.where(indices >= 0, np.asarray(lengths, dtype=np.int64)[np.maximum(indices, 0)], 0)
 
 
-def micro_batch_work(plan_lengths: np.ndarray, model: CostModel, *, padded: bool = False,
-                     pad_multiple: int = 8) -> np.ndarray:
+def micro_batch_work(
+    plan_lengths: np.ndarray, model: CostModel, *, padded: bool = False, pad_multiple: int = 8
+) -> np.ndarray:
     """Work of every micro-batch, ``[steps, world, accum]``, from slot lengths (0 = unused slot).
 
     ``padded``: ``samples × cost(padded length)`` instead of the sum over samples.
@@ -146,16 +148,25 @@ def plan_figures(plan_lengths: np.ndarray, model: CostModel, pad_multiple: int) 
     per_step = samples.sum(axis=(1, 2))
     slot_imbalance = lambda w: (w.max(axis=1) / w.mean(axis=1)).mean()
     return PlanFigures(
-        imbalance_mean=float(imb.mean()), imbalance_p99=float(np.percentile(imb, 99)),
-        padded_imbalance_mean=float(pimb.mean()), padded_imbalance_p99=float(np.percentile(pimb, 99)),
-        padding=padding_fraction(plan_lengths, pad_multiple), tokens_per_rank=float(tokens.mean()),
+        imbalance_mean=float(imb.mean()),
+        imbalance_p99=float(np.percentile(imb, 99)),
+        padded_imbalance_mean=float(pimb.mean()),
+        padded_imbalance_p99=float(np.percentile(pimb, 99)),
+        padding=padding_fraction(plan_lengths, pad_multiple),
+        tokens_per_rank=float(tokens.mean()),
         tokens_max_over_mean=float(step_imbalance(tokens).mean()),
-        step_time=float(work.max(axis=1).mean()), padded_step_time=float(padded.max(axis=1).mean()),
-        mean_work=float(work.mean()), micro_imbalance_mean=float(slot_imbalance(micro_work)),
+        step_time=float(work.max(axis=1).mean()),
+        padded_step_time=float(padded.max(axis=1).mean()),
+        mean_work=float(work.mean()),
+        micro_imbalance_mean=float(slot_imbalance(micro_work)),
         padded_micro_imbalance_mean=float(slot_imbalance(padded_micro_work)),
-        samples_per_step=float(per_step.mean()), samples_per_step_min=int(per_step.min()),
-        samples_per_step_max=int(per_step.max()), micro_batch_samples_mean=float(samples.mean()),
-        micro_batch_samples_max=int(samples.max()), micro_batch_tokens_max=int(plan_lengths.sum(axis=3).max()),
+        samples_per_step=float(per_step.mean()),
+        samples_per_step_min=int(per_step.min()),
+        samples_per_step_max=int(per_step.max()),
+        micro_batch_samples_mean=float(samples.mean()),
+        micro_batch_samples_max=int(samples.max()),
+        micro_batch_tokens_max=int(plan_lengths.sum(axis=3).max()),
         micro_batch_padded_tokens_max=int(padded_tokens(plan_lengths, pad_multiple).max()),
         work_per_rank=work / work.mean(axis=1, keepdims=True),
-        padded_work_per_rank=padded / padded.mean(axis=1, keepdims=True))
+        padded_work_per_rank=padded / padded.mean(axis=1, keepdims=True),
+    )

@@ -11,6 +11,7 @@ mapped to ``0..K-1`` when ``label_names`` lists them (in class order). :func:`ch
 sets that are more likely a mistake than a task: more than ``MAX_CLASSES`` classes, classes that never occur
 (1-based labels), a column whose values are nearly all distinct (an id column), unless ``num_labels`` says so.
 """
+
 from __future__ import annotations
 
 import csv
@@ -44,10 +45,16 @@ class LabelledData:
             return self
         import torch
 
-        picks = (torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))[:limit].tolist()
-                 if shuffle else list(range(limit)))
-        return LabelledData(tuple(self.texts[i] for i in picks), tuple(self.labels[i] for i in picks),
-                            f"{self.source} ({limit} of {len(self)})")
+        picks = (
+            torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))[:limit].tolist()
+            if shuffle
+            else list(range(limit))
+        )
+        return LabelledData(
+            tuple(self.texts[i] for i in picks),
+            tuple(self.labels[i] for i in picks),
+            f"{self.source} ({limit} of {len(self)})",
+        )
 
 
 MAX_CLASSES = 100
@@ -68,8 +75,10 @@ def _as_label(value: Any, where: str, column: str, names: tuple[str, ...] = ()) 
     elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
         label = int(value.strip())
     elif isinstance(value, str):
-        raise DataError(f"{where}: {column} {value!r} is not an integer class label; map string labels with "
-                        "finetune.label_names, e.g. [\"negative\", \"positive\"]")
+        raise DataError(
+            f"{where}: {column} {value!r} is not an integer class label; map string labels with "
+            'finetune.label_names, e.g. ["negative", "positive"]'
+        )
     else:
         raise DataError(f"{where}: {column} {value!r} is not an integer class label")
     if label < 0:
@@ -77,8 +86,14 @@ def _as_label(value: Any, where: str, column: str, names: tuple[str, ...] = ()) 
     return label
 
 
-def _collect(rows: Iterable[tuple[str, dict]], path: str, text_column: str, label_column: str,
-             columns: Optional[Iterable[str]] = None, names: tuple[str, ...] = ()) -> LabelledData:
+def _collect(
+    rows: Iterable[tuple[str, dict]],
+    path: str,
+    text_column: str,
+    label_column: str,
+    columns: Optional[Iterable[str]] = None,
+    names: tuple[str, ...] = (),
+) -> LabelledData:
     """``rows`` yields ``(where, record)``; ``columns`` (when known up front) are checked first."""
     if columns is not None:
         columns = list(columns)
@@ -143,8 +158,13 @@ def _jsonl_rows(path: str, text: str) -> Iterator[tuple[str, dict]]:
         yield f"{path} line {number}", record
 
 
-def load_labelled(path: str, text_column: str = "text", label_column: str = "label",
-                  split: Optional[str] = None, label_names: tuple[str, ...] = ()) -> LabelledData:
+def load_labelled(
+    path: str,
+    text_column: str = "text",
+    label_column: str = "label",
+    split: Optional[str] = None,
+    label_names: tuple[str, ...] = (),
+) -> LabelledData:
     """Read labelled examples from ``path`` (see the module docstring)."""
     if not path:
         raise DataError("no labelled data file given")
@@ -159,13 +179,13 @@ def load_labelled(path: str, text_column: str = "text", label_column: str = "lab
         columns, rows = _csv_rows(path, _read_text(path))
         return _collect(rows, path, text_column, label_column, columns, tuple(label_names))
     if lower.endswith((".jsonl", ".json")):
-        return _collect(_jsonl_rows(path, _read_text(path)), path, text_column, label_column,
-                        names=tuple(label_names))
+        return _collect(_jsonl_rows(path, _read_text(path)), path, text_column, label_column, names=tuple(label_names))
     raise DataError(f"{path}: unsupported format; use .csv, .jsonl or a directory saved by datasets")
 
 
-def _load_dataset_dir(path: str, text_column: str, label_column: str, split: Optional[str],
-                      names: tuple[str, ...] = ()) -> LabelledData:
+def _load_dataset_dir(
+    path: str, text_column: str, label_column: str, split: Optional[str], names: tuple[str, ...] = ()
+) -> LabelledData:
     import datasets
 
     try:
@@ -174,37 +194,48 @@ def _load_dataset_dir(path: str, text_column: str, label_column: str, split: Opt
         raise DataError(f"{path} is not a directory saved by datasets.save_to_disk ({exc})") from None
     if isinstance(data, datasets.DatasetDict):
         if split is None or split not in data:
-            raise DataError(f"{path} holds splits {', '.join(data)}; choose one with a split name"
-                            + (f" (not {split!r})" if split else ""))
+            raise DataError(
+                f"{path} holds splits {', '.join(data)}; choose one with a split name"
+                + (f" (not {split!r})" if split else "")
+            )
         data = data[split]
     rows = ((f"{path} row {i}", record) for i, record in enumerate(data))
     return _collect(rows, path, text_column, label_column, data.column_names, names)
 
 
-def check_labels(train: LabelledData, validation: Optional[LabelledData], num_labels: Optional[int],
-                 label_column: str) -> int:
+def check_labels(
+    train: LabelledData, validation: Optional[LabelledData], num_labels: Optional[int], label_column: str
+) -> int:
     """The number of classes, or a one-line :class:`DataError` for a label set that looks like a mistake."""
     if num_labels is not None:
         for data in filter(None, (train, validation)):
             if data.num_labels > num_labels:
-                raise DataError(f"finetune.num_labels: {data.source} has label {data.num_labels - 1}, "
-                                f"outside 0..{num_labels - 1}")
+                raise DataError(
+                    f"finetune.num_labels: {data.source} has label {data.num_labels - 1}, outside 0..{num_labels - 1}"
+                )
         return num_labels
     classes = train.num_labels
     distinct = set(train.labels)
     given = "; if that is right, say so with finetune.num_labels"
     if classes > MAX_CLASSES:
-        raise DataError(f"finetune.label_column: {label_column!r} of {train.source} has labels up to {classes - 1} "
-                        f"({len(distinct)} distinct), more than {MAX_CLASSES} classes: is it an id column{given}")
+        raise DataError(
+            f"finetune.label_column: {label_column!r} of {train.source} has labels up to {classes - 1} "
+            f"({len(distinct)} distinct), more than {MAX_CLASSES} classes: is it an id column{given}"
+        )
     if len(distinct) > 20 and len(distinct) > 0.5 * len(train):
-        raise DataError(f"finetune.label_column: {label_column!r} of {train.source} has {len(distinct)} distinct "
-                        f"values in {len(train)} examples, as an id column would{given}")
+        raise DataError(
+            f"finetune.label_column: {label_column!r} of {train.source} has {len(distinct)} distinct "
+            f"values in {len(train)} examples, as an id column would{given}"
+        )
     missing = sorted(set(range(classes)) - distinct)
     if missing:
         hint = " (labels look 1-based: classes are 0..K-1)" if missing == [0] else ""
-        raise DataError(f"finetune.label_column: class {missing[0]} of 0..{classes - 1} never occurs in "
-                        f"{train.source}{hint}{given}")
+        raise DataError(
+            f"finetune.label_column: class {missing[0]} of 0..{classes - 1} never occurs in {train.source}{hint}{given}"
+        )
     if validation is not None and validation.num_labels > classes:
-        raise DataError(f"{validation.source} has label {validation.num_labels - 1}, but the training data has "
-                        f"classes 0..{classes - 1} only")
+        raise DataError(
+            f"{validation.source} has label {validation.num_labels - 1}, but the training data has "
+            f"classes 0..{classes - 1} only"
+        )
     return classes

@@ -7,6 +7,7 @@ and DeepSpeed's ``batch_by_seqlens`` (a linear-time equivalent of its rule, chec
 inputs), and measures each with :func:`~ds_bertopt.data.cost.plan_figures`. ``ds-bertopt balance`` and
 ``bench/balance.py`` print these figures.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,23 +76,51 @@ class StrategyResult:
     note: str = ""
 
 
-def evaluate(lengths: np.ndarray, *, world_size: int, ranks_per_node: int, micro_batch: int, grad_accum: int,
-             cfg: SamplerConfig, cost: CostModel, seed: int = 0, strategies: tuple[str, ...] = STRATEGIES,
-             peers: tuple[str, ...] = (), peer_budget_s: Optional[float] = None) -> dict[str, StrategyResult]:
+def evaluate(
+    lengths: np.ndarray,
+    *,
+    world_size: int,
+    ranks_per_node: int,
+    micro_batch: int,
+    grad_accum: int,
+    cfg: SamplerConfig,
+    cost: CostModel,
+    seed: int = 0,
+    strategies: tuple[str, ...] = STRATEGIES,
+    peers: tuple[str, ...] = (),
+    peer_budget_s: Optional[float] = None,
+) -> dict[str, StrategyResult]:
     """Plan epoch 0 with every strategy (and ``peers``, see :func:`peer_plan`) and measure it with ``cost``."""
     out = {}
     for strategy in strategies:
         start = time.process_time()
-        plan = plan_epoch(lengths, world_size=world_size, ranks_per_node=ranks_per_node, micro_batch=micro_batch,
-                          grad_accum=grad_accum, strategy=strategy, cfg=cfg, seed=seed, epoch=0)
+        plan = plan_epoch(
+            lengths,
+            world_size=world_size,
+            ranks_per_node=ranks_per_node,
+            micro_batch=micro_batch,
+            grad_accum=grad_accum,
+            strategy=strategy,
+            cfg=cfg,
+            seed=seed,
+            epoch=0,
+        )
         seconds = (time.process_time() - start) / plan.steps
         figures = plan_figures(slot_lengths(plan.indices, lengths), cost, cfg.pad_multiple)
         out[strategy] = StrategyResult(plan, figures, seconds)
     for peer in peers:
-        plan, seconds, note = peer_plan(peer, lengths, world_size=world_size, micro_batch=micro_batch,
-                                        grad_accum=grad_accum, seed=seed, budget_s=peer_budget_s)
-        out[peer] = StrategyResult(plan, plan_figures(slot_lengths(plan.indices, lengths), cost, cfg.pad_multiple),
-                                   seconds, note)
+        plan, seconds, note = peer_plan(
+            peer,
+            lengths,
+            world_size=world_size,
+            micro_batch=micro_batch,
+            grad_accum=grad_accum,
+            seed=seed,
+            budget_s=peer_budget_s,
+        )
+        out[peer] = StrategyResult(
+            plan, plan_figures(slot_lengths(plan.indices, lengths), cost, cfg.pad_multiple), seconds, note
+        )
     return out
 
 
@@ -105,13 +134,21 @@ def ragged_indices(steps: list) -> np.ndarray:
     for s, step in enumerate(steps):
         for r, rank in enumerate(step):
             for a, mb in enumerate(rank):
-                out[s, r, a, :len(mb)] = mb
+                out[s, r, a, : len(mb)] = mb
     return out
 
 
-def hf_batch_rebalance_plan(lengths: np.ndarray, *, world_size: int, micro_batch: int, grad_accum: int,
-                            seed: int = 0, epoch: int = 0, per_rank: Optional[bool] = None,
-                            budget_s: Optional[float] = None) -> tuple[Plan, float, str]:
+def hf_batch_rebalance_plan(
+    lengths: np.ndarray,
+    *,
+    world_size: int,
+    micro_batch: int,
+    grad_accum: int,
+    seed: int = 0,
+    epoch: int = 0,
+    per_rank: Optional[bool] = None,
+    budget_s: Optional[float] = None,
+) -> tuple[Plan, float, str]:
     """transformers' ``BatchRebalanceSampler`` (``transformers.trainer_pt_utils``), as ``Trainer`` builds it:
     ``effective_batch_size`` = the global batch, one sampler per rank (``Trainer._get_train_sampler``), with
     ``drop_last=True`` (``Trainer`` passes ``dataloader_drop_last``): the partial last batch is left out, as
@@ -131,8 +168,15 @@ def hf_batch_rebalance_plan(lengths: np.ndarray, *, world_size: int, micro_batch
         raise DataError(f"transformers.trainer_pt_utils.BatchRebalanceSampler is missing ({exc})") from None
     global_batch = world_size * micro_batch * grad_accum
     values = [int(v) for v in lengths]
-    make = lambda rank: BatchRebalanceSampler(values, effective_batch_size=global_batch, dp_size=world_size,
-                                              grad_accum=grad_accum, shuffle=True, seed=seed, rank=rank)
+    make = lambda rank: BatchRebalanceSampler(
+        values,
+        effective_batch_size=global_batch,
+        dp_size=world_size,
+        grad_accum=grad_accum,
+        shuffle=True,
+        seed=seed,
+        rank=rank,
+    )
     total = len(values) // global_batch
     if per_rank if per_rank is not None else world_size <= 64:
         per_rank_mbs, seconds = [], []
@@ -143,21 +187,25 @@ def hf_batch_rebalance_plan(lengths: np.ndarray, *, world_size: int, micro_batch
             mbs = list(sampler)
             seconds.append((time.process_time() - start) / total)
             per_rank_mbs.append(mbs)
-        steps = [[[per_rank_mbs[r][s * grad_accum + a] for a in range(grad_accum)] for r in range(world_size)]
-                 for s in range(total)]
+        steps = [
+            [[per_rank_mbs[r][s * grad_accum + a] for a in range(grad_accum)] for r in range(world_size)]
+            for s in range(total)
+        ]
         how = "per-rank iterators"
         per_step = float(np.mean(seconds))
     else:
         sampler = make(0)
         if not callable(getattr(sampler, "_assign", None)):
-            raise DataError("transformers' BatchRebalanceSampler has no _assign(indices, lengths) any more; drive it "
-                            "per rank (per_rank=True)")
+            raise DataError(
+                "transformers' BatchRebalanceSampler has no _assign(indices, lengths) any more; drive it "
+                "per rank (per_rank=True)"
+            )
         generator = torch.Generator()
         generator.manual_seed(seed + epoch)  # as BatchRebalanceSampler.__iter__ draws its order
         order = torch.randperm(len(values), generator=generator).tolist()
         steps, spent = [], 0.0
         for s in range(total):
-            batch = order[s * global_batch:(s + 1) * global_batch]
+            batch = order[s * global_batch : (s + 1) * global_batch]
             start = time.process_time()
             steps.append(sampler._assign(batch, [values[i] for i in batch]))
             spent += time.process_time() - start
@@ -203,13 +251,19 @@ def check_ds_token_packs(lengths: np.ndarray, max_tokens: int, effective_batch_s
     try:
         from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import batch_by_seqlens
     except ImportError as exc:
-        raise DataError(f"deepspeed's data_sampling.variable_batch_size_and_lr.batch_by_seqlens is missing "
-                        f"({exc})") from None
+        raise DataError(
+            f"deepspeed's data_sampling.variable_batch_size_and_lr.batch_by_seqlens is missing ({exc})"
+        ) from None
 
-    theirs, _, _ = batch_by_seqlens([int(v) for v in lengths], max_tokens, sequence_picking_order="random",
-                                    effective_batch_size=effective_batch_size, seed=seed)
+    theirs, _, _ = batch_by_seqlens(
+        [int(v) for v in lengths],
+        max_tokens,
+        sequence_picking_order="random",
+        effective_batch_size=effective_batch_size,
+        seed=seed,
+    )
     ours = ds_token_packs(lengths, max_tokens, seed)
-    ours = ours[:len(ours) - len(ours) % effective_batch_size]
+    ours = ours[: len(ours) - len(ours) % effective_batch_size]
     return [list(ids) for _, ids in theirs] == [mb.tolist() for mb in ours]
 
 
@@ -229,9 +283,16 @@ def ds_max_tokens_for(lengths: np.ndarray, micro_batch: int, seed: int, sample: 
     return lo
 
 
-def ds_batch_by_seqlens_plan(lengths: np.ndarray, *, world_size: int, micro_batch: int, grad_accum: int,
-                             seed: int = 0, max_tokens: Optional[int] = None,
-                             packs_per_micro: int = 1) -> tuple[Plan, float, str]:
+def ds_batch_by_seqlens_plan(
+    lengths: np.ndarray,
+    *,
+    world_size: int,
+    micro_batch: int,
+    grad_accum: int,
+    seed: int = 0,
+    max_tokens: Optional[int] = None,
+    packs_per_micro: int = 1,
+) -> tuple[Plan, float, str]:
     """DeepSpeed's dynamic batching as ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed``
     wires it: ``effective_batch_size`` = ``train_batch_size`` packs (``packs_per_micro`` = its
     ``train_micro_batch_size_per_gpu`` × accumulation × world) per step, the packs dealt by a
@@ -246,31 +307,55 @@ def ds_batch_by_seqlens_plan(lengths: np.ndarray, *, world_size: int, micro_batc
     per_step = packs_per_micro * grad_accum * world_size
     steps = len(packs) // per_step
     if steps == 0:
-        raise DataError(f"ds_batch_by_seqlens: {len(packs)} packs of ≤ {max_tokens} tokens, fewer than one step's "
-                        f"{per_step}")
-    plan_steps = [[[np.concatenate([packs[((s * grad_accum + a) * packs_per_micro + t) * world_size + r]
-                                    for t in range(packs_per_micro)]).tolist()
-                    for a in range(grad_accum)] for r in range(world_size)] for s in range(steps)]
+        raise DataError(
+            f"ds_batch_by_seqlens: {len(packs)} packs of ≤ {max_tokens} tokens, fewer than one step's {per_step}"
+        )
+    plan_steps = [
+        [
+            [
+                np.concatenate(
+                    [
+                        packs[((s * grad_accum + a) * packs_per_micro + t) * world_size + r]
+                        for t in range(packs_per_micro)
+                    ]
+                ).tolist()
+                for a in range(grad_accum)
+            ]
+            for r in range(world_size)
+        ]
+        for s in range(steps)
+    ]
     seconds = (time.process_time() - start) / steps
     indices = ragged_indices(plan_steps)
-    return (Plan(indices, len(lengths) - int((indices >= 0).sum()), "ds_batch_by_seqlens"), seconds,
-            f"max_tokens {max_tokens}, {packs_per_micro} pack(s) per micro-step, order random")
+    return (
+        Plan(indices, len(lengths) - int((indices >= 0).sum()), "ds_batch_by_seqlens"),
+        seconds,
+        f"max_tokens {max_tokens}, {packs_per_micro} pack(s) per micro-step, order random",
+    )
 
 
-def peer_plan(name: str, lengths: np.ndarray, *, world_size: int, micro_batch: int, grad_accum: int, seed: int = 0,
-              budget_s: Optional[float] = None) -> tuple[Plan, float, str]:
+def peer_plan(
+    name: str,
+    lengths: np.ndarray,
+    *,
+    world_size: int,
+    micro_batch: int,
+    grad_accum: int,
+    seed: int = 0,
+    budget_s: Optional[float] = None,
+) -> tuple[Plan, float, str]:
     """One of :data:`PEERS`: ``(plan, planning seconds per step on one rank, how it was driven)``."""
     if name == "hf_batch_rebalance":
-        return hf_batch_rebalance_plan(lengths, world_size=world_size, micro_batch=micro_batch,
-                                       grad_accum=grad_accum, seed=seed, budget_s=budget_s)
+        return hf_batch_rebalance_plan(
+            lengths, world_size=world_size, micro_batch=micro_batch, grad_accum=grad_accum, seed=seed, budget_s=budget_s
+        )
     if name == "ds_batch_by_seqlens":
-        return ds_batch_by_seqlens_plan(lengths, world_size=world_size, micro_batch=micro_batch,
-                                        grad_accum=grad_accum, seed=seed)
+        return ds_batch_by_seqlens_plan(
+            lengths, world_size=world_size, micro_batch=micro_batch, grad_accum=grad_accum, seed=seed
+        )
     raise DataError(f"peer {name!r} is not one of {', '.join(PEERS)}")
 
 
 def per_global_batch(figures: PlanFigures, global_batch: int) -> float:
     """Scale for a planner whose steps hold a varying number of samples: step time per ``global_batch`` samples."""
     return global_batch / figures.samples_per_step
-
-

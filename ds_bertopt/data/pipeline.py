@@ -4,6 +4,7 @@ All heavy steps are ``datasets.map`` calls with explicit fingerprints, so their 
 under ``cache_dir`` and a second run (or another rank) reuses them. On every node the local rank 0
 builds first under a file lock while the other ranks wait at a barrier, then they read the cache.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,10 @@ def _fingerprint(*parts) -> str:
 
 def _tokenizer_id(tokenizer) -> str:
     vocab = tokenizer.get_vocab()
-    return hashlib.sha1(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16] + \
-        f"-lc{int(bool(getattr(tokenizer, 'do_lower_case', False)))}"
+    return (
+        hashlib.sha1(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
+        + f"-lc{int(bool(getattr(tokenizer, 'do_lower_case', False)))}"
+    )
 
 
 def _tokenize_batch(batch, tokenizer):
@@ -52,7 +55,7 @@ def _tokenize_batch(batch, tokenizer):
     ids = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
     out, pos = [], 0
     for doc in per_doc:
-        out.append([t for t in ids[pos:pos + len(doc)] if t])
+        out.append([t for t in ids[pos : pos + len(doc)] if t])
         pos += len(doc)
     return {"sentences": out}
 
@@ -71,11 +74,20 @@ def _instance_batch(batch, indices, *, max_seq_length, short_seq_prob, nsp, seed
         if nsp:
             others = [j for j in range(len(docs)) if j != d and docs[j]]
             random_document = functools.partial(_pick, docs, others, rng) if others else None
-            pairs = sequences.nsp_pairs(doc, max_seq_length=max_seq_length, short_seq_prob=short_seq_prob,
-                                        rng=rng, random_document=random_document)
+            pairs = sequences.nsp_pairs(
+                doc,
+                max_seq_length=max_seq_length,
+                short_seq_prob=short_seq_prob,
+                rng=rng,
+                random_document=random_document,
+            )
         else:
-            pairs = [(tokens, [], 0) for tokens in sequences.mlm_sequences(
-                doc, max_seq_length=max_seq_length, short_seq_prob=short_seq_prob, rng=rng)]
+            pairs = [
+                (tokens, [], 0)
+                for tokens in sequences.mlm_sequences(
+                    doc, max_seq_length=max_seq_length, short_seq_prob=short_seq_prob, rng=rng
+                )
+            ]
         for tokens_a, tokens_b, label in pairs:
             ids, types = sequences.assemble(tokens_a, tokens_b, cls_id, sep_id)
             out["input_ids"].append(ids)
@@ -85,24 +97,51 @@ def _instance_batch(batch, indices, *, max_seq_length, short_seq_prob, nsp, seed
     return out
 
 
-def build_sequences(documents, tokenizer, *, max_seq_length: int, short_seq_prob: float, nsp: bool,
-                    seed: int, cache_dir: str, split: str):
+def build_sequences(
+    documents,
+    tokenizer,
+    *,
+    max_seq_length: int,
+    short_seq_prob: float,
+    nsp: bool,
+    seed: int,
+    cache_dir: str,
+    split: str,
+):
     """Tokenize documents into sentences, then pack them into BERT sequences (both steps cached)."""
     tok_id = _tokenizer_id(tokenizer)
     cache = os.path.join(cache_dir, "sequences")
     os.makedirs(cache, exist_ok=True)
     fp_tok = _fingerprint("tok", PIPELINE_VERSION, documents._fingerprint, tok_id)
-    tokenized = documents.map(_tokenize_batch, batched=True, batch_size=_MAP_BATCH, remove_columns=["text"],
-                              fn_kwargs={"tokenizer": tokenizer}, new_fingerprint=fp_tok,
-                              cache_file_name=os.path.join(cache, f"{fp_tok}.arrow"),
-                              desc=f"tokenizing {split} documents")
+    tokenized = documents.map(
+        _tokenize_batch,
+        batched=True,
+        batch_size=_MAP_BATCH,
+        remove_columns=["text"],
+        fn_kwargs={"tokenizer": tokenizer},
+        new_fingerprint=fp_tok,
+        cache_file_name=os.path.join(cache, f"{fp_tok}.arrow"),
+        desc=f"tokenizing {split} documents",
+    )
     fp_seq = _fingerprint("seq", PIPELINE_VERSION, fp_tok, max_seq_length, short_seq_prob, nsp, seed)
     return tokenized.map(
-        _instance_batch, batched=True, batch_size=_MAP_BATCH, with_indices=True, remove_columns=["sentences"],
-        fn_kwargs=dict(max_seq_length=max_seq_length, short_seq_prob=short_seq_prob, nsp=nsp, seed=seed,
-                       cls_id=tokenizer.cls_token_id, sep_id=tokenizer.sep_token_id),
-        new_fingerprint=fp_seq, cache_file_name=os.path.join(cache, f"{fp_seq}.arrow"),
-        desc=f"building {split} sequences")
+        _instance_batch,
+        batched=True,
+        batch_size=_MAP_BATCH,
+        with_indices=True,
+        remove_columns=["sentences"],
+        fn_kwargs=dict(
+            max_seq_length=max_seq_length,
+            short_seq_prob=short_seq_prob,
+            nsp=nsp,
+            seed=seed,
+            cls_id=tokenizer.cls_token_id,
+            sep_id=tokenizer.sep_token_id,
+        ),
+        new_fingerprint=fp_seq,
+        cache_file_name=os.path.join(cache, f"{fp_seq}.arrow"),
+        desc=f"building {split} sequences",
+    )
 
 
 def split_documents(documents, eval_fraction: float, seed: int):
@@ -121,12 +160,18 @@ def _build(cfg, cache_dir: str) -> PretrainData:
 
     data_cfg, model_cfg = cfg.data, cfg.model
     documents = load_documents(data_cfg, cache_dir)
-    source = data_cfg.dataset or (", ".join(data_cfg.train_files) if data_cfg.train_files
-                                  else "embedded corpus (Python stdlib docstrings)")
+    source = data_cfg.dataset or (
+        ", ".join(data_cfg.train_files) if data_cfg.train_files else "embedded corpus (Python stdlib docstrings)"
+    )
     tokenizer = get_tokenizer(data_cfg, documents, cache_dir)
     train_docs, eval_docs = split_documents(documents, data_cfg.eval_fraction, data_cfg.seed)
-    common = dict(max_seq_length=data_cfg.max_seq_length, short_seq_prob=data_cfg.short_seq_prob,
-                  nsp=model_cfg.objective == "mlm_nsp", seed=data_cfg.seed, cache_dir=cache_dir)
+    common = dict(
+        max_seq_length=data_cfg.max_seq_length,
+        short_seq_prob=data_cfg.short_seq_prob,
+        nsp=model_cfg.objective == "mlm_nsp",
+        seed=data_cfg.seed,
+        cache_dir=cache_dir,
+    )
     train = build_sequences(train_docs, tokenizer, split="train", **common)
     evaluation = build_sequences(eval_docs, tokenizer, split="eval", **common)
     if len(train) == 0:

@@ -61,6 +61,7 @@ micro-batches hold similar lengths (little padding) and each rank's micro-batche
 Samples that do not fill a global batch (and, for stratified plans, at most ``units × bins`` that the
 bins cannot split evenly) are dropped and counted.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -189,8 +190,10 @@ def stratified_draw(lengths, edges, explicit_counts, units: int, unit_size: int,
             totals = _apportion(steps * unit_size, per_bin.astype(np.float64), capacity)
             counts = step_bin_counts(totals, steps, rng)
     if steps == 0:
-        raise DataError(f"sampler: the length bins {edges.tolist()} hold {per_bin.tolist()} sequences, too few for "
-                        f"one step of {units} × {unit_size} with the bin counts")
+        raise DataError(
+            f"sampler: the length bins {edges.tolist()} hold {per_bin.tolist()} sequences, too few for "
+            f"one step of {units} × {unit_size} with the bin counts"
+        )
     # every bin's samples in a random order, bins one after another
     perm = rng.permutation(n)
     by_bin = perm[np.argsort(which[perm], kind="stable")]
@@ -224,7 +227,8 @@ def balance_order(costs: np.ndarray, ranks: int, micro: int, carry_load: bool = 
     ``costs``: ``[pools, ranks × accum × micro]`` items, each pool sorted by cost descending; group
     ``a`` = positions ``[a·ranks·micro, (a+1)·ranks·micro)`` becomes every rank's micro-batch ``a``.
     Each item in turn goes to the least-loaded rank that has fewer than ``micro`` items of this group;
-    ``carry_load``: the load counts earlier groups (balances step totals), else each group on its own. Returns ``[pools, ranks, accum × micro]`` positions.
+    ``carry_load``: the load counts earlier groups (balances step totals), else each group on its own.
+    Returns ``[pools, ranks, accum × micro]`` positions.
     """
     pools, size = costs.shape
     group = ranks * micro
@@ -261,8 +265,9 @@ def refine_by_swaps(positions: np.ndarray, costs: np.ndarray, micro: int, rounds
         load = item_cost.sum(axis=2)
         hi, lo = load.argmax(axis=1), load.argmin(axis=1)
         gap = (load[rows, hi] - load[rows, lo])[:, None, None, None]
-        diff = (item_cost[rows, hi].reshape(pools, slots, micro, 1)
-                - item_cost[rows, lo].reshape(pools, slots, 1, micro))  # moved from hi to lo by the swap
+        diff = item_cost[rows, hi].reshape(pools, slots, micro, 1) - item_cost[rows, lo].reshape(
+            pools, slots, 1, micro
+        )  # moved from hi to lo by the swap
         score = np.where((diff > 0) & (diff < gap), np.abs(gap / 2 - diff), np.inf).reshape(pools, -1)
         best = score.argmin(axis=1)
         ok = np.isfinite(score[rows, best])
@@ -298,8 +303,19 @@ def split_across_nodes(pools: np.ndarray, lengths: np.ndarray, nodes: int, cost:
     return out
 
 
-def deal(indices: np.ndarray, lengths: np.ndarray, *, ranks: int, micro: int, accum: int, method: str,
-         cost: CostModel, padded: bool = False, pad_multiple: int = 8, each_micro_batch: bool = False) -> np.ndarray:
+def deal(
+    indices: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    ranks: int,
+    micro: int,
+    accum: int,
+    method: str,
+    cost: CostModel,
+    padded: bool = False,
+    pad_multiple: int = 8,
+    each_micro_batch: bool = False,
+) -> np.ndarray:
     """Deal pools ``[..., ranks × accum × micro]`` to ``[..., ranks, accum, micro]``.
 
     Each pool is sorted by length (descending) first.
@@ -334,8 +350,9 @@ def deal(indices: np.ndarray, lengths: np.ndarray, *, ranks: int, micro: int, ac
     positions = balance_order(item_cost, ranks, per_group, carry_load=not each_micro_batch)
     if each_micro_batch:  # swaps within each slot: every micro-step on its own
         for start in range(0, positions.shape[2], per_group):
-            positions[:, :, start:start + per_group] = refine_by_swaps(
-                positions[:, :, start:start + per_group], item_cost, per_group, SWAP_ROUNDS * ranks)
+            positions[:, :, start : start + per_group] = refine_by_swaps(
+                positions[:, :, start : start + per_group], item_cost, per_group, SWAP_ROUNDS * ranks
+            )
     else:  # positions ascend with descending cost: longest micro-batch first
         positions = np.sort(refine_by_swaps(positions, item_cost, per_group, SWAP_ROUNDS * ranks), axis=2)
     dealt = np.take_along_axis(items[:, None], positions.reshape(*positions.shape, *([1] * (items.ndim - 2))), axis=2)
@@ -366,8 +383,9 @@ def _compact(members: np.ndarray) -> np.ndarray:
     return np.where(ordered == size, -1, ordered)
 
 
-def pack_by_cost(costs: np.ndarray, tokens: np.ndarray, bins: int, max_samples: int, max_tokens: int,
-                 min_samples: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def pack_by_cost(
+    costs: np.ndarray, tokens: np.ndarray, bins: int, max_samples: int, max_tokens: int, min_samples: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
     """Greedy longest-processing-time packing into ``bins`` bins of any size, vectorised over pools.
 
     ``costs``, ``tokens``: ``[pools, items]``, each pool sorted by cost descending; items with 0 tokens are
@@ -389,7 +407,7 @@ def pack_by_cost(costs: np.ndarray, tokens: np.ndarray, bins: int, max_samples: 
     feasible = np.ones(pools, dtype=bool)
     deficit = np.full(pools, bins * min_samples)  # placements still owed to bins short of min_samples
     for i in range(size):
-        room = (count < max_samples) & (held + tokens[:, i:i + 1] <= max_tokens)
+        room = (count < max_samples) & (held + tokens[:, i : i + 1] <= max_tokens)
         if min_samples > 1:  # (one each comes free: an empty bin is the least loaded)
             forced = left[:, i] <= deficit
             room &= (count < min_samples) | ~forced[:, None]
@@ -406,8 +424,16 @@ def pack_by_cost(costs: np.ndarray, tokens: np.ndarray, bins: int, max_samples: 
     return members, feasible
 
 
-def refine_packing(members: np.ndarray, costs: np.ndarray, tokens: np.ndarray, max_samples: int, max_tokens: int,
-                   rounds: int, min_samples: int = 1, tolerance: float = 1e-3) -> np.ndarray:
+def refine_packing(
+    members: np.ndarray,
+    costs: np.ndarray,
+    tokens: np.ndarray,
+    max_samples: int,
+    max_tokens: int,
+    rounds: int,
+    min_samples: int = 1,
+    tolerance: float = 1e-3,
+) -> np.ndarray:
     """Lower the busiest bin's cost by moving or swapping items with the least-loaded bin.
 
     ``members``: ``[pools, bins, slots]`` positions (``-1`` unused), ``costs``/``tokens``: ``[pools, items]``.
@@ -433,9 +459,13 @@ def refine_packing(members: np.ndarray, costs: np.ndarray, tokens: np.ndarray, m
         hi_cost, lo_cost = cost[active, hi], cost[active, lo]  # [pools, slots]
         hi_tok, lo_tok = tok[active, hi], tok[active, lo]
         # move slot j of the busiest bin to the least-loaded one
-        move_ok = ((members[active, hi] >= 0) & (count[active, hi] > min_samples)[:, None]
-                   & (count[active, lo] < room)[:, None] & (held[active, lo][:, None] + hi_tok <= max_tokens)
-                   & (hi_cost < gap[:, None]))
+        move_ok = (
+            (members[active, hi] >= 0)
+            & (count[active, hi] > min_samples)[:, None]
+            & (count[active, lo] < room)[:, None]
+            & (held[active, lo][:, None] + hi_tok <= max_tokens)
+            & (hi_cost < gap[:, None])
+        )
         move_score = np.where(move_ok, np.abs(gap[:, None] / 2 - hi_cost), np.inf)
         best_move = move_score.argmin(axis=1)
         moving = np.isfinite(move_score[np.arange(active.size), best_move])
@@ -454,10 +484,14 @@ def refine_packing(members: np.ndarray, costs: np.ndarray, tokens: np.ndarray, m
         q = np.flatnonzero(~moving)
         diff = hi_cost[q, :, None] - lo_cost[q, None, :]
         tok_diff = hi_tok[q, :, None] - lo_tok[q, None, :]
-        swap_ok = ((members[active[q], hi[q]] >= 0)[:, :, None] & (members[active[q], lo[q]] >= 0)[:, None, :]
-                   & (diff > 0) & (diff < gap[q, None, None])
-                   & (held[active[q], lo[q]][:, None, None] + tok_diff <= max_tokens)
-                   & (held[active[q], hi[q]][:, None, None] - tok_diff <= max_tokens))
+        swap_ok = (
+            (members[active[q], hi[q]] >= 0)[:, :, None]
+            & (members[active[q], lo[q]] >= 0)[:, None, :]
+            & (diff > 0)
+            & (diff < gap[q, None, None])
+            & (held[active[q], lo[q]][:, None, None] + tok_diff <= max_tokens)
+            & (held[active[q], hi[q]][:, None, None] - tok_diff <= max_tokens)
+        )
         swap_score = np.where(swap_ok, np.abs(gap[q, None, None] / 2 - diff), np.inf).reshape(q.size, slots * slots)
         best_swap = swap_score.argmin(axis=1)
         found = np.isfinite(swap_score[np.arange(q.size), best_swap])
@@ -476,8 +510,9 @@ def refine_packing(members: np.ndarray, costs: np.ndarray, tokens: np.ndarray, m
     return _compact(members)
 
 
-def contiguous_groups(unit_cost: np.ndarray, capacity: np.ndarray, groups: int,
-                      iterations: int = 48) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def contiguous_groups(
+    unit_cost: np.ndarray, capacity: np.ndarray, groups: int, iterations: int = 48
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cut every pool into ``groups`` non-empty runs of consecutive items minimising the largest run cost.
 
     A run of ``n`` items starting at item ``i`` costs ``n × unit_cost[i]`` (a micro-batch padded to its
@@ -533,8 +568,7 @@ def contiguous_groups(unit_cost: np.ndarray, capacity: np.ndarray, groups: int,
     return starts, counts, feasible
 
 
-def _deal_bins(members: np.ndarray, bin_cost: np.ndarray, ranks: int, accum: int,
-               each_micro_batch: bool) -> np.ndarray:
+def _deal_bins(members: np.ndarray, bin_cost: np.ndarray, ranks: int, accum: int, each_micro_batch: bool) -> np.ndarray:
     """``ranks × accum`` bins ``[pools, bins, slots]`` → ``[pools, ranks, accum, slots]``, bins dealt whole.
 
     Bins sorted by cost (descending) are dealt by :func:`balance_order`: each rank's step total
@@ -553,8 +587,9 @@ def _deal_bins(members: np.ndarray, bin_cost: np.ndarray, ranks: int, accum: int
     return np.take_along_axis(members, chosen[:, :, None], axis=1).reshape(pools, ranks, accum, -1)
 
 
-def _deal_runs(starts: np.ndarray, counts: np.ndarray, unit: np.ndarray, ranks: int, accum: int,
-               each_micro_batch: bool) -> np.ndarray:
+def _deal_runs(
+    starts: np.ndarray, counts: np.ndarray, unit: np.ndarray, ranks: int, accum: int, each_micro_batch: bool
+) -> np.ndarray:
     """Runs ``[pools, runs]`` (start, count) of a sorted pool, costing ``count × unit[start]``, dealt whole."""
     slots = np.arange(int(counts.max()))
     members = np.where(slots < counts[..., None], starts[..., None] + slots, -1)
@@ -571,9 +606,19 @@ def _padded_step_cost(dealt: np.ndarray, unit: np.ndarray, each_micro_batch: boo
     return work.max(axis=1).sum(axis=1) if each_micro_batch else work.sum(axis=2).max(axis=1)
 
 
-def pack_pools(pools: np.ndarray, lengths: np.ndarray, *, ranks: int, accum: int, cost: CostModel, padded: bool,
-               pad_multiple: int, max_samples: int, max_tokens: int,
-               each_micro_batch: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def pack_pools(
+    pools: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    ranks: int,
+    accum: int,
+    cost: CostModel,
+    padded: bool,
+    pad_multiple: int,
+    max_samples: int,
+    max_tokens: int,
+    each_micro_batch: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
     """Pack pools ``[pools, items]`` into ``[pools, ranks, accum, slots]`` micro-batches of varying size.
 
     Every rank gets ``accum`` non-empty micro-batches of at most ``max_samples`` samples and
@@ -621,11 +666,13 @@ def pack_pools(pools: np.ndarray, lengths: np.ndarray, *, ranks: int, accum: int
             members = refine_packing(members, item_cost, pool_lengths, max_samples, max_tokens, rounds)
             dealt = _deal_bins(members, _gather(item_cost, members).sum(axis=2), ranks, accum, True)
         else:
-            members, feasible = pack_by_cost(item_cost, pool_lengths, ranks, accum * max_samples, accum * max_tokens,
-                                             min_samples=accum)
-            members = members[:, :, :min(accum * max_samples, int((members >= 0).sum(axis=2).max()) + 4)]
-            members = refine_packing(members, item_cost, pool_lengths, accum * max_samples, accum * max_tokens,
-                                     rounds, min_samples=accum)
+            members, feasible = pack_by_cost(
+                item_cost, pool_lengths, ranks, accum * max_samples, accum * max_tokens, min_samples=accum
+            )
+            members = members[:, :, : min(accum * max_samples, int((members >= 0).sum(axis=2).max()) + 4)]
+            members = refine_packing(
+                members, item_cost, pool_lengths, accum * max_samples, accum * max_tokens, rounds, min_samples=accum
+            )
             # each rank's samples (pool positions, longest first, -1 last) into its accum micro-batches
             local = members.reshape(count * ranks, -1)
             local_cost = _gather(item_cost, members).reshape(count * ranks, -1)
@@ -639,8 +686,9 @@ def pack_pools(pools: np.ndarray, lengths: np.ndarray, *, ranks: int, accum: int
             dealt = np.take_along_axis(micro.reshape(count, ranks, accum, -1), order_in_rank[..., None], axis=2)
     used = max(1, int((dealt >= 0).sum(axis=3).max()))
     dealt = dealt[..., :used]
-    out = np.where(dealt >= 0, np.take_along_axis(ranked, np.maximum(dealt, 0).reshape(count, -1), axis=1)
-                   .reshape(dealt.shape), -1)
+    out = np.where(
+        dealt >= 0, np.take_along_axis(ranked, np.maximum(dealt, 0).reshape(count, -1), axis=1).reshape(dealt.shape), -1
+    )
     return out, feasible
 
 
@@ -664,35 +712,67 @@ def packing_budget(lengths: np.ndarray, cfg: SamplerConfig, micro_batch: int, pa
     padded_longest = int(padded_lengths(longest, cfg.pad_multiple))
     max_tokens = cfg.micro_batch_tokens or micro_batch * padded_longest
     if max_samples < micro_batch:
-        raise ConfigError(f"sampler.max_micro_batch_samples: {max_samples} is below the micro-batch {micro_batch}, "
-                          "so a step's samples cannot fit its micro-batches")
+        raise ConfigError(
+            f"sampler.max_micro_batch_samples: {max_samples} is below the micro-batch {micro_batch}, "
+            "so a step's samples cannot fit its micro-batches"
+        )
     needed = padded_longest if padded else longest
     if max_tokens < needed:
-        raise ConfigError(f"sampler.micro_batch_tokens: {max_tokens} is below the longest sample "
-                          f"({needed} tokens{' padded' if padded else ''})")
+        raise ConfigError(
+            f"sampler.micro_batch_tokens: {max_tokens} is below the longest sample "
+            f"({needed} tokens{' padded' if padded else ''})"
+        )
     return max_samples, max_tokens
 
 
-def _pack_epoch(pools: np.ndarray, lengths: np.ndarray, cfg: SamplerConfig, *, padded: bool, ranks_per_node: int,
-                micro_batch: int, grad_accum: int) -> np.ndarray:
+def _pack_epoch(
+    pools: np.ndarray,
+    lengths: np.ndarray,
+    cfg: SamplerConfig,
+    *,
+    padded: bool,
+    ranks_per_node: int,
+    micro_batch: int,
+    grad_accum: int,
+) -> np.ndarray:
     """Node pools ``[steps, nodes, P]`` → ``[steps, world, accum, slots]`` by :func:`pack_pools`."""
     steps, nodes, size = pools.shape
     max_samples, max_tokens = packing_budget(lengths, cfg, micro_batch, padded)
-    packed, feasible = pack_pools(pools.reshape(steps * nodes, size), lengths, ranks=ranks_per_node, accum=grad_accum,
-                                  cost=cfg.cost_model, padded=padded, pad_multiple=cfg.pad_multiple,
-                                  max_samples=max_samples, max_tokens=max_tokens,
-                                  each_micro_batch=cfg.balance_each_micro_batch)
+    packed, feasible = pack_pools(
+        pools.reshape(steps * nodes, size),
+        lengths,
+        ranks=ranks_per_node,
+        accum=grad_accum,
+        cost=cfg.cost_model,
+        padded=padded,
+        pad_multiple=cfg.pad_multiple,
+        max_samples=max_samples,
+        max_tokens=max_tokens,
+        each_micro_batch=cfg.balance_each_micro_batch,
+    )
     if not feasible.all():
         step, node = divmod(int(np.argmin(feasible)), nodes)
-        raise DataError(f"sampler: step {step}, node {node}: its {size} samples do not fit {ranks_per_node} ranks × "
-                        f"{grad_accum} micro-batches of at most {max_samples} samples and {max_tokens} tokens; raise "
-                        "sampler.micro_batch_tokens or sampler.max_micro_batch_samples")
+        raise DataError(
+            f"sampler: step {step}, node {node}: its {size} samples do not fit {ranks_per_node} ranks × "
+            f"{grad_accum} micro-batches of at most {max_samples} samples and {max_tokens} tokens; raise "
+            "sampler.micro_batch_tokens or sampler.max_micro_batch_samples"
+        )
     return packed.reshape(steps, nodes * ranks_per_node, grad_accum, -1)
 
 
-def plan_epoch(lengths: np.ndarray, *, world_size: int, ranks_per_node: int, micro_batch: int, grad_accum: int,
-               strategy: Optional[str] = None, cfg: Optional[SamplerConfig] = None, seed: int = 0,
-               epoch: int = 0, bin_edges: Optional[np.ndarray] = None) -> Plan:
+def plan_epoch(
+    lengths: np.ndarray,
+    *,
+    world_size: int,
+    ranks_per_node: int,
+    micro_batch: int,
+    grad_accum: int,
+    strategy: Optional[str] = None,
+    cfg: Optional[SamplerConfig] = None,
+    seed: int = 0,
+    epoch: int = 0,
+    bin_edges: Optional[np.ndarray] = None,
+) -> Plan:
     """The plan of one epoch (see the module docstring). ``strategy`` overrides ``cfg.strategy``.
 
     ``bin_edges`` lets a caller that plans many epochs resolve quantile bins once.
@@ -702,8 +782,14 @@ def plan_epoch(lengths: np.ndarray, *, world_size: int, ranks_per_node: int, mic
     if strategy in PEER_STRATEGIES:  # the peers module drives other libraries' planners (and imports this one)
         from .peers import hf_batch_rebalance_plan
 
-        return hf_batch_rebalance_plan(np.asarray(lengths, dtype=np.int64), world_size=world_size,
-                                       micro_batch=micro_batch, grad_accum=grad_accum, seed=seed, epoch=epoch)[0]
+        return hf_batch_rebalance_plan(
+            np.asarray(lengths, dtype=np.int64),
+            world_size=world_size,
+            micro_batch=micro_batch,
+            grad_accum=grad_accum,
+            seed=seed,
+            epoch=epoch,
+        )[0]
     if strategy not in STRATEGIES:
         raise ConfigError(f"sampler.strategy: {strategy!r} is not one of {', '.join(STRATEGIES + PEER_STRATEGIES)}")
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -716,8 +802,10 @@ def plan_epoch(lengths: np.ndarray, *, world_size: int, ranks_per_node: int, mic
     global_batch = world_size * local
     steps = n // global_batch
     if steps == 0:
-        raise ConfigError(f"the corpus has {n} training sequences, fewer than one global batch of {global_batch} "
-                          f"(world {world_size} × accumulation {grad_accum} × micro-batch {micro_batch})")
+        raise ConfigError(
+            f"the corpus has {n} training sequences, fewer than one global batch of {global_batch} "
+            f"(world {world_size} × accumulation {grad_accum} × micro-batch {micro_batch})"
+        )
     rng = epoch_rng(seed, epoch)
     used = steps * global_batch
     shape = (steps, world_size, grad_accum, micro_batch)
@@ -731,8 +819,9 @@ def plan_epoch(lengths: np.ndarray, *, world_size: int, ranks_per_node: int, mic
         return Plan(np.ascontiguousarray(dealt), n - used, strategy)
     if strategy == "global_sort":
         pools = rng.permutation(n)[:used].reshape(steps, global_batch)
-        dealt = deal(pools, lengths, ranks=world_size, micro=micro_batch, accum=grad_accum, method="snake",
-                     cost=cfg.cost_model)
+        dealt = deal(
+            pools, lengths, ranks=world_size, micro=micro_batch, accum=grad_accum, method="snake", cost=cfg.cost_model
+        )
         return Plan(dealt.reshape(shape), n - used, strategy)
 
     nodes = world_size // ranks_per_node
@@ -740,27 +829,54 @@ def plan_epoch(lengths: np.ndarray, *, world_size: int, ranks_per_node: int, mic
     if bin_edges is not None:
         edges = np.asarray(bin_edges, dtype=np.int64)
     else:  # a bin loses up to world - 1 samples to rounding: on a corpus that small, fewer bins
-        edges = resolve_bin_edges(lengths, cfg, default_bins=max(1, min(cfg.num_bins, (n - global_batch) // world_size)))
+        edges = resolve_bin_edges(
+            lengths, cfg, default_bins=max(1, min(cfg.num_bins, (n - global_batch) // world_size))
+        )
     if cfg.bin_counts and sum(cfg.bin_counts) != local:
-        raise ConfigError(f"sampler.bin_counts: they sum to {sum(cfg.bin_counts)}, but a local batch holds "
-                          f"{local} samples (micro-batch {micro_batch} × accumulation {grad_accum})")
+        raise ConfigError(
+            f"sampler.bin_counts: they sum to {sum(cfg.bin_counts)}, but a local batch holds "
+            f"{local} samples (micro-batch {micro_batch} × accumulation {grad_accum})"
+        )
     # per-rank draw: the global batch of a step does not depend on the node size
     drawn, counts, dropped = stratified_draw(lengths, edges, cfg.bin_counts or None, world_size, local, rng)
     if strategy == "stratified":
         indices = sort_within_rank(drawn, lengths, grad_accum, micro_batch)
     elif strategy == "stratified_node_sort":
         pools = drawn.reshape(len(drawn), nodes, ranks_per_node * local)
-        indices = deal(pools, lengths, ranks=ranks_per_node, micro=micro_batch, accum=grad_accum, method="snake",
-                       cost=cfg.cost_model).reshape(len(drawn), *shape[1:])
+        indices = deal(
+            pools,
+            lengths,
+            ranks=ranks_per_node,
+            micro=micro_batch,
+            accum=grad_accum,
+            method="snake",
+            cost=cfg.cost_model,
+        ).reshape(len(drawn), *shape[1:])
     elif strategy in PACKED_STRATEGIES:
         pools = split_across_nodes(drawn.reshape(len(drawn), global_batch), lengths, nodes, cfg.cost_model)
-        indices = _pack_epoch(pools, lengths, cfg, padded=strategy == "padded_node_balance",
-                              ranks_per_node=ranks_per_node, micro_batch=micro_batch, grad_accum=grad_accum)
+        indices = _pack_epoch(
+            pools,
+            lengths,
+            cfg,
+            padded=strategy == "padded_node_balance",
+            ranks_per_node=ranks_per_node,
+            micro_batch=micro_batch,
+            grad_accum=grad_accum,
+        )
         counts = counts * ranks_per_node
     else:
         pools = split_across_nodes(drawn.reshape(len(drawn), global_batch), lengths, nodes, cfg.cost_model)
-        indices = deal(pools, lengths, ranks=ranks_per_node, micro=micro_batch, accum=grad_accum, method="balance",
-                       cost=cfg.cost_model, padded=cfg.padded, pad_multiple=cfg.pad_multiple,
-                       each_micro_batch=cfg.balance_each_micro_batch).reshape(len(drawn), *shape[1:])
+        indices = deal(
+            pools,
+            lengths,
+            ranks=ranks_per_node,
+            micro=micro_batch,
+            accum=grad_accum,
+            method="balance",
+            cost=cfg.cost_model,
+            padded=cfg.padded,
+            pad_multiple=cfg.pad_multiple,
+            each_micro_batch=cfg.balance_each_micro_batch,
+        ).reshape(len(drawn), *shape[1:])
         counts = counts * ranks_per_node
     return Plan(indices, dropped, strategy, bin_edges=edges, bin_counts=counts, stratum="node" if by_node else "rank")

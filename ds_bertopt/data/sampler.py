@@ -11,6 +11,7 @@ batch shape, sampler config, seed): the plan is a pure function of these and the
 needs only the position, and a checkpoint from a different setup is refused instead of silently
 replaying other samples. A new epoch re-plans with a new order.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,18 @@ LATER_KEYS = ("micro_batch_tokens", "max_micro_batch_samples")  # SamplerConfig 
 
 
 class PlanBatchSampler(torch.utils.data.Sampler):
-    def __init__(self, lengths: np.ndarray, *, rank: int, world_size: int, ranks_per_node: int,
-                 micro_batch: int, grad_accum: int, cfg: SamplerConfig, seed: int):
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        *,
+        rank: int,
+        world_size: int,
+        ranks_per_node: int,
+        micro_batch: int,
+        grad_accum: int,
+        cfg: SamplerConfig,
+        seed: int,
+    ):
         if not 0 <= rank < world_size:
             raise BertOptError(f"sampler: rank {rank} is outside world size {world_size}")
         self.lengths = np.asarray(lengths, dtype=np.int64)
@@ -53,16 +64,29 @@ class PlanBatchSampler(torch.utils.data.Sampler):
         for key in LATER_KEYS:  # unset, they change no plan: checkpoints from before they existed still resume
             if cfg[key] is None:
                 del cfg[key]
-        digest.update(json.dumps([self.world_size, self.ranks_per_node, self.micro_batch, self.grad_accum, self.seed,
-                                  cfg], sort_keys=True, default=list).encode())
+        digest.update(
+            json.dumps(
+                [self.world_size, self.ranks_per_node, self.micro_batch, self.grad_accum, self.seed, cfg],
+                sort_keys=True,
+                default=list,
+            ).encode()
+        )
         return digest.hexdigest()[:16]
 
     def plan(self) -> Plan:
         """The current epoch's plan for all ranks (computed once per epoch)."""
         if self._plan is None:
-            self._plan = plan_epoch(self.lengths, world_size=self.world_size, ranks_per_node=self.ranks_per_node,
-                                    micro_batch=self.micro_batch, grad_accum=self.grad_accum, cfg=self.cfg,
-                                    seed=self.seed, epoch=self.epoch, bin_edges=self._edges)
+            self._plan = plan_epoch(
+                self.lengths,
+                world_size=self.world_size,
+                ranks_per_node=self.ranks_per_node,
+                micro_batch=self.micro_batch,
+                grad_accum=self.grad_accum,
+                cfg=self.cfg,
+                seed=self.seed,
+                epoch=self.epoch,
+                bin_edges=self._edges,
+            )
             self._edges = self._plan.bin_edges  # quantile bins depend on the corpus only
         return self._plan
 
@@ -97,16 +121,24 @@ class PlanBatchSampler(torch.utils.data.Sampler):
         return (self.steps_per_epoch - self.step) * self.grad_accum
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "strategy": self.cfg.strategy,
-                "num_samples": int(len(self.lengths)), "world_size": self.world_size,
-                "fingerprint": self.fingerprint}
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "seed": self.seed,
+            "strategy": self.cfg.strategy,
+            "num_samples": int(len(self.lengths)),
+            "world_size": self.world_size,
+            "fingerprint": self.fingerprint,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("fingerprint")
         if saved is not None and saved != self.fingerprint:
-            raise BertOptError(f"sampler: the checkpoint's plan fingerprint {saved} differs from this run's "
-                               f"{self.fingerprint} (corpus, world size, ranks per node, batch shape, sampler config "
-                               "or seed changed); resume with the same setup or start a new output_dir")
+            raise BertOptError(
+                f"sampler: the checkpoint's plan fingerprint {saved} differs from this run's "
+                f"{self.fingerprint} (corpus, world size, ranks per node, batch shape, sampler config "
+                "or seed changed); resume with the same setup or start a new output_dir"
+            )
         epoch, step = int(state["epoch"]), int(state["step"])
         self.epoch, self._plan = epoch, None
         if not 0 <= step <= self.steps_per_epoch:

@@ -12,6 +12,7 @@ length-aware planner (``ds_bertopt.data.plan``) depends on. Nothing is padded he
   span of another document (label 1), the unused sentences being put back; over-long pairs are
   trimmed from a random end, as in BERT.
 """
+
 from __future__ import annotations
 
 import random
@@ -44,7 +45,7 @@ def _cut(sentences: list[list[int]], budget: int) -> list[list[int]]:
         if not sent:
             continue
         for start in range(0, len(sent), budget):
-            out.append(sent[start:start + budget])
+            out.append(sent[start : start + budget])
     return out
 
 
@@ -52,8 +53,9 @@ def _target_length(budget: int, short_seq_prob: float, rng: random.Random) -> in
     return rng.randint(2, budget) if budget >= 2 and rng.random() < short_seq_prob else budget
 
 
-def mlm_sequences(doc: list[list[int]], *, max_seq_length: int, short_seq_prob: float,
-                  rng: random.Random) -> list[list[int]]:
+def mlm_sequences(
+    doc: list[list[int]], *, max_seq_length: int, short_seq_prob: float, rng: random.Random
+) -> list[list[int]]:
     """Token lists (without special tokens) of at most ``max_seq_length - 2`` tokens each."""
     budget = max_seq_length - special_token_count(False)
     out: list[list[int]] = []
@@ -82,8 +84,14 @@ def _trim_pair(a: list[int], b: list[int], budget: int, rng: random.Random) -> N
             longer.pop()
 
 
-def nsp_pairs(doc: list[list[int]], *, max_seq_length: int, short_seq_prob: float, rng: random.Random,
-              random_document: Optional[Callable[[], list[list[int]]]]) -> list[tuple[list[int], list[int], int]]:
+def nsp_pairs(
+    doc: list[list[int]],
+    *,
+    max_seq_length: int,
+    short_seq_prob: float,
+    rng: random.Random,
+    random_document: Optional[Callable[[], list[list[int]]]],
+) -> list[tuple[list[int], list[int], int]]:
     """``(tokens_a, tokens_b, label)`` with label 0 = true continuation, 1 = random segment."""
     budget = max_seq_length - special_token_count(True)
     sentences = _cut(doc, budget)

@@ -4,6 +4,7 @@ Training a lower-cased WordPiece vocabulary of ``tokenizer_vocab_size`` on the d
 seconds for the embedded corpus; the result is saved as a Hugging Face fast tokenizer under
 ``cache_dir/tokenizers/<corpus fingerprint>-v<size>`` and reused by every later run and rank.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,18 +38,25 @@ def train_wordpiece(documents, vocab_size: int, out_dir: str):
 
     def batches():
         for start in range(0, len(documents), 1000):
-            yield documents[start:start + 1000]["text"]
+            yield documents[start : start + 1000]["text"]
 
-    trainer.train_from_iterator(batches(), vocab_size=vocab_size, min_frequency=2,
-                                special_tokens=SPECIAL_TOKENS, show_progress=False)
+    trainer.train_from_iterator(
+        batches(), vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False
+    )
     tmp = f"{out_dir}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     trainer.save(os.path.join(tmp, "trained.json"))
     # transformers 5 ignores ``vocab_file``; wrap the trained tokenizer object itself.
-    tok = BertTokenizerFast(tokenizer_file=os.path.join(tmp, "trained.json"), do_lower_case=True,
-                            unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]",
-                            mask_token="[MASK]")
+    tok = BertTokenizerFast(
+        tokenizer_file=os.path.join(tmp, "trained.json"),
+        do_lower_case=True,
+        unk_token="[UNK]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        mask_token="[MASK]",
+    )
     tok.save_pretrained(tmp)
     os.unlink(os.path.join(tmp, "trained.json"))
     try:

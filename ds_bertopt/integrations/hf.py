@@ -37,6 +37,7 @@ one-line log message when something is ignored on purpose (sections only our own
 accelerate functions this depends on are checked at import (:func:`check_api`); a missing one is a one-line
 ``ImportError`` naming it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,8 +76,20 @@ def _api_table():
     from transformers.integrations import deepspeed as hf_deepspeed
 
     return [
-        (Trainer, "__init__", ("model", "args", "data_collator", "train_dataset", "model_init", "callbacks",
-                               "optimizers", "optimizer_cls_and_kwargs")),
+        (
+            Trainer,
+            "__init__",
+            (
+                "model",
+                "args",
+                "data_collator",
+                "train_dataset",
+                "model_init",
+                "callbacks",
+                "optimizers",
+                "optimizer_cls_and_kwargs",
+            ),
+        ),
         (Trainer, "create_optimizer", ("model",)),
         (Trainer, "create_scheduler", ("num_training_steps", "optimizer")),
         (Trainer, "get_train_dataloader", ()),
@@ -103,20 +116,23 @@ def _describe(obj) -> str:
 
 def check_api(table=None) -> None:
     """Raise a one-line ``ImportError`` naming the first function of ``table`` that is missing or lacks a parameter."""
-    for owner, name, params in (table if table is not None else _api_table()):
+    for owner, name, params in table if table is not None else _api_table():
         where = f"{_describe(owner)}.{name}"
         func = getattr(owner, name, None)
         if not callable(func):
-            raise ImportError(f"ds_bertopt.integrations.hf: {where} is missing ({_versions_line()}); "
-                              f"tested with {_tested_line()}")
+            raise ImportError(
+                f"ds_bertopt.integrations.hf: {where} is missing ({_versions_line()}); tested with {_tested_line()}"
+            )
         try:
             accepted = set(inspect.signature(func).parameters)
         except (TypeError, ValueError):
             accepted = set()
         missing = [p for p in params if p not in accepted]
         if missing:
-            raise ImportError(f"ds_bertopt.integrations.hf: {where} takes no {', '.join(missing)} parameter "
-                              f"({_versions_line()}); tested with {_tested_line()}")
+            raise ImportError(
+                f"ds_bertopt.integrations.hf: {where} takes no {', '.join(missing)} parameter "
+                f"({_versions_line()}); tested with {_tested_line()}"
+            )
 
 
 def installed_versions() -> dict[str, Optional[str]]:
@@ -186,8 +202,10 @@ def cpu_deepspeed_argv(argv: list[str]) -> list[str]:
     :func:`configure_cpu_deepspeed` when DeepSpeed (``--deepspeed`` in ``argv``, or ``accelerate launch
     --use_deepspeed``) runs several ranks on a CPU-only host; ``argv`` unchanged otherwise."""
     argv = list(argv)
-    deepspeed = (any(a == "--deepspeed" or a.startswith("--deepspeed=") for a in argv)
-                 or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true")
+    deepspeed = (
+        any(a == "--deepspeed" or a.startswith("--deepspeed=") for a in argv)
+        or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    )
     if deepspeed and configure_cpu_deepspeed() and not any(a.startswith("--accelerator_config") for a in argv):
         argv += ["--accelerator_config", json.dumps({"use_configured_state": True})]
     return argv
@@ -195,12 +213,18 @@ def cpu_deepspeed_argv(argv: list[str]) -> list[str]:
 
 def check_world_size(args) -> None:
     """One line instead of DeepSpeed's batch assertion when accelerate miscounted the processes (see above)."""
-    if (getattr(args, "deepspeed_plugin", None) is not None and torch.distributed.is_available()
-            and torch.distributed.is_initialized() and torch.distributed.get_world_size() != args.world_size):
-        raise ConfigError(f"accelerate counts {args.world_size} process(es) but torch.distributed has "
-                          f"{torch.distributed.get_world_size()} (DeepSpeed on a CPU-only host): call "
-                          "ds_bertopt.integrations.hf.configure_cpu_deepspeed() before TrainingArguments and pass "
-                          "accelerator_config={\"use_configured_state\": true} (cpu_deepspeed_argv(argv) does both)")
+    if (
+        getattr(args, "deepspeed_plugin", None) is not None
+        and torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() != args.world_size
+    ):
+        raise ConfigError(
+            f"accelerate counts {args.world_size} process(es) but torch.distributed has "
+            f"{torch.distributed.get_world_size()} (DeepSpeed on a CPU-only host): call "
+            "ds_bertopt.integrations.hf.configure_cpu_deepspeed() before TrainingArguments and pass "
+            'accelerator_config={"use_configured_state": true} (cpu_deepspeed_argv(argv) does both)'
+        )
 
 
 # ---------------------------------------------------------------- config
@@ -293,16 +317,22 @@ def load_bertopt(source: Any = None, *, args: Any = None) -> HfBertOptConfig:
         plugin = getattr(args, "deepspeed_plugin", None)
         section = _section_from_plugin(plugin) if plugin is not None else None
         if section is None:
-            where = (f"the DeepSpeed config {_plugin_source(args)}" if plugin is not None
-                     else "TrainingArguments (no deepspeed= config)")
-            raise ConfigError(f"{SECTION}: no \"{SECTION}\" section in {where} and no bertopt= given; add one to "
-                              "the DeepSpeed JSON or pass BertOptTrainer(..., bertopt=dict or path)")
+            where = (
+                f"the DeepSpeed config {_plugin_source(args)}"
+                if plugin is not None
+                else "TrainingArguments (no deepspeed= config)"
+            )
+            raise ConfigError(
+                f'{SECTION}: no "{SECTION}" section in {where} and no bertopt= given; add one to '
+                "the DeepSpeed JSON or pass BertOptTrainer(..., bertopt=dict or path)"
+            )
         return _from_section(section, _plugin_source(args))
     typed = source.bertopt if isinstance(getattr(source, "bertopt", None), BertOptConfig) else source
     if isinstance(typed, BertOptConfig):
         defaults = BertOptConfig()
-        given = {f.name for f in dataclasses.fields(BertOptConfig)
-                 if getattr(typed, f.name) != getattr(defaults, f.name)}
+        given = {
+            f.name for f in dataclasses.fields(BertOptConfig) if getattr(typed, f.name) != getattr(defaults, f.name)
+        }
         return HfBertOptConfig(typed, frozenset(given), "a BertOptConfig")
     if isinstance(source, (str, os.PathLike)):
         label, data = os.fspath(source), _read_json(os.fspath(source))
@@ -326,24 +356,36 @@ def check_compatibility(cfg: HfBertOptConfig, ds_config: Optional[dict], args: A
     if cfg.uses_our_optimizer:
         for block in ("optimizer", "scheduler"):
             if ds_config is not None and block in ds_config:
-                raise ConfigError(f"the DeepSpeed \"{block}\" block and {SECTION}.optimizer/schedule both set the "
-                                  f"optimizer; drop one (from {cfg.source})")
+                raise ConfigError(
+                    f'the DeepSpeed "{block}" block and {SECTION}.optimizer/schedule both set the '
+                    f"optimizer; drop one (from {cfg.source})"
+                )
         if b.optimizer.type == "lamb" and stage >= 3:
-            raise ConfigError("optimizer.type: \"lamb\" is not supported under ZeRO stage 3 (parameters are "
-                              "partitioned); use zero_optimization.stage 0, 1 or 2, or type \"adamw\"")
+            raise ConfigError(
+                'optimizer.type: "lamb" is not supported under ZeRO stage 3 (parameters are '
+                'partitioned); use zero_optimization.stage 0, 1 or 2, or type "adamw"'
+            )
     if b.bucket_clip.enabled:
         if ds_config is None:
-            raise ConfigError("bucket_clip: needs DeepSpeed (TrainingArguments(deepspeed=...) or accelerate launch "
-                              "--use_deepspeed); without it use TrainingArguments.max_grad_norm")
+            raise ConfigError(
+                "bucket_clip: needs DeepSpeed (TrainingArguments(deepspeed=...) or accelerate launch "
+                "--use_deepspeed); without it use TrainingArguments.max_grad_norm"
+            )
         if stage >= 3:
-            raise ConfigError(f"bucket_clip: ZeRO stage {stage} is not supported; use zero_optimization.stage "
-                              "0, 1 or 2, or set bucket_clip.enabled false")
+            raise ConfigError(
+                f"bucket_clip: ZeRO stage {stage} is not supported; use zero_optimization.stage "
+                "0, 1 or 2, or set bucket_clip.enabled false"
+            )
         if getattr(args, "auto_find_batch_size", False):
-            raise ConfigError("bucket_clip: not supported with TrainingArguments.auto_find_batch_size (Trainer "
-                              "re-derives DeepSpeed's gradient_clipping, which bucket_clip sets to 0)")
+            raise ConfigError(
+                "bucket_clip: not supported with TrainingArguments.auto_find_batch_size (Trainer "
+                "re-derives DeepSpeed's gradient_clipping, which bucket_clip sets to 0)"
+            )
     if cfg.uses_plan_sampler and getattr(args, "train_sampling_strategy", "random") != "random":
-        raise ConfigError(f"sampler.strategy: {b.sampler.strategy!r} and TrainingArguments.train_sampling_strategy "
-                          f"{args.train_sampling_strategy!r} both choose the batches; keep one")
+        raise ConfigError(
+            f"sampler.strategy: {b.sampler.strategy!r} and TrainingArguments.train_sampling_strategy "
+            f"{args.train_sampling_strategy!r} both choose the batches; keep one"
+        )
 
 
 def strip_bertopt_section(plugin) -> Optional[dict]:
@@ -383,8 +425,10 @@ class ExampleIdDataset(torch.utils.data.Dataset):
 
 def _with_example_id(item, index: int) -> dict:
     if not isinstance(item, Mapping):
-        raise ConfigError(f"wtacrs.grad_norm_cache: training examples must be mappings (dicts) to carry example ids; "
-                          f"got {type(item).__name__}")
+        raise ConfigError(
+            f"wtacrs.grad_norm_cache: training examples must be mappings (dicts) to carry example ids; "
+            f"got {type(item).__name__}"
+        )
     out = dict(item)
     out[EXAMPLE_IDS_KWARG] = int(index)
     return out
@@ -406,11 +450,15 @@ class ExampleIdCollator:
         ids = [feature[EXAMPLE_IDS_KWARG] for feature in features]
         batch = self.collator([{k: v for k, v in feature.items() if k != EXAMPLE_IDS_KWARG} for feature in features])
         if not isinstance(batch, Mapping):
-            raise ConfigError(f"wtacrs.grad_norm_cache: the data collator returned a {type(batch).__name__}, "
-                              "not a mapping, so example ids cannot join the batch")
+            raise ConfigError(
+                f"wtacrs.grad_norm_cache: the data collator returned a {type(batch).__name__}, "
+                "not a mapping, so example ids cannot join the batch"
+            )
         if "attention_mask" not in batch:
-            raise ConfigError("wtacrs.grad_norm_cache: the training batches have no attention_mask; the cache keys "
-                              "token rows by it (use a collator that pads, e.g. DataCollatorWithPadding)")
+            raise ConfigError(
+                "wtacrs.grad_norm_cache: the training batches have no attention_mask; the cache keys "
+                "token rows by it (use a collator that pads, e.g. DataCollatorWithPadding)"
+            )
         batch[EXAMPLE_IDS_KWARG] = torch.tensor(ids, dtype=torch.long)
         return self._with_count(batch)
 
@@ -434,8 +482,10 @@ class BertOptCallback(TrainerCallback):
     def _owner(self):
         trainer = self._trainer() if self._trainer is not None else None
         if trainer is None:
-            raise ConfigError("BertOptCallback is installed by BertOptTrainer (or BertOptTrainerMixin); use "
-                              "`from ds_bertopt.integrations.hf import BertOptTrainer` instead of adding the callback")
+            raise ConfigError(
+                "BertOptCallback is installed by BertOptTrainer (or BertOptTrainerMixin); use "
+                "`from ds_bertopt.integrations.hf import BertOptTrainer` instead of adding the callback"
+            )
         return trainer
 
     def on_init_end(self, args, state, control, **kwargs):
@@ -450,22 +500,28 @@ class BertOptCallback(TrainerCallback):
 
             module = getattr(engine, "module", engine)
             if not any(isinstance(m, SampledLinear) for m in module.modules()):
-                raise RuntimeError("ds_bertopt.integrations.hf: the model Trainer trains has no SampledLinear (the "
-                                   "converted model was replaced after BertOptTrainer.__init__)")
+                raise RuntimeError(
+                    "ds_bertopt.integrations.hf: the model Trainer trains has no SampledLinear (the "
+                    "converted model was replaced after BertOptTrainer.__init__)"
+                )
         self._first_step = state.global_step + 1 if cfg.feeds_example_ids else None
         if not trainer.is_deepspeed_enabled:
             return
         from deepspeed import DeepSpeedEngine
 
         if not isinstance(engine, DeepSpeedEngine):
-            raise RuntimeError(f"ds_bertopt.integrations.hf: Trainer.model_wrapped is a {type(engine).__name__} after "
-                               "Accelerator.prepare, not the DeepSpeed engine")
+            raise RuntimeError(
+                f"ds_bertopt.integrations.hf: Trainer.model_wrapped is a {type(engine).__name__} after "
+                "Accelerator.prepare, not the DeepSpeed engine"
+            )
         if SECTION in (engine.config if isinstance(engine.config, dict) else {}):
-            raise RuntimeError(f"ds_bertopt.integrations.hf: the \"{SECTION}\" section reached deepspeed.initialize")
+            raise RuntimeError(f'ds_bertopt.integrations.hf: the "{SECTION}" section reached deepspeed.initialize')
         ours = getattr(trainer, "_bertopt_optimizer", None)
         if cfg.uses_our_optimizer and getattr(engine, "client_optimizer", None) is not ours:
-            raise RuntimeError("ds_bertopt.integrations.hf: DeepSpeed did not receive the bertopt optimizer "
-                               "(transformers' deepspeed_optim_sched no longer calls Trainer.create_optimizer?)")
+            raise RuntimeError(
+                "ds_bertopt.integrations.hf: DeepSpeed did not receive the bertopt optimizer "
+                "(transformers' deepspeed_optim_sched no longer calls Trainer.create_optimizer?)"
+            )
         if engine not in self._attached:
             from ..engine import attach_extensions
 
@@ -482,8 +538,10 @@ class BertOptCallback(TrainerCallback):
         caches = [m.cache for m in trainer.model.modules() if isinstance(m, SampledLinear) and m.cache is not None]
         # one host sync, once per train(): the check that ids reached the cache
         if caches and not any(c.tags is not None and bool((c.tags >= 0).any()) for c in caches):
-            raise RuntimeError("ds_bertopt.integrations.hf: wtacrs.grad_norm_cache: no example ids reached the model "
-                               f"in the first step (the \"{EXAMPLE_IDS_KWARG}\" batch key was dropped on the way)")
+            raise RuntimeError(
+                "ds_bertopt.integrations.hf: wtacrs.grad_norm_cache: no example ids reached the model "
+                f'in the first step (the "{EXAMPLE_IDS_KWARG}" batch key was dropped on the way)'
+            )
 
 
 # ---------------------------------------------------------------- the Trainer
@@ -506,10 +564,14 @@ class BertOptTrainerMixin:
         self._bertopt_scheduler = None
         self._bertopt_scheduler_steps = None
         cfg = self._bertopt
-        if cfg.uses_our_optimizer and (any(x is not None for x in (arguments.get("optimizers") or (None, None)))
-                                       or arguments.get("optimizer_cls_and_kwargs") is not None):
-            raise ConfigError(f"{SECTION}.optimizer/schedule and Trainer's optimizers= / optimizer_cls_and_kwargs= "
-                              "both set the optimizer; drop one")
+        if cfg.uses_our_optimizer and (
+            any(x is not None for x in (arguments.get("optimizers") or (None, None)))
+            or arguments.get("optimizer_cls_and_kwargs") is not None
+        ):
+            raise ConfigError(
+                f"{SECTION}.optimizer/schedule and Trainer's optimizers= / optimizer_cls_and_kwargs= "
+                "both set the optimizer; drop one"
+            )
         if arguments.get("model") is not None:
             arguments["model"] = self._bertopt_prepare(arguments["model"])
         if arguments.get("model_init") is not None:
@@ -518,16 +580,20 @@ class BertOptTrainerMixin:
 
         for name in ("accelerator", "is_deepspeed_enabled", "model_wrapped", "_train_batch_size", "data_collator"):
             if not hasattr(self, name):
-                raise ImportError(f"ds_bertopt.integrations.hf: Trainer has no {name} after __init__ "
-                                  f"({_versions_line()}); tested with {_tested_line()}")
+                raise ImportError(
+                    f"ds_bertopt.integrations.hf: Trainer has no {name} after __init__ "
+                    f"({_versions_line()}); tested with {_tested_line()}"
+                )
         plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
         ds_config = plugin.deepspeed_config if plugin is not None else None
         check_compatibility(cfg, ds_config, self.args)
         if plugin is not None:
             strip_bertopt_section(plugin)
             if cfg.bertopt.bucket_clip.enabled and ds_config.get("gradient_clipping", 0):
-                _say(f"bucket_clip is on: DeepSpeed's gradient_clipping ({ds_config['gradient_clipping']}) set to 0; "
-                     f"each rank clips each bucket to max_norm {cfg.bertopt.bucket_clip.max_norm} before allreduce")
+                _say(
+                    f"bucket_clip is on: DeepSpeed's gradient_clipping ({ds_config['gradient_clipping']}) set to 0; "
+                    f"each rank clips each bucket to max_norm {cfg.bertopt.bucket_clip.max_norm} before allreduce"
+                )
                 ds_config["gradient_clipping"] = 0.0
         sampled = any(isinstance(m, SampledLinear) for m in (self.model.modules() if self.model is not None else ()))
         if cfg.feeds_example_ids or sampled:
@@ -538,15 +604,21 @@ class BertOptTrainerMixin:
     def _bertopt_announce(self, deepspeed: bool) -> None:
         cfg = self._bertopt
         found = installed_versions()
-        differ = [f"{p} {found[p]} (tested {v})" for p, v in TESTED_VERSIONS.items()
-                  if found[p] != v and (p != "deepspeed" or deepspeed)]
+        differ = [
+            f"{p} {found[p]} (tested {v})"
+            for p, v in TESTED_VERSIONS.items()
+            if found[p] != v and (p != "deepspeed" or deepspeed)
+        ]
         if differ:
             _say(f"warning: ds_bertopt.integrations.hf runs {', '.join(differ)}")
         if cfg.ignored_sections:
-            _say(f"{SECTION}: {', '.join(cfg.ignored_sections)} configure ds_bertopt's own loops and are not used "
-                 "under Trainer (TrainingArguments and the script set them)")
-        if not (cfg.converts_model or cfg.uses_our_optimizer or cfg.uses_plan_sampler
-                or cfg.bertopt.bucket_clip.enabled):
+            _say(
+                f"{SECTION}: {', '.join(cfg.ignored_sections)} configure ds_bertopt's own loops and are not used "
+                "under Trainer (TrainingArguments and the script set them)"
+            )
+        if not (
+            cfg.converts_model or cfg.uses_our_optimizer or cfg.uses_plan_sampler or cfg.bertopt.bucket_clip.enabled
+        ):
             _say(f"{SECTION}: the section ({cfg.source}) enables nothing; training as a plain Trainer")
 
     # -- 1. the model
@@ -558,14 +630,17 @@ class BertOptTrainerMixin:
             _say("model: already prepared by ds_bertopt; not converted again")
             return model
         if wtacrs.lora.enabled and hasattr(model, "peft_config"):
-            raise ConfigError("wtacrs.lora.enabled: the model is already a PEFT model; pass the base model or set "
-                              "lora.enabled false")
+            raise ConfigError(
+                "wtacrs.lora.enabled: the model is already a PEFT model; pass the base model or set lora.enabled false"
+            )
         model, lines = prepare_model(model, wtacrs)
         for line in lines:
             _say(line)
         if wtacrs.enabled and not any(isinstance(m, SampledLinear) for m in model.modules()):
-            raise ConfigError(f"wtacrs.targets: {list(wtacrs.targets)} matched no trainable nn.Linear of "
-                              f"{type(model).__name__}; name module patterns that exist or set wtacrs.enabled false")
+            raise ConfigError(
+                f"wtacrs.targets: {list(wtacrs.targets)} matched no trainable nn.Linear of "
+                f"{type(model).__name__}; name module patterns that exist or set wtacrs.enabled false"
+            )
         object.__setattr__(model, "_ds_bertopt_prepared", True)
         return model
 
@@ -610,8 +685,10 @@ class BertOptTrainerMixin:
         try:
             return [len(dataset[i][names[0]]) for i in range(len(dataset))]
         except (KeyError, TypeError):
-            raise ConfigError(f"sampler.strategy: training examples need {names[0]!r} (or a {column!r} column) for "
-                              "the length-aware plan") from None
+            raise ConfigError(
+                f"sampler.strategy: training examples need {names[0]!r} (or a {column!r} column) for "
+                "the length-aware plan"
+            ) from None
 
     def _bertopt_planned_dataloader(self, dataset):
         from torch.utils.data import DataLoader
@@ -627,17 +704,28 @@ class BertOptTrainerMixin:
             collator = self._get_collator_with_removed_columns(self.data_collator, description="Training")
         world = max(1, args.world_size)
         local = next((int(os.environ[n]) for n in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE") if os.environ.get(n)), world)
-        sampler = PlanBatchSampler(lengths, rank=args.process_index if world > 1 else 0, world_size=world,
-                                   ranks_per_node=local, micro_batch=self._train_batch_size,
-                                   grad_accum=args.gradient_accumulation_steps, cfg=self._bertopt.bertopt.sampler,
-                                   seed=args.data_seed if args.data_seed is not None else args.seed)
+        sampler = PlanBatchSampler(
+            lengths,
+            rank=args.process_index if world > 1 else 0,
+            world_size=world,
+            ranks_per_node=local,
+            micro_batch=self._train_batch_size,
+            grad_accum=args.gradient_accumulation_steps,
+            cfg=self._bertopt.bertopt.sampler,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+        )
         if self._bertopt.feeds_example_ids:
             dataset = ExampleIdDataset(dataset)
         workers = args.dataloader_num_workers
-        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collator, num_workers=workers,
-                            pin_memory=args.dataloader_pin_memory,
-                            persistent_workers=args.dataloader_persistent_workers and workers > 0,
-                            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None)
+        loader = DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=collator,
+            num_workers=workers,
+            pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers and workers > 0,
+            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+        )
         loader = self.accelerator.prepare(loader)
         # The plan is per rank already: make accelerate's BatchSamplerShard a pass-through, as Trainer._get_dataloader
         # does for its own rank-aware BatchRebalanceSampler.
@@ -645,10 +733,14 @@ class BertOptTrainerMixin:
         if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
             shard.num_processes, shard.process_index = 1, 0
         if len(loader) != len(sampler):
-            raise RuntimeError(f"ds_bertopt.integrations.hf: accelerate's loader yields {len(loader)} batches, the "
-                               f"plan {len(sampler)}; its batch-sampler sharding changed")
-        _say(f"sampler: {self._bertopt.bertopt.sampler.strategy} plan, {sampler.steps_per_epoch} steps per epoch "
-             f"({len(lengths)} examples, {world} ranks, {local} per node)")
+            raise RuntimeError(
+                f"ds_bertopt.integrations.hf: accelerate's loader yields {len(loader)} batches, the "
+                f"plan {len(sampler)}; its batch-sampler sharding changed"
+            )
+        _say(
+            f"sampler: {self._bertopt.bertopt.sampler.strategy} plan, {sampler.steps_per_epoch} steps per epoch "
+            f"({len(lengths)} examples, {world} ranks, {local} per node)"
+        )
         return loader
 
     # -- 4. optimizer and schedule
@@ -665,17 +757,24 @@ class BertOptTrainerMixin:
 
             max_steps = int(self.state.max_steps or 0)
             if max_steps <= 0:
-                raise ConfigError("schedule: Trainer has not set max_steps when creating the optimizer "
-                                  "(create_optimizer called outside train()?)")
+                raise ConfigError(
+                    "schedule: Trainer has not set max_steps when creating the optimizer "
+                    "(create_optimizer called outside train()?)"
+                )
             b = self._bertopt.bertopt
             b = dataclasses.replace(b, train=dataclasses.replace(b.train, max_steps=max_steps))
             global_batch = self._train_batch_size * self.args.gradient_accumulation_steps * max(1, self.args.world_size)
-            self.optimizer, self._bertopt_scheduler = optim.build(model if model is not None else self.model, b,
-                                                                  global_batch=global_batch,
-                                                                  zero_stage=self._bertopt_zero_stage())
+            self.optimizer, self._bertopt_scheduler = optim.build(
+                model if model is not None else self.model,
+                b,
+                global_batch=global_batch,
+                zero_stage=self._bertopt_zero_stage(),
+            )
             self._bertopt_optimizer, self._bertopt_scheduler_steps = self.optimizer, max_steps
-            _say(f"optimizer: {SECTION}.optimizer ({b.optimizer.type}) and schedule ({b.schedule.type}, {max_steps} "
-                 "steps) replace TrainingArguments' optim, learning_rate, weight_decay, lr_scheduler_type and warmup")
+            _say(
+                f"optimizer: {SECTION}.optimizer ({b.optimizer.type}) and schedule ({b.schedule.type}, {max_steps} "
+                "steps) replace TrainingArguments' optim, learning_rate, weight_decay, lr_scheduler_type and warmup"
+            )
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -683,11 +782,15 @@ class BertOptTrainerMixin:
             return super().create_scheduler(num_training_steps, optimizer)
         if self.lr_scheduler is None:
             if self._bertopt_scheduler is None:
-                raise ConfigError(f"{SECTION}.schedule: no schedule was built with the optimizer (a second train() on "
-                                  "this trainer without DeepSpeed); create a new BertOptTrainer")
+                raise ConfigError(
+                    f"{SECTION}.schedule: no schedule was built with the optimizer (a second train() on "
+                    "this trainer without DeepSpeed); create a new BertOptTrainer"
+                )
             if num_training_steps != self._bertopt_scheduler_steps:
-                raise RuntimeError(f"ds_bertopt.integrations.hf: the schedule was built for "
-                                   f"{self._bertopt_scheduler_steps} steps, Trainer asks for {num_training_steps}")
+                raise RuntimeError(
+                    f"ds_bertopt.integrations.hf: the schedule was built for "
+                    f"{self._bertopt_scheduler_steps} steps, Trainer asks for {num_training_steps}"
+                )
             self.lr_scheduler, self._bertopt_scheduler = self._bertopt_scheduler, None
             self._created_lr_scheduler = True  # Trainer._prepare_for_training resets it on the next train()
         return self.lr_scheduler
@@ -697,7 +800,19 @@ class BertOptTrainer(BertOptTrainerMixin, Trainer):
     """``transformers.Trainer`` plus the ``"bertopt"`` section (see the module docstring)."""
 
 
-__all__ = ["BertOptCallback", "BertOptTrainer", "BertOptTrainerMixin", "ExampleIdCollator", "ExampleIdDataset",
-           "HfBertOptConfig", "TESTED_VERSIONS", "check_api", "check_compatibility", "check_world_size",
-           "configure_cpu_deepspeed", "cpu_deepspeed_argv", "load_bertopt",
-           "strip_bertopt_section"]
+__all__ = [
+    "BertOptCallback",
+    "BertOptTrainer",
+    "BertOptTrainerMixin",
+    "ExampleIdCollator",
+    "ExampleIdDataset",
+    "HfBertOptConfig",
+    "TESTED_VERSIONS",
+    "check_api",
+    "check_compatibility",
+    "check_world_size",
+    "configure_cpu_deepspeed",
+    "cpu_deepspeed_argv",
+    "load_bertopt",
+    "strip_bertopt_section",
+]

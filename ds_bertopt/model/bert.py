@@ -1,4 +1,5 @@
 """Build the BERT model for pretraining from the ``model`` section."""
+
 from __future__ import annotations
 
 import os
@@ -26,15 +27,22 @@ def build_pretraining_model(model_cfg, tokenizer, max_seq_length: int):
             raise ConfigError(f"model.init_checkpoint: {path} is not a directory")
         config = BertConfig.from_pretrained(path)
         if config.vocab_size != vocab:
-            raise ConfigError(f"model.init_checkpoint: the model's vocabulary has {config.vocab_size} entries but "
-                              f"the tokenizer has {vocab}; use the tokenizer the model was trained with")
+            raise ConfigError(
+                f"model.init_checkpoint: the model's vocabulary has {config.vocab_size} entries but "
+                f"the tokenizer has {vocab}; use the tokenizer the model was trained with"
+            )
         if config.max_position_embeddings < max_seq_length:
-            raise ConfigError(f"data.max_seq_length: {max_seq_length} exceeds the checkpoint's "
-                              f"max_position_embeddings {config.max_position_embeddings}")
+            raise ConfigError(
+                f"data.max_seq_length: {max_seq_length} exceeds the checkpoint's "
+                f"max_position_embeddings {config.max_position_embeddings}"
+            )
         return cls.from_pretrained(path, attn_implementation=model_cfg.attn_implementation)
     config = BertConfig(
-        vocab_size=vocab, hidden_size=model_cfg.hidden_size, num_hidden_layers=model_cfg.num_hidden_layers,
-        num_attention_heads=model_cfg.num_attention_heads, intermediate_size=model_cfg.intermediate_size,
+        vocab_size=vocab,
+        hidden_size=model_cfg.hidden_size,
+        num_hidden_layers=model_cfg.num_hidden_layers,
+        num_attention_heads=model_cfg.num_attention_heads,
+        intermediate_size=model_cfg.intermediate_size,
         max_position_embeddings=model_cfg.max_position_embeddings,
         hidden_dropout_prob=model_cfg.hidden_dropout_prob,
         attention_probs_dropout_prob=model_cfg.attention_probs_dropout_prob,
@@ -77,8 +85,16 @@ class SparseMLMHead(torch.nn.Module):
         self.model = model
         self.nsp = hasattr(model.cls, "seq_relationship")
 
-    def forward(self, input_ids, attention_mask, token_type_ids, labels, next_sentence_label=None,
-                loss_normalizer=None, masked_positions=None):
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        token_type_ids,
+        labels,
+        next_sentence_label=None,
+        loss_normalizer=None,
+        masked_positions=None,
+    ):
         """``loss_normalizer`` (a tensor or number): divide the summed MLM token losses by it instead of taking
         their mean, e.g. the step's masked-token count over all ranks and micro-batches (scaled for DeepSpeed's
         own averaging), so micro-batches of any size give the big batch's gradient. ``masked_positions``: the

@@ -1,4 +1,5 @@
 """Config of the model (``"bertopt": {"model": {...}}``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,12 +40,18 @@ class ModelConfig:
     """Directory of a Hugging Face BERT checkpoint to start from instead of random init."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "intermediate_size", "max_position_embeddings"):
+        for name in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
             check(getattr(self, name) > 0, f"{name}: must be positive, got {getattr(self, name)}")
-        check(self.hidden_size % self.num_attention_heads == 0,
-              f"num_attention_heads: {self.num_attention_heads} does not divide "
-              f"hidden_size {self.hidden_size}")
+        check(
+            self.hidden_size % self.num_attention_heads == 0,
+            f"num_attention_heads: {self.num_attention_heads} does not divide hidden_size {self.hidden_size}",
+        )
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             value = getattr(self, name)
             check(0.0 <= value < 1.0, f"{name}: must be in [0, 1), got {value}")

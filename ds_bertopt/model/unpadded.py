@@ -1,6 +1,7 @@
 """Unpadded ("packed") BERT pretraining forward: no padding token is ever computed on.
 
-A micro-batch is packed into one row of ``T`` real tokens (``ds_bertopt.data.collate.pack_sequences``). Every token-wise op
+A micro-batch is packed into one row of ``T`` real tokens (``ds_bertopt.data.collate.pack_sequences``).
+Every token-wise op
 (embeddings + LayerNorm + dropout, all linears, LayerNorms, GELU, hidden dropout, the sparse MLM head)
 runs on ``[T, hidden]``; attention alone needs sequence boundaries, and gets them from ``cu_seqlens``
 (the prefix sums flash-attn's varlen kernels use). ``UnpaddedBert`` wraps a stock Hugging Face
@@ -25,6 +26,7 @@ Host syncs: none in ``forward`` when the collator's host-side ``seq_lengths``, `
 ``masked_positions`` are passed (``ds_bertopt.data.collate.pack_sequences`` makes them). Without them they are recovered
 from ``cu_seqlens``/``labels`` with ``.tolist()``/``nonzero`` (a sync each, free on CPU).
 """
+
 from __future__ import annotations
 
 import functools
@@ -55,9 +57,14 @@ def token_counts(seq_lengths: Sequence[int]) -> dict:
     ``padded_tokens``, what padding every sequence to the longest would compute."""
     lengths = [int(n) for n in seq_lengths]
     real = sum(lengths)
-    return {"real_tokens": real, "computed_tokens": real, "attention_padding_tokens": 0,
-            "attention_scores": sum(n * n for n in lengths), "padded_tokens": len(lengths) * max(lengths),
-            "padding_fraction": 0.0}
+    return {
+        "real_tokens": real,
+        "computed_tokens": real,
+        "attention_padding_tokens": 0,
+        "attention_scores": sum(n * n for n in lengths),
+        "padded_tokens": len(lengths) * max(lengths),
+        "padding_fraction": 0.0,
+    }
 
 
 def sequence_lengths(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
@@ -69,8 +76,16 @@ def sequence_lengths(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
 # attention over packed sequences (pure functions)
 # ----------------------------------------------------------------------------------------------------------------
 
-def sdpa_loop_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_lengths: Sequence[int], *,
-                        dropout_p: float = 0.0, scale: Optional[float] = None) -> torch.Tensor:
+
+def sdpa_loop_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    seq_lengths: Sequence[int],
+    *,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
     """Exact bidirectional attention per sequence: ``[T, heads, head_dim]`` in and out.
 
     One ``F.scaled_dot_product_attention`` per sequence on ``split`` views (``split``'s backward is
@@ -80,15 +95,24 @@ def sdpa_loop_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """
     lengths = list(seq_lengths)
     outputs = [
-        F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                       dropout_p=dropout_p, scale=scale).transpose(0, 1)
+        F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p, scale=scale
+        ).transpose(0, 1)
         for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths))
     ]
     return torch.cat(outputs)
 
 
-def varlen_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                           max_seqlen: int, *, dropout_p: float = 0.0, scale: Optional[float] = None) -> torch.Tensor:
+def varlen_flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
     """Flash-attention varlen on CUDA: ``[T, heads, head_dim]`` fp16/bf16 in and out.
 
     ``torch.nn.attention.varlen.varlen_attn`` (torch 2.13) without dropout. It fixes ``dropout_p`` to 0,
@@ -98,8 +122,9 @@ def varlen_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     """
     cu = cu_seqlens.to(torch.int32)
     if dropout_p > 0.0:
-        return torch.ops.aten._flash_attention_forward(query, key, value, cu, cu, max_seqlen, max_seqlen,
-                                                       dropout_p, False, False, scale=scale)[0]
+        return torch.ops.aten._flash_attention_forward(
+            query, key, value, cu, cu, max_seqlen, max_seqlen, dropout_p, False, False, scale=scale
+        )[0]
     if varlen_attn is None:
         raise ImportError("torch.nn.attention.varlen.varlen_attn is missing in this torch")
     return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, scale=scale)
@@ -125,21 +150,39 @@ def probe_varlen(device: torch.device, dtype: torch.dtype, head_dim: int, with_d
     ``no_grad``; ``fork_rng``: probing must not shift the run's random streams."""
     try:
         with torch.enable_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            q, k, v = (torch.linspace(-1, 1, 6 * 2 * head_dim, device=device).view(6, 2, head_dim).to(dtype)
-                       .roll(i).requires_grad_() for i in range(3))
+            q, k, v = (
+                torch.linspace(-1, 1, 6 * 2 * head_dim, device=device)
+                .view(6, 2, head_dim)
+                .to(dtype)
+                .roll(i)
+                .requires_grad_()
+                for i in range(3)
+            )
             cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
             out = varlen_flash_attention(q, k, v, cu, 4, dropout_p=0.1 if with_dropout else 0.0)
             out.float().square().sum().backward()
             return bool(torch.isfinite(q.grad).all())  # the once-only sync
     except (RuntimeError, AttributeError, ImportError, NotImplementedError, TypeError) as err:
-        warnings.warn(f"varlen flash attention unusable on {device} ({dtype}, head_dim {head_dim}, "
-                      f"dropout {with_dropout}): {str(err).splitlines()[0]}; falling back to the SDPA loop", stacklevel=2)
+        warnings.warn(
+            f"varlen flash attention unusable on {device} ({dtype}, head_dim {head_dim}, "
+            f"dropout {with_dropout}): {str(err).splitlines()[0]}; falling back to the SDPA loop",
+            stacklevel=2,
+        )
         return False
 
 
-def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, seq_lengths: Sequence[int], *, dropout_p: float = 0.0,
-                     scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
+def packed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    seq_lengths: Sequence[int],
+    *,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Bidirectional attention of packed sequences, ``[T, heads, head_dim]`` -> same.
 
     ``backend``: ``"varlen"`` (must work, else a one-line error), ``"sdpa_loop"``, or ``"auto"`` (varlen
@@ -152,14 +195,17 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if usable:
             return varlen_flash_attention(query, key, value, cu_seqlens, max_seqlen, dropout_p=dropout_p, scale=scale)
         if backend == "varlen":
-            raise RuntimeError(f"packed_attention: varlen flash attention is unusable for {query.dtype} on "
-                               f"{query.device} (needs CUDA, fp16/bf16, head_dim a multiple of 8 up to 256)")
+            raise RuntimeError(
+                f"packed_attention: varlen flash attention is unusable for {query.dtype} on "
+                f"{query.device} (needs CUDA, fp16/bf16, head_dim a multiple of 8 up to 256)"
+            )
     return sdpa_loop_attention(query, key, value, seq_lengths, dropout_p=dropout_p, scale=scale)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the model wrapper (thin glue over the Hugging Face modules)
 # ----------------------------------------------------------------------------------------------------------------
+
 
 class UnpaddedBert(torch.nn.Module):
     """Runs a Hugging Face ``BertForMaskedLM``/``BertForPreTraining`` on a packed, padding-free batch.
@@ -181,11 +227,14 @@ class UnpaddedBert(torch.nn.Module):
             raise TypeError(f"UnpaddedBert: expected BertForMaskedLM or BertForPreTraining, got {type(model).__name__}")
         config = model.config
         if config.is_decoder or config.add_cross_attention:
-            raise ValueError("UnpaddedBert: decoder / cross-attention BERT configs are not supported "
-                             "(bidirectional only)")
+            raise ValueError(
+                "UnpaddedBert: decoder / cross-attention BERT configs are not supported (bidirectional only)"
+            )
         if getattr(config, "position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"UnpaddedBert: position_embedding_type {config.position_embedding_type!r} is not "
-                             f"supported (absolute only)")
+            raise ValueError(
+                f"UnpaddedBert: position_embedding_type {config.position_embedding_type!r} is not "
+                f"supported (absolute only)"
+            )
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"UnpaddedBert: attention {attention!r} is not one of {ATTENTION_BACKENDS}")
         self.model = model
@@ -194,13 +243,20 @@ class UnpaddedBert(torch.nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, position_ids: torch.Tensor,
-                cu_seqlens: torch.Tensor, labels: torch.Tensor, max_seqlen: Optional[int] = None,
-                next_sentence_label: Optional[torch.Tensor] = None,
-                loss_normalizer: Optional[Union[torch.Tensor, float]] = None,
-                nsp_normalizer: Optional[Union[torch.Tensor, float]] = None,
-                seq_lengths: Optional[Sequence[int]] = None,
-                masked_positions: Optional[torch.Tensor] = None) -> PretrainOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        labels: torch.Tensor,
+        max_seqlen: Optional[int] = None,
+        next_sentence_label: Optional[torch.Tensor] = None,
+        loss_normalizer: Optional[Union[torch.Tensor, float]] = None,
+        nsp_normalizer: Optional[Union[torch.Tensor, float]] = None,
+        seq_lengths: Optional[Sequence[int]] = None,
+        masked_positions: Optional[torch.Tensor] = None,
+    ) -> PretrainOutput:
         """Packed batch (all ``[T]`` unless said): ``input_ids``, ``token_type_ids``, ``position_ids``,
         ``cu_seqlens`` ``[S+1]`` int32, ``labels`` (``-100`` where not masked), ``max_seqlen`` (int),
         ``next_sentence_label`` ``[S]``; host-side ``seq_lengths`` and ``masked_positions`` ``[M]`` avoid
@@ -224,14 +280,16 @@ class UnpaddedBert(torch.nn.Module):
             masked_positions = torch.nonzero(labels != IGNORE_INDEX).flatten()  # host sync (data-dependent shape)
         bert = self.model.bert
         # BertEmbeddings.forward expects [batch, seq]: the packed row is a batch of one
-        hidden = bert.embeddings(input_ids=input_ids[None], token_type_ids=token_type_ids[None],
-                                 position_ids=position_ids[None])[0]
+        hidden = bert.embeddings(
+            input_ids=input_ids[None], token_type_ids=token_type_ids[None], position_ids=position_ids[None]
+        )[0]
         for layer in bert.encoder.layer:
             if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
                 # the function activation_checkpointing_enable() set (its kwargs, offload, every_n_layers), as
                 # GradientCheckpointingLayer uses it; hidden is positional so use_reentrant=True works too
                 checkpoint = getattr(layer, "_gradient_checkpointing_func", None) or functools.partial(
-                    torch.utils.checkpoint.checkpoint, use_reentrant=False)
+                    torch.utils.checkpoint.checkpoint, use_reentrant=False
+                )
                 hidden = checkpoint(self._layer_forward, layer, hidden, cu_seqlens, max_seqlen, tuple(seq_lengths))
             else:
                 hidden = self._layer_forward(layer, hidden, cu_seqlens, max_seqlen, seq_lengths)
@@ -250,11 +308,13 @@ class UnpaddedBert(torch.nn.Module):
                 nsp_losses = F.cross_entropy(nsp_logits.float(), next_sentence_label, reduction="none")
                 mean_loss = mean_loss + nsp_losses.mean()
                 loss = loss + (nsp_losses.mean() if nsp_normalizer is None else nsp_losses.sum() / nsp_normalizer)
-        return PretrainOutput(loss=loss, mean_loss=mean_loss, mlm_logits=mlm_logits, mlm_labels=target,
-                              nsp_logits=nsp_logits)
+        return PretrainOutput(
+            loss=loss, mean_loss=mean_loss, mlm_logits=mlm_logits, mlm_labels=target, nsp_logits=nsp_logits
+        )
 
-    def _layer_forward(self, layer, hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                       seq_lengths: Sequence[int]) -> torch.Tensor:
+    def _layer_forward(
+        self, layer, hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, seq_lengths: Sequence[int]
+    ) -> torch.Tensor:
         """``BertLayer.forward`` on ``[T, hidden]``: ``BertSelfAttention``'s projections (heads split as
         its ``view(*input_shape, -1, head_size)``), packed attention with its ``scaling`` and, in
         training, its dropout probability, then ``BertSelfOutput`` and ``feed_forward_chunk``
@@ -266,14 +326,30 @@ class UnpaddedBert(torch.nn.Module):
         key = self_attn.key(hidden).view(heads)
         value = self_attn.value(hidden).view(heads)
         dropout_p = self_attn.dropout.p if self_attn.training else 0.0
-        context = packed_attention(query, key, value, cu_seqlens, max_seqlen, seq_lengths, dropout_p=dropout_p,
-                                   scale=self_attn.scaling, backend=self.attention)
+        context = packed_attention(
+            query,
+            key,
+            value,
+            cu_seqlens,
+            max_seqlen,
+            seq_lengths,
+            dropout_p=dropout_p,
+            scale=self_attn.scaling,
+            backend=self.attention,
+        )
         attention_output = layer.attention.output(context.reshape(tokens, -1), hidden)
         return layer.feed_forward_chunk(attention_output)
 
 
 __all__ = [
-    "ATTENTION_BACKENDS", "IGNORE_INDEX", "UnpaddedBert",
-    "packed_attention", "probe_varlen", "sdpa_loop_attention", "sequence_lengths", "token_counts",
-    "varlen_flash_attention", "varlen_usable",
+    "ATTENTION_BACKENDS",
+    "IGNORE_INDEX",
+    "UnpaddedBert",
+    "packed_attention",
+    "probe_varlen",
+    "sdpa_loop_attention",
+    "sequence_lengths",
+    "token_counts",
+    "varlen_flash_attention",
+    "varlen_usable",
 ]

@@ -8,6 +8,7 @@ engine so ZeRO 1/2 keep its trust ratio per layer (:mod:`ds_bertopt.optim.zero`)
 * :mod:`.schedule` — ``lr_multiplier(step, cfg, max_steps)``, LR scaling, the torch scheduler;
 * :mod:`.zero` — DeepSpeed glue: fragment layouts from ``_hp_mapping``.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -20,8 +21,19 @@ from .config import OptimizerConfig, ScheduleConfig
 from .lamb import Lamb, describe_lamb
 from .schedule import WarmupDecayLR, build_lr_scheduler, describe_lr, lr_multiplier, scale_lr, warmup_length
 
-__all__ = ["build", "build_optimizer", "build_lr_scheduler", "param_groups", "lr_multiplier", "scale_lr",
-           "warmup_length", "Lamb", "WarmupDecayLR", "OptimizerConfig", "ScheduleConfig"]
+__all__ = [
+    "build",
+    "build_optimizer",
+    "build_lr_scheduler",
+    "param_groups",
+    "lr_multiplier",
+    "scale_lr",
+    "warmup_length",
+    "Lamb",
+    "WarmupDecayLR",
+    "OptimizerConfig",
+    "ScheduleConfig",
+]
 
 NO_DECAY_SUFFIXES = ("bias", "LayerNorm.weight", "layernorm.weight", "layer_norm.weight", "norm.weight")
 
@@ -31,8 +43,13 @@ def is_no_decay(name: str, param: torch.Tensor) -> bool:
     return param.ndim < 2 or name.endswith(NO_DECAY_SUFFIXES)
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float, *, decay_extra: Optional[dict] = None,
-                 no_decay_extra: Optional[dict] = None) -> list[dict]:
+def param_groups(
+    model: torch.nn.Module,
+    weight_decay: float,
+    *,
+    decay_extra: Optional[dict] = None,
+    no_decay_extra: Optional[dict] = None,
+) -> list[dict]:
     """Decayed weights, then biases + LayerNorm weights without decay; empty groups are left out
     (DeepSpeed drops them, which would desynchronise a scheduler built on the groups)."""
     decay, no_decay = [], []
@@ -60,38 +77,66 @@ def apex_fused_lamb():
     return FusedLAMB
 
 
-def _build_lamb(model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float, zero_stage: int,
-                bucket_clip: bool) -> torch.optim.Optimizer:
+def _build_lamb(
+    model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float, zero_stage: int, bucket_clip: bool
+) -> torch.optim.Optimizer:
     if zero_stage >= 3:
-        raise ConfigError("optimizer.type: \"lamb\" is not supported under ZeRO stage 3 (parameters are "
-                          "partitioned); use zero_optimization.stage 0, 1 or 2, or type \"adamw\"")
+        raise ConfigError(
+            'optimizer.type: "lamb" is not supported under ZeRO stage 3 (parameters are '
+            'partitioned); use zero_optimization.stage 0, 1 or 2, or type "adamw"'
+        )
     max_grad_norm = cfg.max_grad_norm
     if bucket_clip and max_grad_norm > 0:
         print0(f"bucket_clip is on: LAMB's own global-norm clipping (max_grad_norm {max_grad_norm:g}) is off")
         max_grad_norm = 0.0
-    groups = param_groups(model, cfg.weight_decay, decay_extra={"adapt": True},
-                          no_decay_extra={"adapt": cfg.adapt_no_decay})
+    groups = param_groups(
+        model, cfg.weight_decay, decay_extra={"adapt": True}, no_decay_extra={"adapt": cfg.adapt_no_decay}
+    )
     clamped = cfg.min_trust_ratio is not None or cfg.max_trust_ratio is not None
     fused = apex_fused_lamb() if cfg.implementation in ("auto", "apex") else None
     if cfg.implementation == "apex":
-        problem = ("apex.optimizers.FusedLAMB is not importable on a GPU here" if fused is None else
-                   f"apex FusedLAMB sees ZeRO {zero_stage} shards, not layers; it runs at ZeRO 0 only"
-                   if zero_stage > 0 else "apex FusedLAMB has no trust-ratio clamps" if clamped else None)
+        problem = (
+            "apex.optimizers.FusedLAMB is not importable on a GPU here"
+            if fused is None
+            else f"apex FusedLAMB sees ZeRO {zero_stage} shards, not layers; it runs at ZeRO 0 only"
+            if zero_stage > 0
+            else "apex FusedLAMB has no trust-ratio clamps"
+            if clamped
+            else None
+        )
         if problem:
-            raise ConfigError(f"optimizer.implementation: \"apex\" requested but {problem}; use \"auto\" or \"ours\"")
+            raise ConfigError(f'optimizer.implementation: "apex" requested but {problem}; use "auto" or "ours"')
     if fused is not None and zero_stage == 0 and not clamped:
         for group in groups:
             group.pop("adapt")
-        print0(f"LAMB: apex FusedLAMB (found on this GPU machine; set optimizer.implementation \"ours\" to force "
-               f"ours), max_grad_norm {max_grad_norm:g}")
-        return fused(groups, lr=lr, bias_correction=cfg.bias_correction, betas=cfg.betas, eps=cfg.eps,
-                     weight_decay=cfg.weight_decay, max_grad_norm=max_grad_norm, use_nvlamb=cfg.adapt_no_decay)
+        print0(
+            f'LAMB: apex FusedLAMB (found on this GPU machine; set optimizer.implementation "ours" to force '
+            f"ours), max_grad_norm {max_grad_norm:g}"
+        )
+        return fused(
+            groups,
+            lr=lr,
+            bias_correction=cfg.bias_correction,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            max_grad_norm=max_grad_norm,
+            use_nvlamb=cfg.adapt_no_decay,
+        )
     if fused is not None:
         why = f"ZeRO {zero_stage} shards" if zero_stage > 0 else "trust-ratio clamps"
         print0(f"LAMB: apex FusedLAMB found but not used ({why}); using ours")
-    optimizer = Lamb(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                     bias_correction=cfg.bias_correction, min_trust_ratio=cfg.min_trust_ratio,
-                     max_trust_ratio=cfg.max_trust_ratio, max_grad_norm=max_grad_norm)
+    optimizer = Lamb(
+        groups,
+        lr=lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        bias_correction=cfg.bias_correction,
+        min_trust_ratio=cfg.min_trust_ratio,
+        max_trust_ratio=cfg.max_trust_ratio,
+        max_grad_norm=max_grad_norm,
+    )
     print0(describe_lamb(optimizer))
     return optimizer
 
@@ -123,19 +168,23 @@ def _build_adamw(model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float) -> 
             return optimizer
         except Exception as exc:  # noqa: BLE001 - the op is JIT-built; any build failure lands here
             if cfg.implementation == "deepspeed":
-                raise ConfigError(f"optimizer.implementation: DeepSpeed FusedAdam could not be built: "
-                                  f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+                raise ConfigError(
+                    f"optimizer.implementation: DeepSpeed FusedAdam could not be built: "
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                ) from None
             print0(f"AdamW: DeepSpeed FusedAdam did not build ({type(exc).__name__}); using torch's")
     # torch's fused kernel exists for CPU and CUDA since 2.4; foreach elsewhere.
     fused = device_type in ("cpu", "cuda")
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, fused=fused or None,
-                                  foreach=None if fused else True)
+    optimizer = torch.optim.AdamW(
+        groups, lr=lr, betas=cfg.betas, eps=cfg.eps, fused=fused or None, foreach=None if fused else True
+    )
     print0(f"AdamW: torch ({'fused' if fused else 'foreach'})")
     return optimizer
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float, zero_stage: int = 0,
-                    bucket_clip: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float, zero_stage: int = 0, bucket_clip: bool = False
+) -> torch.optim.Optimizer:
     """The optimizer ``cfg`` asks for over ``model``'s decay / no-decay groups, at peak ``lr``."""
     if cfg.type == "lamb":
         return _build_lamb(model, cfg, lr=lr, zero_stage=zero_stage, bucket_clip=bucket_clip)
@@ -156,7 +205,9 @@ def build(model: torch.nn.Module, bertopt, *, global_batch: int, zero_stage: int
     print0(f"optimizer {ocfg.type}: {describe_lr(ocfg.lr, global_batch, scfg)}")
     optimizer = build_optimizer(model, ocfg, lr=lr, zero_stage=zero_stage, bucket_clip=bertopt.bucket_clip.enabled)
     if bertopt.train.max_steps is None:
-        raise ConfigError("train.max_steps: the learning-rate schedule needs the run's length in steps (the training "
-                          "loop resolves it from train.epochs; set it when building the optimizer yourself)")
+        raise ConfigError(
+            "train.max_steps: the learning-rate schedule needs the run's length in steps (the training "
+            "loop resolves it from train.epochs; set it when building the optimizer yourself)"
+        )
     scheduler = build_lr_scheduler(optimizer, scfg, max_steps=bertopt.train.max_steps)
     return optimizer, scheduler

@@ -1,4 +1,5 @@
 """Config of the optimizers and LR schedules (``"bertopt": {"optimizer": ..., "schedule": ...}``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,18 +53,23 @@ class OptimizerConfig:
         for name in ("min_trust_ratio", "max_trust_ratio"):
             value = getattr(self, name)
             check(value is None or value > 0, f"{name}: must be positive, got {value}")
-        check(self.min_trust_ratio is None or self.max_trust_ratio is None
-              or self.min_trust_ratio <= self.max_trust_ratio,
-              f"min_trust_ratio: {self.min_trust_ratio} exceeds max_trust_ratio {self.max_trust_ratio}")
+        check(
+            self.min_trust_ratio is None
+            or self.max_trust_ratio is None
+            or self.min_trust_ratio <= self.max_trust_ratio,
+            f"min_trust_ratio: {self.min_trust_ratio} exceeds max_trust_ratio {self.max_trust_ratio}",
+        )
         allowed = LAMB_IMPLEMENTATIONS if self.type == "lamb" else ADAM_IMPLEMENTATIONS
-        check(self.implementation in allowed,
-              f"implementation: {self.implementation!r} is not one for type {self.type!r}; "
-              f"use one of {', '.join(allowed)}")
+        check(
+            self.implementation in allowed,
+            f"implementation: {self.implementation!r} is not one for type {self.type!r}; "
+            f"use one of {', '.join(allowed)}",
+        )
         if self.type == "adamw":
-            check(self.bias_correction, "bias_correction: false is only supported with type \"lamb\"")
+            check(self.bias_correction, 'bias_correction: false is only supported with type "lamb"')
             for name in ("min_trust_ratio", "max_trust_ratio"):
-                check(getattr(self, name) is None, f"{name}: only applies to type \"lamb\"")
-            check(not self.adapt_no_decay, "adapt_no_decay: only applies to type \"lamb\"")
+                check(getattr(self, name) is None, f'{name}: only applies to type "lamb"')
+            check(not self.adapt_no_decay, 'adapt_no_decay: only applies to type "lamb"')
 
 
 @dataclass(frozen=True)
@@ -97,17 +103,25 @@ class ScheduleConfig:
 
     def __post_init__(self) -> None:
         check(0.0 <= self.warmup_fraction < 1.0, f"warmup_fraction: must be in [0, 1), got {self.warmup_fraction}")
-        check(self.warmup_steps is None or self.warmup_steps >= 0,
-              f"warmup_steps: must be >= 0, got {self.warmup_steps}")
-        check(self.start_warmup_step <= 0,
-              f"start_warmup_step: must be <= 0 (a negative offset starts part-way up the ramp), "
-              f"got {self.start_warmup_step}")
+        check(
+            self.warmup_steps is None or self.warmup_steps >= 0, f"warmup_steps: must be >= 0, got {self.warmup_steps}"
+        )
+        check(
+            self.start_warmup_step <= 0,
+            f"start_warmup_step: must be <= 0 (a negative offset starts part-way up the ramp), "
+            f"got {self.start_warmup_step}",
+        )
         check(self.power > 0, f"power: must be positive, got {self.power}")
         check(0.0 <= self.end_lr_ratio <= 1.0, f"end_lr_ratio: must be in [0, 1], got {self.end_lr_ratio}")
-        check(self.decay_steps is None or self.decay_steps > 0,
-              f"decay_steps: must be positive, got {self.decay_steps}")
-        check(self.reference_batch is None or self.reference_batch > 0,
-              f"reference_batch: must be positive, got {self.reference_batch}")
-        check((self.scaling == "none") == (self.reference_batch is None),
-              f"reference_batch: set it exactly when scaling is not \"none\" (scaling is {self.scaling!r}, "
-              f"reference_batch is {self.reference_batch})")
+        check(
+            self.decay_steps is None or self.decay_steps > 0, f"decay_steps: must be positive, got {self.decay_steps}"
+        )
+        check(
+            self.reference_batch is None or self.reference_batch > 0,
+            f"reference_batch: must be positive, got {self.reference_batch}",
+        )
+        check(
+            (self.scaling == "none") == (self.reference_batch is None),
+            f'reference_batch: set it exactly when scaling is not "none" (scaling is {self.scaling!r}, '
+            f"reference_batch is {self.reference_batch})",
+        )

@@ -14,6 +14,7 @@ the data-parallel group, and every rank applies the same per-layer ratio — the
 :class:`Lamb` is the ``torch.optim.Optimizer`` glue. It knows nothing of DeepSpeed: the layouts come
 from :func:`ds_bertopt.optim.zero.attach_lamb`, which ``ds_bertopt.engine.attach_extensions`` calls.
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,10 +64,21 @@ class Layout:
         return self._index[key]
 
 
-def adam_directions(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
-                    steps: Sequence[int], *, beta1: float, beta2: float, eps: float, weight_decay: float,
-                    bias_correction: bool, grad_scale: float = 1.0,
-                    scratch: Optional[tuple[Tensors, Tensors]] = None) -> list[torch.Tensor]:
+def adam_directions(
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    steps: Sequence[int],
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    grad_scale: float = 1.0,
+    scratch: Optional[tuple[Tensors, Tensors]] = None,
+) -> list[torch.Tensor]:
     """Advance the moments in place with ``grad_scale × grad``; return ``m̂/(√v̂ + ε) + λw``.
 
     ``steps`` are the step numbers (1-based, after this step) used for bias correction.
@@ -83,8 +95,8 @@ def adam_directions(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=(1.0 - beta2) * grad_scale * grad_scale)
     # m̂/(√v̂ + ε) = (√(1−β₂ᵗ)/(1−β₁ᵗ)) · m/(√v + ε√(1−β₂ᵗ))
-    bc2_sqrt = [math.sqrt(1.0 - beta2 ** t) if bias_correction else 1.0 for t in steps]
-    factors = [b / (1.0 - beta1 ** t) if bias_correction else 1.0 for b, t in zip(bc2_sqrt, steps)]
+    bc2_sqrt = [math.sqrt(1.0 - beta2**t) if bias_correction else 1.0 for t in steps]
+    factors = [b / (1.0 - beta1**t) if bias_correction else 1.0 for b, t in zip(bc2_sqrt, steps)]
     if scratch is None:
         denom = torch._foreach_sqrt(exp_avg_sqs)
         updates = torch._foreach_mul(params, weight_decay)
@@ -100,8 +112,12 @@ def adam_directions(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_
 
 def _fragment_views(tensors: Tensors, fragments: Sequence[Fragment]) -> list[torch.Tensor]:
     # A whole tensor is used as is (it may be non-contiguous; only flat shards need views).
-    return [tensors[f.tensor] if f.start == 0 and f.numel == tensors[f.tensor].numel()
-            else tensors[f.tensor].view(-1).narrow(0, f.start, f.numel) for f in fragments]
+    return [
+        tensors[f.tensor]
+        if f.start == 0 and f.numel == tensors[f.tensor].numel()
+        else tensors[f.tensor].view(-1).narrow(0, f.start, f.numel)
+        for f in fragments
+    ]
 
 
 def layer_sq_norms(params: Tensors, updates: Tensors, layout: Layout) -> torch.Tensor:
@@ -113,8 +129,13 @@ def layer_sq_norms(params: Tensors, updates: Tensors, layout: Layout) -> torch.T
     return sums
 
 
-def trust_ratios(weight_sq: torch.Tensor, update_sq: torch.Tensor, *, min_ratio: Optional[float] = None,
-                 max_ratio: Optional[float] = None) -> torch.Tensor:
+def trust_ratios(
+    weight_sq: torch.Tensor,
+    update_sq: torch.Tensor,
+    *,
+    min_ratio: Optional[float] = None,
+    max_ratio: Optional[float] = None,
+) -> torch.Tensor:
     """``‖w‖/‖u‖`` per layer from squared norms.
 
     1 where either norm is 0 (a zero layer, e.g. a fresh bias, or a zero update: nothing to scale
@@ -128,12 +149,27 @@ def trust_ratios(weight_sq: torch.Tensor, update_sq: torch.Tensor, *, min_ratio:
     return torch.where(usable, ratio, torch.ones_like(ratio))
 
 
-def lamb_update(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, steps: Sequence[int],
-                *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, bias_correction: bool,
-                grad_scale: float = 1.0, adapt: bool = True, min_trust_ratio: Optional[float] = None,
-                max_trust_ratio: Optional[float] = None, layout: Optional[Layout] = None,
-                allreduce: Optional[Callable[[torch.Tensor], None]] = None,
-                scratch: Optional[tuple[Tensors, Tensors]] = None) -> torch.Tensor:
+def lamb_update(
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    steps: Sequence[int],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    grad_scale: float = 1.0,
+    adapt: bool = True,
+    min_trust_ratio: Optional[float] = None,
+    max_trust_ratio: Optional[float] = None,
+    layout: Optional[Layout] = None,
+    allreduce: Optional[Callable[[torch.Tensor], None]] = None,
+    scratch: Optional[tuple[Tensors, Tensors]] = None,
+) -> torch.Tensor:
     """One LAMB step on ``params`` in place; returns the per-layer trust ratios used.
 
     ``layout`` (default: each tensor a whole layer) says which layer each fragment belongs to;
@@ -142,9 +178,20 @@ def lamb_update(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
     as in :func:`adam_directions`.
     """
     layout = layout or Layout.whole(params)
-    updates = adam_directions(params, grads, exp_avgs, exp_avg_sqs, steps, beta1=beta1, beta2=beta2, eps=eps,
-                              weight_decay=weight_decay, bias_correction=bias_correction, grad_scale=grad_scale,
-                              scratch=scratch)
+    updates = adam_directions(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        steps,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction,
+        grad_scale=grad_scale,
+        scratch=scratch,
+    )
     device = params[0].device
     if adapt:
         sums = layer_sq_norms(params, updates, layout)
@@ -186,17 +233,33 @@ class Lamb(torch.optim.Optimizer):
     gradient norm before the moments, as NVIDIA's and MLPerf's LAMB do.
 
     Under DeepSpeed, call ``ds_bertopt.optim.zero.attach_lamb(optimizer, engine)`` after
-    ``deepspeed.initialize`` (``ds_bertopt.engine.initialize`` does): with ZeRO 1/2 the held tensors are flat shards and the
-    trust ratio would otherwise be per shard. Stepping an unattached flat shard raises.
+    ``deepspeed.initialize`` (``ds_bertopt.engine.initialize`` does): with ZeRO 1/2 the held tensors are flat
+    shards and the trust ratio would otherwise be per shard. Stepping an unattached flat shard raises.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.01, bias_correction: bool = True, adapt: bool = True,
-                 min_trust_ratio: Optional[float] = None, max_trust_ratio: Optional[float] = None,
-                 max_grad_norm: float = 0.0):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, adapt=adapt, min_trust_ratio=min_trust_ratio,
-                        max_trust_ratio=max_trust_ratio)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        bias_correction: bool = True,
+        adapt: bool = True,
+        min_trust_ratio: Optional[float] = None,
+        max_trust_ratio: Optional[float] = None,
+        max_grad_norm: float = 0.0,
+    ):
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            adapt=adapt,
+            min_trust_ratio=min_trust_ratio,
+            max_trust_ratio=max_trust_ratio,
+        )
         super().__init__(params, defaults)
         self.max_grad_norm = float(max_grad_norm)
         # Tensors known to be whole layers, and flat shards with their layouts (keyed by id: ZeRO
@@ -239,16 +302,20 @@ class Lamb(torch.optim.Optimizer):
         flat = [p for p in params if id(p) in self._layouts]
         if flat:
             if len(params) != 1:
-                raise RuntimeError(f"LAMB: a param group mixes a flat shard with {len(params) - 1} other "
-                                   "tensors; DeepSpeed holds one flat shard per group")
+                raise RuntimeError(
+                    f"LAMB: a param group mixes a flat shard with {len(params) - 1} other "
+                    "tensors; DeepSpeed holds one flat shard per group"
+                )
             return self._layouts[id(flat[0])]
         unknown = [p for p in params if id(p) not in self._whole_layers]
         if unknown:
             raise RuntimeError(
                 f"LAMB was handed a tensor it was not built with (shape {tuple(unknown[0].shape)}): DeepSpeed "
                 "flattened the master weights, so the trust ratio would be per shard, not per layer. Create the "
-                "engine with ds_bertopt.engine.initialize, or call ds_bertopt.optim.zero.attach_lamb(optimizer, engine) after "
-                "deepspeed.initialize")
+                "engine with ds_bertopt.engine.initialize, or call "
+                "ds_bertopt.optim.zero.attach_lamb(optimizer, engine) after "
+                "deepspeed.initialize"
+            )
         return None
 
     def _initialise_state_only(self) -> bool:
@@ -267,8 +334,11 @@ class Lamb(torch.optim.Optimizer):
             return False
         for group in self.param_groups:
             for p in group["params"]:
-                self.state[p].update(step=0, exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                                     exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+                self.state[p].update(
+                    step=0,
+                    exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                    exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
+                )
         return True
 
     @torch.no_grad()
@@ -305,19 +375,34 @@ class Lamb(torch.optim.Optimizer):
                 buffers = [self._scratch[id(p)] for p in params]
                 scratch = ([b[0] for b in buffers], [b[1] for b in buffers])
             ratios = lamb_update(
-                params, [p.grad for p in params], [st["exp_avg"] for st in states],
-                [st["exp_avg_sq"] for st in states], [st["step"] for st in states],
-                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                bias_correction=group["bias_correction"], grad_scale=grad_scale, adapt=group["adapt"],
-                min_trust_ratio=group["min_trust_ratio"], max_trust_ratio=group["max_trust_ratio"],
-                layout=layout, allreduce=reduce, scratch=scratch)
+                params,
+                [p.grad for p in params],
+                [st["exp_avg"] for st in states],
+                [st["exp_avg_sq"] for st in states],
+                [st["step"] for st in states],
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                bias_correction=group["bias_correction"],
+                grad_scale=grad_scale,
+                adapt=group["adapt"],
+                min_trust_ratio=group["min_trust_ratio"],
+                max_trust_ratio=group["max_trust_ratio"],
+                layout=layout,
+                allreduce=reduce,
+                scratch=scratch,
+            )
             self.last_trust_ratios.append(ratios)
         return loss
 
 
 def describe_lamb(optimizer: Lamb) -> str:
     """One line: groups, which take the trust ratio, clipping."""
-    groups = ", ".join(f"{len(g['params'])} tensors wd {g['weight_decay']:g} "
-                       f"{'with' if g['adapt'] else 'without'} trust ratio" for g in optimizer.param_groups)
+    groups = ", ".join(
+        f"{len(g['params'])} tensors wd {g['weight_decay']:g} {'with' if g['adapt'] else 'without'} trust ratio"
+        for g in optimizer.param_groups
+    )
     clip = f"global-norm clip {optimizer.max_grad_norm:g}" if optimizer.max_grad_norm > 0 else "no LAMB clipping"
     return f"LAMB (ds_bertopt): {groups}; {clip}"

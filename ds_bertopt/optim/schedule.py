@@ -13,6 +13,7 @@ Step ``k`` (0-based) is the ``k``-th optimizer update; the LR it uses is
 :class:`WarmupDecayLR` wraps the function as a torch ``LRScheduler`` for ``deepspeed.initialize``:
 its checkpointed state is the step counter only; the shape comes from the config on resume.
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,8 +60,10 @@ def describe_lr(lr: float, global_batch: int, cfg: ScheduleConfig) -> str:
     scaled = scale_lr(lr, global_batch, cfg)
     if cfg.scaling == "none":
         return f"peak lr {scaled:.6g} at global batch {global_batch} (no batch scaling)"
-    return (f"peak lr {scaled:.6g} at global batch {global_batch} = {lr:g} at reference batch "
-            f"{cfg.reference_batch} scaled by the {cfg.scaling} rule")
+    return (
+        f"peak lr {scaled:.6g} at global batch {global_batch} = {lr:g} at reference batch "
+        f"{cfg.reference_batch} scaled by the {cfg.scaling} rule"
+    )
 
 
 class WarmupDecayLR(torch.optim.lr_scheduler.LRScheduler):

@@ -19,6 +19,7 @@ What DeepSpeed 0.19.8 does to a client optimizer (read, not guessed):
 Before stepping us, all of them compute the unscaled global gradient norm (``_global_grad_norm``),
 which LAMB's own clipping reads when it only sees a shard.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,10 @@ _PARTITIONED_ATTRS = (
 
 
 def _internals_changed(what: str) -> RuntimeError:
-    return RuntimeError(f"LAMB under DeepSpeed: {what}; ds_bertopt.optim.zero was checked against DeepSpeed 0.19.8 "
-                        "only (pinned in setup.cfg) and will not guess a layout")
+    return RuntimeError(
+        f"LAMB under DeepSpeed: {what}; ds_bertopt.optim.zero was checked against DeepSpeed 0.19.8 "
+        "only (pinned in setup.cfg) and will not guess a layout"
+    )
 
 
 def partitioned_groups(wrapper):
@@ -51,11 +54,14 @@ def partitioned_groups(wrapper):
 def _check_fragment(mapping, shard: torch.Tensor, start: int, numel: int, where: str) -> None:
     """The fragment must be a view of ``shard`` at ``start`` holding the parameter's own values."""
     hp = mapping.hp_fragment
-    inside = (hp.numel() == numel and 0 <= start and start + numel <= shard.numel()
-              and hp.data_ptr() == shard.data_ptr() + start * shard.element_size())
+    inside = (
+        hp.numel() == numel
+        and 0 <= start
+        and start + numel <= shard.numel()
+        and hp.data_ptr() == shard.data_ptr() + start * shard.element_size()
+    )
     if not inside:
-        raise _internals_changed(f"{where}: its _hp_mapping fragment is not a view of the flat shard at "
-                                 f"offset {start}")
+        raise _internals_changed(f"{where}: its _hp_mapping fragment is not a view of the flat shard at offset {start}")
     # The model parameter is the (rounded) master weight: if the mapping paired the wrong elements
     # this fails for all but constant tensors.
     if not torch.equal(hp.to(mapping.lp_fragment.dtype), mapping.lp_fragment):
@@ -66,8 +72,9 @@ def layouts_from_hp_mapping(optimizer: Lamb, wrapper) -> list[Layout]:
     """Per param group, where each layer's fragment lies in this rank's flat shard."""
     lp_groups, hp_shards = partitioned_groups(wrapper)
     if len(lp_groups) != len(optimizer.param_groups) or len(hp_shards) != len(optimizer.param_groups):
-        raise _internals_changed(f"{type(wrapper).__name__} has {len(lp_groups)} parameter groups, "
-                                 f"LAMB has {len(optimizer.param_groups)}")
+        raise _internals_changed(
+            f"{type(wrapper).__name__} has {len(lp_groups)} parameter groups, LAMB has {len(optimizer.param_groups)}"
+        )
     process_groups = getattr(wrapper, "real_dp_process_group", None)
     if process_groups is None:
         raise _internals_changed(f"{type(wrapper).__name__} has no real_dp_process_group")
@@ -79,8 +86,9 @@ def layouts_from_hp_mapping(optimizer: Lamb, wrapper) -> list[Layout]:
         for layer, lp in enumerate(lp_params):
             where = f"group {i} parameter {layer} (shape {tuple(lp.shape)})"
             if not hasattr(lp, "_hp_mapping"):
-                raise _internals_changed(f"{where} has no _hp_mapping (utils/mixed_precision_linkage.py::"
-                                         "link_hp_params)")
+                raise _internals_changed(
+                    f"{where} has no _hp_mapping (utils/mixed_precision_linkage.py::link_hp_params)"
+                )
             mapping = lp._hp_mapping
             if mapping is None:  # no element of this layer in this rank's shard
                 continue
@@ -96,8 +104,10 @@ def layouts_from_hp_mapping(optimizer: Lamb, wrapper) -> list[Layout]:
 def _wrapper_grad_norm(wrapper) -> float:
     norm = getattr(wrapper, "_global_grad_norm", None)
     if norm is None:
-        raise RuntimeError("LAMB max_grad_norm needs DeepSpeed's global gradient norm, which it did not compute "
-                           "(zero_optimization.compute_grad_norm false?); set bertopt.optimizer.max_grad_norm to 0")
+        raise RuntimeError(
+            "LAMB max_grad_norm needs DeepSpeed's global gradient norm, which it did not compute "
+            "(zero_optimization.compute_grad_norm false?); set bertopt.optimizer.max_grad_norm to 0"
+        )
     return float(norm)
 
 
@@ -108,10 +118,15 @@ def _mark_unflattened(optimizer: Lamb, wrapper) -> None:
         held = group["params"]
         if all(id(t) in optimizer._whole_layers for t in held):
             continue
-        if lp_groups is None or i >= len(lp_groups) or \
-                [tuple(t.shape) for t in held] != [tuple(p.shape) for p in lp_groups[i]]:
-            raise _internals_changed(f"{type(wrapper).__name__} holds param group {i} in a layout LAMB does not "
-                                     "know (neither one tensor per parameter nor ZeRO 1/2 shards)")
+        if (
+            lp_groups is None
+            or i >= len(lp_groups)
+            or [tuple(t.shape) for t in held] != [tuple(p.shape) for p in lp_groups[i]]
+        ):
+            raise _internals_changed(
+                f"{type(wrapper).__name__} holds param group {i} in a layout LAMB does not "
+                "know (neither one tensor per parameter nor ZeRO 1/2 shards)"
+            )
         optimizer.mark_whole_layers(held)
 
 
@@ -119,12 +134,16 @@ def attach_lamb(optimizer: Lamb, engine) -> None:
     """Make ``optimizer`` take per-layer steps inside ``engine`` (``deepspeed.initialize``'s result)."""
     stage = int(engine.zero_optimization_stage())
     if stage >= 3:
-        raise ConfigError("optimizer.type: \"lamb\" is not supported under ZeRO stage 3 (parameters are "
-                          "partitioned); use zero_optimization.stage 0, 1 or 2, or type \"adamw\"")
+        raise ConfigError(
+            'optimizer.type: "lamb" is not supported under ZeRO stage 3 (parameters are '
+            'partitioned); use zero_optimization.stage 0, 1 or 2, or type "adamw"'
+        )
     ds_clip = float(engine.gradient_clipping() or 0.0)
     if optimizer.max_grad_norm > 0 and ds_clip > 0:
-        print0(f"DeepSpeed gradient_clipping ({ds_clip:g}) is on, so LAMB's own global-norm clipping "
-               f"(max_grad_norm {optimizer.max_grad_norm:g}) is off: DeepSpeed clips the same global norm first")
+        print0(
+            f"DeepSpeed gradient_clipping ({ds_clip:g}) is on, so LAMB's own global-norm clipping "
+            f"(max_grad_norm {optimizer.max_grad_norm:g}) is off: DeepSpeed clips the same global norm first"
+        )
         optimizer.max_grad_norm = 0.0
     wrapper = engine.optimizer
     if wrapper is optimizer:
@@ -138,6 +157,8 @@ def attach_lamb(optimizer: Lamb, engine) -> None:
     optimizer.set_grad_norm_source(lambda: _wrapper_grad_norm(wrapper))
     held = sum(len(layout.fragments) for layout in layouts)
     layers = sum(layout.num_layers for layout in layouts)
-    print0(f"LAMB: layer-wise trust ratio over {type(wrapper).__name__} (ZeRO {stage}) shards: {layers} "
-           f"parameters in {len(layouts)} groups, {held} fragments on rank 0; per-layer norms all-reduced "
-           "once per group per step")
+    print0(
+        f"LAMB: layer-wise trust ratio over {type(wrapper).__name__} (ZeRO {stage}) shards: {layers} "
+        f"parameters in {len(layouts)} groups, {held} fragments on rank 0; per-layer norms all-reduced "
+        "once per group per step"
+    )

@@ -6,6 +6,7 @@ MASTER_ADDR/PORT, DS_ACCELERATOR=cpu, OMP_NUM_THREADS=1), calls ``fn(rank, world
 each after ``deepspeed.init_distributed`` (gloo), and returns the per-rank results. A rank that
 raises fails the call with that rank's traceback; a hang is killed after ``timeout`` seconds.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -25,12 +26,21 @@ def free_port() -> int:
 
 
 def _worker(fn, rank, world_size, ranks_per_node, port, env, args, results):
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank % ranks_per_node), "WORLD_SIZE": str(world_size),
-        "LOCAL_SIZE": str(ranks_per_node), "CROSS_RANK": str(rank // ranks_per_node),
-        "CROSS_SIZE": str(world_size // ranks_per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **env,
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank % ranks_per_node),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_SIZE": str(ranks_per_node),
+            "CROSS_RANK": str(rank // ranks_per_node),
+            "CROSS_SIZE": str(world_size // ranks_per_node),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": "1",
+            **env,
+        }
+    )
     try:
         import datetime
 
@@ -54,8 +64,14 @@ def _worker(fn, rank, world_size, ranks_per_node, port, env, args, results):
             pass
 
 
-def spawn_ranks(fn: Callable, world_size: int, *args, ranks_per_node: int | None = None,
-                timeout: float = 240, env: dict | None = None) -> list[Any]:
+def spawn_ranks(
+    fn: Callable,
+    world_size: int,
+    *args,
+    ranks_per_node: int | None = None,
+    timeout: float = 240,
+    env: dict | None = None,
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` and ``args`` must be picklable (module-level function). ``ranks_per_node`` simulates
@@ -65,8 +81,10 @@ def spawn_ranks(fn: Callable, world_size: int, *args, ranks_per_node: int | None
     results = ctx.Queue()
     port = free_port()
     rpn = ranks_per_node or world_size
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, rpn, port, env or {}, args, results))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, rpn, port, env or {}, args, results))
+        for r in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     out: dict[int, Any] = {}
@@ -78,8 +96,9 @@ def spawn_ranks(fn: Callable, world_size: int, *args, ranks_per_node: int | None
             except queue_mod.Empty:
                 if failures:
                     break  # the others are stuck on the failed rank
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish "
-                                   f"within {timeout:.0f} s") from None
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(out))} did not finish within {timeout:.0f} s"
+                ) from None
             if status == "ok":
                 out[rank] = value
             else:
@@ -90,8 +109,9 @@ def spawn_ranks(fn: Callable, world_size: int, *args, ranks_per_node: int | None
                     proc.join(timeout=5)
                     failures[r] = f"no report; process exit code {proc.exitcode} (negative: killed by that signal)"
             # the root cause first: a peer's "connection reset" only says that some rank died
-            order = sorted(failures, key=lambda r: ("Connection reset" in failures[r] or "Connection closed"
-                                                    in failures[r], r))
+            order = sorted(
+                failures, key=lambda r: ("Connection reset" in failures[r] or "Connection closed" in failures[r], r)
+            )
             raise RuntimeError("\n".join(f"rank {r} failed:\n{failures[r]}" for r in order))
     finally:
         for proc in procs:

@@ -9,6 +9,7 @@
 * :func:`environment` — versions, threads and machine, printed with every figure.
 * :func:`record_results` — structured results for ``bench/run_all.py`` (plots and the report).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,9 @@ def interleaved(variants: Mapping[str, Callable[[], Any]], repeats: int = 7, war
             start = time.perf_counter()
             result = fn()
             elapsed = time.perf_counter() - start
-            times[name].append(float(result) if isinstance(result, (int, float)) and not isinstance(result, bool)
-                               else elapsed)
+            times[name].append(
+                float(result) if isinstance(result, (int, float)) and not isinstance(result, bool) else elapsed
+            )
     return times
 
 

@@ -10,6 +10,7 @@ Command line (also ``launch/local_multinode.sh``)::
 
     python -m ds_bertopt.testing.multinode NODES RANKS_PER_NODE -- launch/pretrain.py --deepspeed_config ...
 """
+
 from __future__ import annotations
 
 import os
@@ -48,11 +49,21 @@ def _pump(stream, node: int, sink: list[str], echo: bool) -> None:
     stream.close()
 
 
-def run_local_multinode(nodes: int, ranks_per_node: int, script_args: Sequence[str], *,
-                        env: Optional[dict] = None, timeout: float = 600, master_port: Optional[int] = None,
-                        slots: Optional[Sequence[int]] = None, per_node_slots: Optional[Sequence[Sequence[int]]] = None,
-                        master_addr: str = "127.0.0.1", echo: bool = False, cwd: Optional[str] = None,
-                        node_prefix: Optional[Sequence[Sequence[str]]] = None) -> list[NodeResult]:
+def run_local_multinode(
+    nodes: int,
+    ranks_per_node: int,
+    script_args: Sequence[str],
+    *,
+    env: Optional[dict] = None,
+    timeout: float = 600,
+    master_port: Optional[int] = None,
+    slots: Optional[Sequence[int]] = None,
+    per_node_slots: Optional[Sequence[Sequence[int]]] = None,
+    master_addr: str = "127.0.0.1",
+    echo: bool = False,
+    cwd: Optional[str] = None,
+    node_prefix: Optional[Sequence[Sequence[str]]] = None,
+) -> list[NodeResult]:
     """Run ``script_args`` as a ``nodes`` × ``ranks_per_node`` job; return one result per node.
 
     ``slots`` overrides the hostfile's slot counts (e.g. to test a mis-declared topology);
@@ -67,17 +78,39 @@ def run_local_multinode(nodes: int, ranks_per_node: int, script_args: Sequence[s
     for i in range(nodes):
         node_slots = (per_node_slots[i] if per_node_slots else slots) or [ranks_per_node] * nodes
         hostfiles.append(write_hostfile(os.path.join(tmp, f"hostfile{i}"), node_slots))
-    full_env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    full_env = {
+        **os.environ,
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        **(env or {}),
+    }
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     procs, outputs, pumps = [], [], []
     for i in range(nodes):
-        cmd = [deepspeed, "--hostfile", hostfiles[i], "--no_ssh", "--node_rank", str(i),
-               "--master_addr", master_addr, "--master_port", str(port), *script_args]
+        cmd = [
+            deepspeed,
+            "--hostfile",
+            hostfiles[i],
+            "--no_ssh",
+            "--node_rank",
+            str(i),
+            "--master_addr",
+            master_addr,
+            "--master_port",
+            str(port),
+            *script_args,
+        ]
         if node_prefix:
             cmd = [*node_prefix[i], *cmd]
-        proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=full_env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         sink: list[str] = []
         pump = threading.Thread(target=_pump, args=(proc.stdout, i, sink, echo), daemon=True)
         pump.start()
@@ -130,18 +163,20 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv or len(argv[:argv.index("--")]) != 2:
+    if "--" not in argv or len(argv[: argv.index("--")]) != 2:
         print("usage: local_multinode NODES RANKS_PER_NODE -- SCRIPT [ARGS...]", file=sys.stderr)
         return 2
-    nodes, rpn = (int(x) for x in argv[:argv.index("--")])
-    script = argv[argv.index("--") + 1:]
+    nodes, rpn = (int(x) for x in argv[: argv.index("--")])
+    script = argv[argv.index("--") + 1 :]
     start = time.monotonic()
     results = run_local_multinode(nodes, rpn, script, echo=True, timeout=float(os.environ.get("TIMEOUT", 86400)))
     bad = [r for r in results if r.returncode != 0]
     for r in results:
         print(f"[local_multinode] node {r.node_rank}: exit code {r.returncode}")
-    print(f"[local_multinode] {nodes} node(s) × {rpn} rank(s): {'FAILED' if bad else 'ok'} "
-          f"in {time.monotonic() - start:.1f} s")
+    print(
+        f"[local_multinode] {nodes} node(s) × {rpn} rank(s): {'FAILED' if bad else 'ok'} "
+        f"in {time.monotonic() - start:.1f} s"
+    )
     if not bad:
         return 0
     code = bad[0].returncode

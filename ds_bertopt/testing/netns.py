@@ -17,6 +17,7 @@ Names are ``<prefix><pid>n<i>`` (``<prefix><pid>b`` for the bridge namespace), s
 Needs root and iproute2; :func:`netns_available` says whether this machine can, and
 :func:`netns_unavailable_reason` why not (for ``pytest.mark.skipif``).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -77,7 +78,7 @@ def remove_deepspeed_shm_buffers(master_addr: str, master_port: Optional[object]
     stem = f"deepspeed_allreduce_buffer_{os.getuid()}_{master_addr}_"
     stem += f"{master_port}_" if master_port is not None else ""
     try:
-        names = [n for n in os.listdir(shm) if n.startswith(stem) and n[len(stem):].replace("_", "").isdigit()]
+        names = [n for n in os.listdir(shm) if n.startswith(stem) and n[len(stem) :].replace("_", "").isdigit()]
     except OSError:
         return []
     for name in names:
@@ -105,8 +106,16 @@ def remove_stale(prefix: str = "dsb") -> list[str]:
 class NetNamespaces:
     """``count`` namespaces on one private /24, optionally rate-limited (see module docstring)."""
 
-    def __init__(self, count: int = 2, *, prefix: str = "dsb", rate: Optional[str] = None, burst: str = "256kb",
-                 latency: str = "50ms", ifname: str = "dsb0"):
+    def __init__(
+        self,
+        count: int = 2,
+        *,
+        prefix: str = "dsb",
+        rate: Optional[str] = None,
+        burst: str = "256kb",
+        latency: str = "50ms",
+        ifname: str = "dsb0",
+    ):
         if count < 2:
             raise ValueError(f"NetNamespaces: need at least 2 namespaces, got {count}")
         if count > 250:
@@ -160,9 +169,31 @@ class NetNamespaces:
 
     def _shape(self, namespace: str, dev: str) -> None:
         if self.rate is not None:
-            subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                            "rate", self.rate, "burst", self.burst, "latency", self.latency],
-                           check=True, capture_output=True, text=True, timeout=30)
+            subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    namespace,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    self.rate,
+                    "burst",
+                    self.burst,
+                    "latency",
+                    self.latency,
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
 
     def _build(self) -> None:
         for name in self.names:
@@ -177,8 +208,7 @@ class NetNamespaces:
             _ip("-n", bridge_ns, "link", "set", "br0", "up")
             for i, name in enumerate(self.names):
                 port = f"port{i}"
-                _ip("link", "add", self.ifname, "netns", name, "type", "veth", "peer", "name", port,
-                    "netns", bridge_ns)
+                _ip("link", "add", self.ifname, "netns", name, "type", "veth", "peer", "name", port, "netns", bridge_ns)
                 _ip("-n", bridge_ns, "link", "set", port, "master", "br0")
                 _ip("-n", bridge_ns, "link", "set", port, "up")
                 self._shape(bridge_ns, port)
@@ -217,12 +247,12 @@ class NetNamespaces:
         """``argv`` prefixed to run inside namespace ``index``."""
         return ["ip", "netns", "exec", self.names[index], *argv]
 
-    def run(self, index: int, argv: Sequence[str], env: Optional[Mapping[str, str]] = None,
-            **popen_kwargs) -> subprocess.Popen:
+    def run(
+        self, index: int, argv: Sequence[str], env: Optional[Mapping[str, str]] = None, **popen_kwargs
+    ) -> subprocess.Popen:
         """Start ``argv`` inside namespace ``index`` (``env`` replaces the environment if given)."""
         if self._closed or not self._created:
             raise RuntimeError("NetNamespaces.run: the namespaces do not exist (outside the with block?)")
-        proc = subprocess.Popen(self.exec_argv(index, argv), env=dict(env) if env is not None else None,
-                                **popen_kwargs)
+        proc = subprocess.Popen(self.exec_argv(index, argv), env=dict(env) if env is not None else None, **popen_kwargs)
         self._procs.append(proc)
         return proc

@@ -20,6 +20,7 @@ reads ``latest``; if it names something missing or incomplete, or loading fails 
 falls back to the newest older complete checkpoint and says so. The last ``keep_last`` complete
 checkpoints are kept.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,11 +57,17 @@ def rng_state() -> dict:
     cannot run code through them (unlike a pickled ``random.getstate()`` tuple)."""
     version, internal, gauss_next = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
-                        "gauss_next": gauss_next},
-             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss_next},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -70,8 +77,9 @@ def set_rng_state(state: dict) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
     npy = state["numpy"]
-    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-                         npy["cached_gaussian"]))
+    np.random.set_state(
+        (npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -94,13 +102,11 @@ def complete_tags(root: str) -> list[str]:
     """Complete checkpoint tags under ``root``, newest first."""
     if not os.path.isdir(root):
         return []
-    tags = [name for name in os.listdir(root)
-            if _TAG.match(name) and os.path.isfile(os.path.join(root, name, MARKER))]
+    tags = [name for name in os.listdir(root) if _TAG.match(name) and os.path.isfile(os.path.join(root, name, MARKER))]
     return sorted(tags, reverse=True)
 
 
-def save(engine, output_dir: str, step: int, client_state: dict, *, rank: int, local_rank: int,
-         keep_last: int) -> str:
+def save(engine, output_dir: str, step: int, client_state: dict, *, rank: int, local_rank: int, keep_last: int) -> str:
     """Collective: every rank calls it. Returns the final checkpoint directory."""
     root = checkpoint_root(output_dir)
     tag = tag_for(step)
@@ -115,8 +121,11 @@ def save(engine, output_dir: str, step: int, client_state: dict, *, rank: int, l
     faults.inject("save", rank, step)
     barrier()
     final = os.path.join(root, tag)
-    marker = {"step": step, "tag": tag,
-              **{k: client_state[k] for k in ("world_size", "sampler", "identity") if k in client_state}}
+    marker = {
+        "step": step,
+        "tag": tag,
+        **{k: client_state[k] for k in ("world_size", "sampler", "identity") if k in client_state},
+    }
     # Global rank 0 finalises first; then the local rank 0 of any node whose filesystem is not
     # shared with rank 0 (it still sees its own ``.partial``) finalises its copy.
     if rank == 0:
@@ -146,8 +155,10 @@ def resolve_resume_dir(resume: str, output_dir: str) -> str:
     if not os.path.isdir(base):
         raise BertOptError(f"resume directory {base} does not exist")
     if not os.path.isdir(root) or not complete_tags(root):
-        raise BertOptError(f"resume directory {base} holds no complete checkpoint (checkpoints/stepNNNNNNNN/ with "
-                           f"{MARKER}); start without --resume")
+        raise BertOptError(
+            f"resume directory {base} holds no complete checkpoint (checkpoints/stepNNNNNNNN/ with "
+            f"{MARKER}); start without --resume"
+        )
     return root
 
 
@@ -155,13 +166,31 @@ def resolve_resume_dir(resume: str, output_dir: str) -> str:
 RUN_FILE = "run.json"
 # Keys that may differ between a run and its resumption: where and how often it reports, not what it computes;
 # and how long it runs (a run may be extended: the LR schedule then spans the new length, and the loop says so).
-OPERATIONAL_KEYS = ("bertopt.train.max_steps", "bertopt.train.epochs", "bertopt.train.output_dir", "bertopt.train.overwrite_output_dir", "bertopt.train.eval_every",
-                    "bertopt.train.eval_each_epoch", "bertopt.train.log_every", "bertopt.train.save_every",
-                    "bertopt.train.keep_last", "bertopt.train.save_model", "bertopt.train.dataloader_workers",
-                    "bertopt.train.dist_timeout_s", "bertopt.train.dist_init_timeout_s", "bertopt.train.log_samples",
-                    "bertopt.train.max_consecutive_nonfinite", "deepspeed.steps_per_print",
-                    "deepspeed.wall_clock_breakdown", "deepspeed.csv_monitor", "deepspeed.tensorboard",
-                    "deepspeed.wandb", "deepspeed.comet", "deepspeed.flops_profiler", "deepspeed.comms_logger")
+OPERATIONAL_KEYS = (
+    "bertopt.train.max_steps",
+    "bertopt.train.epochs",
+    "bertopt.train.output_dir",
+    "bertopt.train.overwrite_output_dir",
+    "bertopt.train.eval_every",
+    "bertopt.train.eval_each_epoch",
+    "bertopt.train.log_every",
+    "bertopt.train.save_every",
+    "bertopt.train.keep_last",
+    "bertopt.train.save_model",
+    "bertopt.train.dataloader_workers",
+    "bertopt.train.dist_timeout_s",
+    "bertopt.train.dist_init_timeout_s",
+    "bertopt.train.log_samples",
+    "bertopt.train.max_consecutive_nonfinite",
+    "deepspeed.steps_per_print",
+    "deepspeed.wall_clock_breakdown",
+    "deepspeed.csv_monitor",
+    "deepspeed.tensorboard",
+    "deepspeed.wandb",
+    "deepspeed.comet",
+    "deepspeed.flops_profiler",
+    "deepspeed.comms_logger",
+)
 
 
 def _flatten(tree, prefix: str, out: dict) -> dict:
@@ -181,15 +210,19 @@ def identity(run_id: str, world_size: int, described: dict) -> dict:
 def identity_mismatch(saved: dict, current: dict) -> Optional[str]:
     """One line naming the first difference between a checkpoint's identity and this run's, or None."""
     if saved.get("world_size") != current["world_size"]:
-        return (f"world size: checkpoint {saved.get('world_size')}, now {current['world_size']}. The data order and "
-                "optimizer shards are per rank: resume with the same number of ranks, or start a new run from the "
-                "weights (DeepSpeed's deepspeed/utils/zero_to_fp32.py turns a checkpoint into a state dict; for ZeRO "
-                "stage changes too see DeepSpeed's universal checkpoint, checkpoint/ds_to_universal.py)")
+        return (
+            f"world size: checkpoint {saved.get('world_size')}, now {current['world_size']}. The data order and "
+            "optimizer shards are per rank: resume with the same number of ranks, or start a new run from the "
+            "weights (DeepSpeed's deepspeed/utils/zero_to_fp32.py turns a checkpoint into a state dict; for ZeRO "
+            "stage changes too see DeepSpeed's universal checkpoint, checkpoint/ds_to_universal.py)"
+        )
     ours, theirs = current["config"], saved.get("config", {})
     for key in sorted(set(ours) | set(theirs)):
         if ours.get(key, "absent") != theirs.get(key, "absent"):
-            return (f"{key}: checkpoint {json.dumps(theirs.get(key, 'absent'))}, config "
-                    f"{json.dumps(ours.get(key, 'absent'))}")
+            return (
+                f"{key}: checkpoint {json.dumps(theirs.get(key, 'absent'))}, config "
+                f"{json.dumps(ours.get(key, 'absent'))}"
+            )
     return None
 
 
@@ -232,8 +265,10 @@ def load(engine, root: str, *, rank: int, run_id: Optional[str] = None) -> Optio
     latest_path = os.path.join(root, LATEST)
     latest = open(latest_path, encoding="utf-8").read().strip() if os.path.isfile(latest_path) else None
     if latest != tags[0]:
-        print0(f"checkpoint pointer 'latest' names {latest!r}, which is missing, partial or older; "
-               f"falling back to the newest complete checkpoint {tags[0]}")
+        print0(
+            f"checkpoint pointer 'latest' names {latest!r}, which is missing, partial or older; "
+            f"falling back to the newest complete checkpoint {tags[0]}"
+        )
     for tag in tags:
         client, error = None, None
         try:

@@ -18,6 +18,7 @@ a loss and their metrics; everything else is here, so both get every guarantee:
 Host syncs per step, by design: reading ``engine.was_step_applied()`` (the non-finite verdict; DeepSpeed's
 own overflow checks read it too) and the preemption flag of the step before (already reduced, no wait).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,16 @@ import torch
 from .. import faults
 from ..config import BertOptConfig, describe
 from ..configlib import add_config_arguments, overrides_from_namespace
-from ..dist import (Topology, barrier, describe_dead_peers, init_distributed, is_comm_failure, set_cpu_thread_default,
-                    topology_from_env, verify_topology)
+from ..dist import (
+    Topology,
+    barrier,
+    describe_dead_peers,
+    init_distributed,
+    is_comm_failure,
+    set_cpu_thread_default,
+    topology_from_env,
+    verify_topology,
+)
 from ..errors import BertOptError
 from ..log import print0, print_all
 from . import checkpoint
@@ -58,7 +67,7 @@ class Preempted(Exception):
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
-    np.random.seed(seed % 2 ** 32)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
@@ -112,8 +121,11 @@ class Trainer:
             # torch's deterministic mode refuses cuBLAS GEMMs without a fixed workspace; set it before the first one
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-        self.micro, self.accum, self.global_batch = (ds["train_micro_batch_size_per_gpu"],
-                                                     ds["gradient_accumulation_steps"], ds["train_batch_size"])
+        self.micro, self.accum, self.global_batch = (
+            ds["train_micro_batch_size_per_gpu"],
+            ds["gradient_accumulation_steps"],
+            ds["train_batch_size"],
+        )
         seed_everything(b.train.seed)  # identical init on every rank
         model = task.build(plan.cfg, topo)
         self.sampler = task.batch_sampler(topo, self.micro, self.accum)
@@ -127,17 +139,21 @@ class Trainer:
         optimizer, scheduler = optim.build(model, self.b, global_batch=self.global_batch, zero_stage=zero_stage)
         self.engine, _, _, _ = initialize(config=self.cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
         seed_everything(b.train.seed + 7919 * (topo.rank + 1))  # distinct dropout (and sampling) per rank
-        print0(f"{task.describe_model(self.engine)}; world {topo.world_size} ({topo.num_nodes} node(s) × "
-               f"{topo.ranks_per_node}); global batch {self.global_batch} = {self.micro} × {self.accum} accumulation × "
-               f"{topo.world_size} ranks; ZeRO {zero_stage}")
+        print0(
+            f"{task.describe_model(self.engine)}; world {topo.world_size} ({topo.num_nodes} node(s) × "
+            f"{topo.ranks_per_node}); global batch {self.global_batch} = {self.micro} × {self.accum} accumulation × "
+            f"{topo.world_size} ranks; ZeRO {zero_stage}"
+        )
         self.metrics = Metrics(self.engine, self.output_dir, topo.is_main)
         self.step = 0
         self.identity = checkpoint.identity(self.run_id, topo.world_size, describe(plan.cfg))
         if plan.resume_root is not None:
             self._resume(plan.resume_root)
-        print0(f"plan: {steps_per_epoch} steps per epoch ({b.sampler.strategy}), {self.max_steps} steps; "
-               f"{self.sampler.plan().dropped} samples left out of each epoch's last partial global batch; "
-               f"{b.train.max_consecutive_nonfinite} steps in a row with non-finite gradients stop the job")
+        print0(
+            f"plan: {steps_per_epoch} steps per epoch ({b.sampler.strategy}), {self.max_steps} steps; "
+            f"{self.sampler.plan().dropped} samples left out of each epoch's last partial global batch; "
+            f"{b.train.max_consecutive_nonfinite} steps in a row with non-finite gradients stop the job"
+        )
         self.history: dict = {"eval": [], "train": []}
         self.skipped_in_a_row = 0
         self.stop_requested = False
@@ -170,24 +186,39 @@ class Trainer:
         self.step = int(client["step"])
         self.sampler.load_state_dict(client["sampler"])
         if client.get("max_steps") not in (None, self.max_steps):
-            print0(f"the run was planned for {client['max_steps']} steps and now for {self.max_steps}: the learning-rate "
-                   f"schedule spans {self.max_steps} steps from here on")
-        print0(f"resumed from {client['tag']}: step {self.step}, epoch {self.sampler.epoch}, "
-               f"step {self.sampler.step} of {self.sampler.steps_per_epoch} in the epoch")
+            print0(
+                f"the run was planned for {client['max_steps']} steps and now for {self.max_steps}: the learning-rate "
+                f"schedule spans {self.max_steps} steps from here on"
+            )
+        print0(
+            f"resumed from {client['tag']}: step {self.step}, epoch {self.sampler.epoch}, "
+            f"step {self.sampler.step} of {self.sampler.steps_per_epoch} in the epoch"
+        )
 
     def client_state(self) -> dict:
-        return {"step": self.step, "sampler": self.sampler.state_dict(), "world_size": self.topo.world_size,
-                "global_batch": self.global_batch, "max_steps": self.max_steps, "identity": self.identity}
+        return {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "world_size": self.topo.world_size,
+            "global_batch": self.global_batch,
+            "max_steps": self.max_steps,
+            "identity": self.identity,
+        }
 
     # --- the step -----------------------------------------------------------------------------------
     def _loader(self):
         # Its own generator: creating the iterator draws a seed, which must not shift the global RNG that
         # dropout uses (a resumed run creates its iterator at another point of the stream). Collation is
         # seeded per micro-batch anyway.
-        loader = torch.utils.data.DataLoader(MicroBatches(self.task), batch_size=None,
-                                             sampler=StepKeys(self.sampler, self.step), num_workers=self.workers,
-                                             pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(0),
-                                             prefetch_factor=2 * self.accum if self.workers else None)
+        loader = torch.utils.data.DataLoader(
+            MicroBatches(self.task),
+            batch_size=None,
+            sampler=StepKeys(self.sampler, self.step),
+            num_workers=self.workers,
+            pin_memory=self.pin_memory,
+            generator=torch.Generator().manual_seed(0),
+            prefetch_factor=2 * self.accum if self.workers else None,
+        )
         return iter(loader)
 
     def train_step(self, batches, sample_log, window: Window) -> None:
@@ -196,12 +227,23 @@ class Trainer:
         epoch = batches[0][0][0]
         self.sampler.next_step()  # the consumed position, for checkpoints (the loader runs ahead on a copy)
         if sample_log is not None:
-            sample_log.write(json.dumps({"step": self.step + 1, "epoch": epoch, "rank": topo.rank,
-                                         "node": topo.node_rank, "indices": [list(k[3]) for k, _ in batches]}) + "\n")
+            sample_log.write(
+                json.dumps(
+                    {
+                        "step": self.step + 1,
+                        "epoch": epoch,
+                        "rank": topo.rank,
+                        "node": topo.node_rank,
+                        "indices": [list(k[3]) for k, _ in batches],
+                    }
+                )
+                + "\n"
+            )
         normalizer = None
         if self.task.global_loss_normalizer:
-            normalizer = step_loss_normalizer(sum(self.task.targets(batch) for _, batch in batches), self.accum,
-                                              topo.world_size, device)
+            normalizer = step_loss_normalizer(
+                sum(self.task.targets(batch) for _, batch in batches), self.accum, topo.world_size, device
+            )
         losses, tokens = [], 0
         for _, batch in batches:
             tokens += self.task.tokens(batch)
@@ -220,8 +262,10 @@ class Trainer:
         loss = float(torch.stack(losses).mean())
         if engine.fp16_enabled() and math.isfinite(loss):  # the dynamic loss scaler at work, not a broken run
             window.skipped += 1
-            print0(f"step {self.step}: skipped by the fp16 loss scaler (gradient overflow), loss scale now "
-                   f"{getattr(engine.optimizer, 'loss_scale', '?')}")
+            print0(
+                f"step {self.step}: skipped by the fp16 loss scaler (gradient overflow), loss scale now "
+                f"{getattr(engine.optimizer, 'loss_scale', '?')}"
+            )
             return
         self._skipped(window, loss)
 
@@ -232,21 +276,33 @@ class Trainer:
         print0(f"step {self.step}: skipped, gradients not finite (loss {loss:.4g}); {self.skipped_in_a_row} in a row")
         if self.skipped_in_a_row >= self.b.train.max_consecutive_nonfinite:
             first = self.step - self.skipped_in_a_row + 1
-            raise BertOptError(f"{self.skipped_in_a_row} consecutive steps had non-finite gradients (steps "
-                               f"{first}-{self.step}); stopping. Lower the learning rate, check the data, "
-                               "or resume from the last checkpoint")
+            raise BertOptError(
+                f"{self.skipped_in_a_row} consecutive steps had non-finite gradients (steps "
+                f"{first}-{self.step}); stopping. Lower the learning rate, check the data, "
+                "or resume from the last checkpoint"
+            )
 
     # --- evaluation, checkpoints, preemption --------------------------------------------------------
     def evaluate(self) -> None:
-        record = {"step": self.step, "epoch": self.sampler.epoch,
-                  **self.task.evaluate(self.engine, self.topo, self.b.train.seed)}
+        record = {
+            "step": self.step,
+            "epoch": self.sampler.epoch,
+            **self.task.evaluate(self.engine, self.topo, self.b.train.seed),
+        }
         self.history["eval"].append(record)
         self.metrics.write(record, self.step * self.global_batch)
         print0(f"step {self.step}: {self.task.eval_line(record)}")
 
     def save(self) -> None:
-        path = checkpoint.save(self.engine, self.output_dir, self.step, self.client_state(), rank=self.topo.rank,
-                               local_rank=self.topo.local_rank, keep_last=self.b.train.keep_last)
+        path = checkpoint.save(
+            self.engine,
+            self.output_dir,
+            self.step,
+            self.client_state(),
+            rank=self.topo.rank,
+            local_rank=self.topo.local_rank,
+            keep_last=self.b.train.keep_last,
+        )
         print0(f"checkpoint saved: {path}")
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
@@ -278,8 +334,12 @@ class Trainer:
         sample_log = None
         if t.log_samples:
             os.makedirs(os.path.join(self.output_dir, "samples"), exist_ok=True)
-            sample_log = open(os.path.join(self.output_dir, "samples", f"rank{self.topo.rank}.jsonl"), "a",
-                              encoding="utf-8", buffering=1)
+            sample_log = open(
+                os.path.join(self.output_dir, "samples", f"rank{self.topo.rank}.jsonl"),
+                "a",
+                encoding="utf-8",
+                buffering=1,
+            )
         previous = {s: signal.signal(s, self._on_signal) for s in PREEMPTION_SIGNALS}
         bar = progress_bar(self.max_steps, self.step, self.task.name, self.topo.is_main)
         window, pending, evaluated_at = Window(self.engine.device), None, -1
@@ -295,8 +355,11 @@ class Trainer:
                     record = window.close(self.step, self.engine.get_lr()[0], self.sampler.epoch, self.max_steps, bar)
                     self.history["train"].append(record)
                     self.metrics.write(record, self.step * self.global_batch)
-                if (t.eval_every and self.step % t.eval_every == 0) or (t.eval_each_epoch and epoch_end) or (
-                        last and evaluates):
+                if (
+                    (t.eval_every and self.step % t.eval_every == 0)
+                    or (t.eval_each_epoch and epoch_end)
+                    or (last and evaluates)
+                ):
                     if evaluated_at != self.step:
                         self.evaluate()
                         evaluated_at = self.step
@@ -304,8 +367,10 @@ class Trainer:
                 if (t.save_every and self.step % t.save_every == 0) or last or stop:
                     self.save()
                 if stop and not last:
-                    raise Preempted(f"preempted: stopped after step {self.step} of {self.max_steps}; the checkpoint "
-                                    f"is complete, continue with --resume (exit status {PREEMPTED_EXIT})")
+                    raise Preempted(
+                        f"preempted: stopped after step {self.step} of {self.max_steps}; the checkpoint "
+                        f"is complete, continue with --resume (exit status {PREEMPTED_EXIT})"
+                    )
         finally:
             if pending is not None and pending[1] is not None:
                 pending[1].wait()
@@ -323,16 +388,31 @@ class Trainer:
 # --- the entry point ---------------------------------------------------------------------------------
 def build_arg_parser(task) -> argparse.ArgumentParser:
     """The CLI of a task: generic flags, the task's shortcuts, and ``--<section>.<field>`` for every config field."""
-    p = argparse.ArgumentParser(description=task.description, usage="%(prog)s --deepspeed_config FILE [options]",
-                                allow_abbrev=False,  # --max_step must not silently mean --max_steps
-                                epilog="Every config field is also a flag (--section.field), documented below; "
-                                       "-o key=value sets any bertopt key and -o deepspeed.key=value DeepSpeed's.")
-    p.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with a \"bertopt\" section")
+    p = argparse.ArgumentParser(
+        description=task.description,
+        usage="%(prog)s --deepspeed_config FILE [options]",
+        allow_abbrev=False,  # --max_step must not silently mean --max_steps
+        epilog="Every config field is also a flag (--section.field), documented below; "
+        "-o key=value sets any bertopt key and -o deepspeed.key=value DeepSpeed's.",
+    )
+    p.add_argument("--deepspeed_config", required=True, help='DeepSpeed JSON with a "bertopt" section')
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="DIR",
-                   help="continue this run from its newest complete checkpoint (of DIR, default: the output dir)")
-    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="set any bertopt key (e.g. bucket_clip.enabled=true) or deepspeed.<key>")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="DIR",
+        help="continue this run from its newest complete checkpoint (of DIR, default: the output dir)",
+    )
+    p.add_argument(
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set any bertopt key (e.g. bucket_clip.enabled=true) or deepspeed.<key>",
+    )
     add_config_arguments(p, BertOptConfig, "bertopt", task.shortcuts)
     return p
 
@@ -352,8 +432,9 @@ def main(task, argv: Optional[list[str]] = None) -> int:
     try:
         topo = topology_from_env(local_rank_arg=args.local_rank)
         set_cpu_thread_default(topo)
-        plan = preflight(task, args.deepspeed_config, overrides_of(args), topo, get_accelerator().device_name(),
-                         resume=args.resume)
+        plan = preflight(
+            task, args.deepspeed_config, overrides_of(args), topo, get_accelerator().device_name(), resume=args.resume
+        )
         started = True
         train = plan.cfg.bertopt.train
         init_distributed(topo, timeout_s=train.dist_timeout_s, init_timeout_s=train.dist_init_timeout_s)
@@ -371,9 +452,11 @@ def main(task, argv: Optional[list[str]] = None) -> int:
     except Exception as exc:  # noqa: BLE001 - a dead peer: say who, then fail
         if not started or not is_comm_failure(exc):
             raise
-        print_all(f"error: lost contact with the other ranks: {describe_dead_peers(topo.rank)} "
-                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})", file=sys.stderr)
+        print_all(
+            f"error: lost contact with the other ranks: {describe_dead_peers(topo.rank)} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})",
+            file=sys.stderr,
+        )
         return 1
     print0(task.done_line(history))
     return 0
-

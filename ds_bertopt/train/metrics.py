@@ -3,6 +3,7 @@
 Training losses are summed on the device during a window (no host sync per micro-batch) and read once
 when the window is logged, all-reduced together with the token and micro-batch counts.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,11 @@ class Metrics:
             fh.write(json.dumps(record) + "\n")
         monitor = getattr(self.engine, "monitor", None)
         if monitor is not None and getattr(monitor, "enabled", False):
-            events = [(f"bertopt/{k}", float(v), samples) for k, v in record.items()
-                      if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+            events = [
+                (f"bertopt/{k}", float(v), samples)
+                for k, v in record.items()
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+            ]
             monitor.write_events(events)
 
 
@@ -67,8 +71,13 @@ class Window:
         """Collective: the record of this window (all ranks), logged on rank 0; then a fresh window."""
         loss_sum, micro, tokens = all_reduce_sum([self.loss, self.micro, self.tokens], self.device)
         elapsed = time.perf_counter() - self.started
-        record = {"step": step, "lr": lr, "tokens_per_s": tokens / max(elapsed, 1e-9), "epoch": epoch,
-                  "skipped": self.skipped}
+        record = {
+            "step": step,
+            "lr": lr,
+            "tokens_per_s": tokens / max(elapsed, 1e-9),
+            "epoch": epoch,
+            "skipped": self.skipped,
+        }
         if micro:  # every step of the window may have been skipped
             record["loss"] = loss_sum / micro
         text = f"loss {record['loss']:.4f}" if "loss" in record else "all steps skipped"
@@ -94,7 +103,7 @@ def sharded_evaluation(engine, topo, num_examples: int, batch_size: int, score, 
     totals = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(2)]
     count = 0
     for b in range(batches):
-        chunk = mine[b * batch_size:(b + 1) * batch_size]
+        chunk = mine[b * batch_size : (b + 1) * batch_size]
         weight = 1.0 if chunk else 0.0
         loss_sum, correct, n = score(chunk or [0])
         totals[0] += weight * loss_sum
@@ -102,8 +111,11 @@ def sharded_evaluation(engine, topo, num_examples: int, batch_size: int, score, 
         count += int(weight * n)
     engine.train()
     loss_sum, correct, count = all_reduce_sum([*totals, count], device)
-    return {"eval_loss": loss_sum / max(count, 1.0), "eval_accuracy": correct / max(count, 1.0),
-            f"eval_{counted}": int(count)}
+    return {
+        "eval_loss": loss_sum / max(count, 1.0),
+        "eval_accuracy": correct / max(count, 1.0),
+        f"eval_{counted}": int(count),
+    }
 
 
 def progress_bar(total: int, initial: int, desc: str, is_main: bool, stream=None) -> "object":

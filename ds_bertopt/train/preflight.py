@@ -3,13 +3,15 @@
 :func:`preflight` runs identically on every rank (its error is printed once, exit status 2) and by
 ``ds-bertopt config``, so a config that passes there passes here. In order: our section (strict
 dataclasses), DeepSpeed's part (batch triple, precision, feature combinations, monitors, then DeepSpeed's
-own parser, :mod:`ds_bertopt.dsconfig`: ``ds_bertopt.engine.prepare_deepspeed_config``), the run directory, the checkpoint to resume and its identity,
+own parser, :mod:`ds_bertopt.dsconfig`: ``ds_bertopt.engine.prepare_deepspeed_config``), the run directory,
+the checkpoint to resume and its identity,
 then the task's own inputs (corpus files, labelled files, model directory). Nothing is written anywhere.
 
 Run-directory policy, as Hugging Face users know it: a non-empty ``output_dir`` is refused unless
 ``--resume`` continues it or ``train.overwrite_output_dir`` replaces it (removed only once the run
 starts, after every check passed).
 """
+
 from __future__ import annotations
 
 import os
@@ -41,8 +43,10 @@ def check_output_dir(output_dir: str, resume: Optional[str], overwrite: bool) ->
     if resume is not None and overwrite:
         raise ConfigError("--resume and train.overwrite_output_dir contradict each other; give one")
     if resume is None and not overwrite and os.path.isdir(output_dir) and os.listdir(output_dir):
-        raise ConfigError(f"train.output_dir: {output_dir} already holds a run; continue it with --resume, replace it "
-                          "with --overwrite_output_dir, or choose another --output_dir")
+        raise ConfigError(
+            f"train.output_dir: {output_dir} already holds a run; continue it with --resume, replace it "
+            "with --overwrite_output_dir, or choose another --output_dir"
+        )
     parent = os.path.dirname(output_dir.rstrip(os.sep)) or "."
     existing = parent
     while not os.path.exists(existing):
@@ -51,8 +55,9 @@ def check_output_dir(output_dir: str, resume: Optional[str], overwrite: bool) ->
         raise ConfigError(f"train.output_dir: cannot create {output_dir} ({existing} is not a writable directory)")
 
 
-def preflight(task, config_path: str, overrides: list[str], topo: Topology, device_type: str,
-              resume: Optional[str] = None) -> Plan:
+def preflight(
+    task, config_path: str, overrides: list[str], topo: Topology, device_type: str, resume: Optional[str] = None
+) -> Plan:
     """Everything checkable on this rank alone; raises ``BertOptError`` with one line."""
     cfg = load_config(config_path, overrides)
     refuse_deepspeed_optimizer_blocks(cfg.deepspeed)
@@ -76,8 +81,7 @@ def preflight(task, config_path: str, overrides: list[str], topo: Topology, devi
             raise ConfigError(f"--resume: {resume_root} holds no complete checkpoint of run {run_id}")
         saved = checkpoint.read_marker(resume_root, tags[0]).get("identity")
         if saved is not None:
-            problem = checkpoint.identity_mismatch(saved, checkpoint.identity(run_id, topo.world_size,
-                                                                              describe(cfg)))
+            problem = checkpoint.identity_mismatch(saved, checkpoint.identity(run_id, topo.world_size, describe(cfg)))
             if problem:
                 raise ConfigError(f"cannot resume {tags[0]}: {problem}")
     task.preflight(cfg, topo)

@@ -8,18 +8,51 @@
 * :mod:`.convert` — :func:`convert` (swap target linears), :func:`prepare_model` (LoRA → kit → convert).
 * :mod:`.memory` — saved-for-backward accounting and step-peak measurement.
 """
+
 from .convert import apply_lora, convert, prepare_model, resolve_targets
 from .estimator import RowSelection, budget, row_probabilities, select_rows, weight_gradient
 from .families import FAMILIES, Family, detect
-from .kit import (Bf16InputGelu, CompactDropout, GammaGuard, GatedFfn, GatedLinear, GeluLinear, OutputSavingLayerNorm,
-                  apply_kit, fuse_gelu_linears)
+from .kit import (
+    Bf16InputGelu,
+    CompactDropout,
+    GammaGuard,
+    GatedFfn,
+    GatedLinear,
+    GeluLinear,
+    OutputSavingLayerNorm,
+    apply_kit,
+    fuse_gelu_linears,
+)
 from .linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, BatchContext, SampledLinear, install_context
 from .memory import estimate_saving, saved_tensor_bytes
 
 __all__ = [
-    "EXAMPLE_IDS_KWARG", "FAMILIES", "NUM_VALID_ROWS_KWARG", "BatchContext", "Bf16InputGelu", "CompactDropout",
-    "Family", "GammaGuard", "GatedFfn", "GatedLinear", "GeluLinear", "OutputSavingLayerNorm", "RowSelection",
-    "SampledLinear", "apply_kit", "apply_lora", "budget", "convert", "detect", "estimate_saving",
-    "fuse_gelu_linears", "install_context", "prepare_model", "resolve_targets", "row_probabilities",
-    "saved_tensor_bytes", "select_rows", "weight_gradient",
+    "EXAMPLE_IDS_KWARG",
+    "FAMILIES",
+    "NUM_VALID_ROWS_KWARG",
+    "BatchContext",
+    "Bf16InputGelu",
+    "CompactDropout",
+    "Family",
+    "GammaGuard",
+    "GatedFfn",
+    "GatedLinear",
+    "GeluLinear",
+    "OutputSavingLayerNorm",
+    "RowSelection",
+    "SampledLinear",
+    "apply_kit",
+    "apply_lora",
+    "budget",
+    "convert",
+    "detect",
+    "estimate_saving",
+    "fuse_gelu_linears",
+    "install_context",
+    "prepare_model",
+    "resolve_targets",
+    "row_probabilities",
+    "saved_tensor_bytes",
+    "select_rows",
+    "weight_gradient",
 ]

@@ -11,6 +11,7 @@ entry get the mean score of the cached rows of the batch (or 1); every score is 
 ``SCORE_FLOOR`` × that mean so a row whose gradient was ~0 last time keeps a usable probability.
 Lookups and updates are device-only (masks and index writes, no host sync).
 """
+
 from __future__ import annotations
 
 from typing import Optional

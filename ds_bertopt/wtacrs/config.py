@@ -1,10 +1,11 @@
 """Config of WTA-CRS and the fine-tuning memory kit (``"bertopt": {"wtacrs": {...}}``)."""
+
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Literal, Optional
 
-from ..errors import check
+from ..errors import ConfigError, check
 
 TARGET_GROUPS = {
     # module-name patterns of the BERT family, matched on trailing dotted components ("*" matches one
@@ -19,34 +20,83 @@ TARGET_GROUPS = {
 :func:`ds_bertopt.wtacrs.convert.resolve_targets`); a model's family supplies its own patterns."""
 
 
+KIT_DEFAULTS = {
+    "sdpa_attention": False,
+    "dropout_mask": "float",
+    "layernorm_saves_output": False,
+    "recompute_gelu": False,
+    "recompute_ffn": False,
+    "recompute_qkv": False,
+    "bf16_gelu": False,
+    "checkpoint_every": 0,
+}
+"""Built-in values of the kit switches (a field left empty gets its preset's value, else this one)."""
+
+
+def _fill(section, defaults: dict) -> None:
+    """Record which of ``defaults``' fields were given (not ``None``) and fill the others with their defaults."""
+    given = frozenset(name for name in defaults if getattr(section, name) is not None)
+    for name, value in defaults.items():
+        if getattr(section, name) is None:
+            object.__setattr__(section, name, value)
+    object.__setattr__(section, "_given", given)  # not a field: not in to_dict, equality or the CLI
+
+
 @dataclass(frozen=True)
 class KitConfig:
-    sdpa_attention: bool = False
+    sdpa_attention: Optional[bool] = None
     """Use SDPA attention with attention-probability dropout 0 (the flash kernel then saves q, k, v,
-    out and the log-sum-exp only). Changes the model: attention dropout is switched off."""
-    dropout_mask: Literal["float", "bool", "bits", "regenerate"] = "float"
-    """What hidden dropout keeps for backward: torch's fp32 noise (``float``), a bool mask, a
+    out and the log-sum-exp only). Changes the model: attention dropout is switched off. Default false."""
+    dropout_mask: Optional[Literal["float", "bool", "bits", "regenerate"]] = None
+    """What hidden dropout keeps for backward: torch's fp32 noise (``float``, the default), a bool mask, a
     bit-packed mask, or only a seed to ``regenerate`` the same mask in backward. All exact."""
-    layernorm_saves_output: bool = False
-    """LayerNorm keeps its output (already kept by the linears it feeds) instead of its input. Exact."""
+    layernorm_saves_output: Optional[bool] = None
+    """LayerNorm keeps its output (already kept by the linears it feeds) instead of its input. Exact. Default
+    false."""
     layernorm_min_abs_weight: float = 1e-3
     """A LayerNorm with some ``|γ_j|`` below this saves its input instead (backward divides by γ)."""
-    recompute_gelu: bool = False
+    recompute_gelu: Optional[bool] = None
     """Fuse the FFN input projection with its GELU; backward recomputes the GELU input from the
-    projection's input (kept anyway) instead of storing it. Exact; one extra GEMM per layer."""
-    bf16_gelu: bool = False
+    projection's input (kept anyway) instead of storing it. Exact; one extra GEMM per layer. Default false."""
+    recompute_ffn: Optional[bool] = None
+    """Also rebuild the activation *output* (the FFN output projection's input, 4h wide) in backward from the FFN
+    input, sharing the GEMM ``recompute_gelu`` already does: the FFN keeps only its input. Needs
+    ``recompute_gelu``. Exact; no further GEMM. Default false."""
+    recompute_qkv: Optional[bool] = None
+    """The q, k, v that the attention kernel keeps are rebuilt in backward from the projections' input (the
+    LayerNorm output, kept anyway): 3 × B·L·h fewer bytes per layer for three h×h GEMMs. Exact. Default false."""
+    bf16_gelu: Optional[bool] = None
     """GELU keeps a bf16 copy of its input, derivative computed in place. Approximate (~1e-3
     relative gradient error), hence off by default. Has no effect where ``recompute_gelu`` applies."""
+    checkpoint_every: Optional[int] = None
+    """transformers' activation checkpointing of every n-th encoder layer
+    (``PreTrainedModel.activation_checkpointing_enable(every_n_layers=n)``): those layers keep only their input
+    and run their forward again in backward. 0 (the default): off. Exact; costs a forward of those layers."""
 
     def __post_init__(self) -> None:
-        check(self.layernorm_min_abs_weight >= 0,
-              f"layernorm_min_abs_weight: must be >= 0, got {self.layernorm_min_abs_weight}")
+        _fill(self, KIT_DEFAULTS)
+        check(
+            self.layernorm_min_abs_weight >= 0,
+            f"layernorm_min_abs_weight: must be >= 0, got {self.layernorm_min_abs_weight}",
+        )
+        check(
+            not self.recompute_ffn or self.recompute_gelu,
+            "recompute_ffn: needs recompute_gelu (it rebuilds the output of the fused FFN projection)",
+        )
+        check(self.checkpoint_every >= 0, f"checkpoint_every: must be >= 0, got {self.checkpoint_every}")
 
     @property
     def any(self) -> bool:
         """Some part of the kit is on (ds_bertopt.integrations.hf reads this)."""
-        return (self.sdpa_attention or self.dropout_mask != "float" or self.layernorm_saves_output
-                or self.recompute_gelu or self.bf16_gelu)
+        return (
+            self.sdpa_attention
+            or self.dropout_mask != "float"
+            or self.layernorm_saves_output
+            or self.recompute_gelu
+            or self.recompute_qkv
+            or self.bf16_gelu
+            or self.checkpoint_every > 0
+        )
 
 
 @dataclass(frozen=True)
@@ -68,25 +118,66 @@ class LoraConfig:
         check(self.alpha > 0, f"alpha: must be positive, got {self.alpha}")
         check(0.0 <= self.dropout < 1.0, f"dropout: must be in [0, 1), got {self.dropout}")
         check(len(self.targets) > 0, "targets: give at least one module name")
-        check("auto" not in self.targets or len(self.targets) == 1,
-              f"targets: 'auto' stands alone, got {list(self.targets)}")
+        check(
+            "auto" not in self.targets or len(self.targets) == 1,
+            f"targets: 'auto' stands alone, got {list(self.targets)}",
+        )
+
+
+WTACRS_DEFAULTS = {"enabled": False, "ratio": 0.3, "targets": ("auto",), "min_k": 32}
+"""Built-in values of the sampling fields a preset may set."""
+
+_EXACT_KIT = {
+    "sdpa_attention": True,
+    "dropout_mask": "regenerate",
+    "layernorm_saves_output": True,
+    "recompute_gelu": True,
+    "recompute_ffn": True,
+    "recompute_qkv": True,
+}
+PRESETS: dict[str, dict] = {
+    # every exact part: the layers keep their two LayerNorm outputs and the attention output, nothing else
+    "exact": {"enabled": False, "kit": dict(_EXACT_KIT)},
+    # + WTA-CRS at 0.3 on every linear; the sampled linears keep references to inputs the kit keeps anyway, so the
+    # sampling costs no memory and makes the weight-gradient GEMMs 70 % smaller: it pays for the recomputation
+    "balanced": {"enabled": True, "ratio": 0.3, "targets": ("all",), "kit": dict(_EXACT_KIT)},
+    # + transformers' activation checkpointing of every layer
+    "max_saving": {"enabled": True, "ratio": 0.3, "targets": ("all",), "kit": {**_EXACT_KIT, "checkpoint_every": 1}},
+}
+"""What each ``wtacrs.preset`` sets (measured in ``bench/wtacrs.py --sections frontier``, see docs/wtacrs.md)."""
 
 
 @dataclass(frozen=True)
 class WtaCrsConfig:
-    enabled: bool = False
-    """Swap the target linears for WTA-CRS sampled linears before ``deepspeed.initialize``."""
-    ratio: float = 0.3
-    """Fraction k/N of non-padding token rows kept for the weight gradient, in (0, 1]."""
-    targets: tuple[str, ...] = ("auto",)
+    preset: Optional[Literal["exact", "balanced", "max_saving"]] = None
+    """A named setting of the sampling and kit fields (``ds_bertopt.wtacrs.config.PRESETS`` lists what each sets):
+    ``exact`` — every exact kit part (SDPA without attention dropout, regenerated dropout masks, output-saving
+    LayerNorms, FFN and q/k/v rebuilt in backward), no sampling; ``balanced`` — ``exact`` + WTA-CRS at 0.3 on every
+    linear (meant to save at least what transformers' activation checkpointing saves at no more than 1.10× the
+    step time of full fine-tuning); ``max_saving`` — ``balanced`` + activation checkpointing of every layer (the
+    largest saving within 1.35× the step time). A field given next to a preset overrides the preset's value for
+    that field (``null`` or leaving it out takes the preset's); fields the preset does not set keep their built-in
+    defaults. Empty: no preset."""
+    enabled: Optional[bool] = None
+    """Swap the target linears for WTA-CRS sampled linears before ``deepspeed.initialize``. Default false."""
+    ratio: Optional[float] = None
+    """Fraction k/N of non-padding token rows kept for the weight gradient, in (0, 1]. Default 0.3."""
+    targets: Optional[tuple[str, ...]] = None
     """Which linears to sample: group names (``ffn_out``, ``ffn_in``, ``qkv``, ``attn_out``,
     ``lora_A``; their module names come from the model's family, see ``ds_bertopt.wtacrs.families``),
-    module-name patterns (trailing dotted components, ``*`` for one component, e.g.
-    ``layer.*.output.dense``), or ``auto``: ``ffn_out``, plus ``qkv``/``ffn_in``/``lora_A`` unless
-    LayerNorms already keep their output (``kit.layernorm_saves_output``). Frozen linears are skipped;
-    a group or pattern that matches no trainable linear is an error naming the linears there are."""
-    min_k: int = 32
-    """Keep at least this many rows."""
+    ``all`` (every linear group: the paper's setting), module-name patterns (trailing dotted components, ``*``
+    for one component, e.g. ``layer.*.output.dense``), or ``auto`` (the default): ``ffn_out``, plus
+    ``qkv``/``ffn_in``/``lora_A`` unless LayerNorms already keep their output (``kit.layernorm_saves_output``).
+    Frozen linears are skipped; a group or pattern that matches no trainable linear is an error naming the
+    linears there are (``auto`` and ``all`` skip groups the kit fused or LoRA froze)."""
+    min_k: Optional[int] = None
+    """Keep at least this many rows. Default 32."""
+    keep: Literal["auto", "rows", "input"] = "auto"
+    """What a sampled linear keeps for backward: a copy of its ``k`` rows (``rows``, the paper's), or a reference
+    to its whole input, from which backward gathers the same rows (``input``: free when something else keeps that
+    input anyway, the whole input otherwise). ``auto``: ``input`` where the kit keeps or rebuilds the input anyway
+    (q/k/v, FFN input and LoRA A behind an output-saving LayerNorm, the attention output projection behind SDPA, the
+    FFN output projection under ``recompute_ffn``), ``rows`` elsewhere. Same gradient either way."""
     grad_norm_cache: bool = False
     """Weight row probabilities by ‖∇y_i‖ from the example's previous visit (the paper's cache);
     needs ``wtacrs_example_ids`` in the forward call (the fine-tuning loop passes it)."""
@@ -102,12 +193,37 @@ class WtaCrsConfig:
     ``ConfigError`` instead of the one ``warning:`` line naming it."""
 
     def __post_init__(self) -> None:
+        preset = PRESETS.get(self.preset, {}) if self.preset is not None else {}
+        check(
+            self.preset is None or self.preset in PRESETS, f"preset: {self.preset!r} is not one of {', '.join(PRESETS)}"
+        )
+        for name, value in preset.items():  # the preset fills what was not given
+            if name != "kit" and getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        _fill(self, WTACRS_DEFAULTS)
+        if preset.get("kit"):
+            kit_given = getattr(self.kit, "_given", frozenset())
+            merged = {f.name: getattr(self.kit, f.name) for f in fields(KitConfig)}
+            merged.update({name: value for name, value in preset["kit"].items() if name not in kit_given})
+            try:
+                kit = KitConfig(**merged)
+            except ConfigError as exc:
+                raise ConfigError(f"kit.{exc} (with preset {self.preset!r})") from None
+            object.__setattr__(kit, "_given", kit_given)
+            object.__setattr__(self, "kit", kit)
         check(0.0 < self.ratio <= 1.0, f"ratio: must be in (0, 1], got {self.ratio}")
         check(self.min_k >= 1, f"min_k: must be at least 1, got {self.min_k}")
         check(len(self.targets) > 0, "targets: give at least one group name or module-name pattern")
         for target in self.targets:
-            check(target == "auto" or target in TARGET_GROUPS or
-                  (target and all(part for part in target.split("."))),
-                  f"targets: {target!r} is neither auto, a group ({', '.join(TARGET_GROUPS)}) "
-                  f"nor a dotted module-name pattern")
+            check(
+                target in ("auto", "all")
+                or target in TARGET_GROUPS
+                or (target and all(part for part in target.split("."))),
+                f"targets: {target!r} is neither auto, all, a group ({', '.join(TARGET_GROUPS)}) "
+                f"nor a dotted module-name pattern",
+            )
+        check(
+            len(self.targets) == 1 or not {"auto", "all"} & set(self.targets),
+            f"targets: 'auto' and 'all' stand alone, got {list(self.targets)}",
+        )
         check(self.cache_capacity >= 1, f"cache_capacity: must be at least 1, got {self.cache_capacity}")

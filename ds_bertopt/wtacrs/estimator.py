@@ -36,6 +36,7 @@ and with it every dropout mask — is the same as without sampling.
 
 Everything here is a pure function of tensors; the autograd glue is :mod:`ds_bertopt.wtacrs.linear`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,8 +66,9 @@ def budget(num_rows: int, ratio: float, min_k: int) -> int:
     return int(min(num_rows, max(min_k, round(ratio * num_rows))))
 
 
-def row_probabilities(x: torch.Tensor, valid: Optional[torch.Tensor] = None,
-                      scores: Optional[torch.Tensor] = None) -> torch.Tensor:
+def row_probabilities(
+    x: torch.Tensor, valid: Optional[torch.Tensor] = None, scores: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """``p_i ∝ ‖x_i‖ · s_i`` over the rows of 2-D ``x`` (float64, sums to 1, or all zero).
 
     ``valid`` (bool, one per row) zeroes padding rows; ``scores`` are the positive ``s_i``.
@@ -92,8 +94,13 @@ def winner_count(p_sorted: torch.Tensor, k: int) -> torch.Tensor:
     return torch.argmin(objective)  # first minimum: ties go to fewer winners
 
 
-def select_rows(p: torch.Tensor, k: int, generator: Optional[torch.Generator] = None,
-                use_winners: bool = True, max_positive: Optional[int] = None) -> RowSelection:
+def select_rows(
+    p: torch.Tensor,
+    k: int,
+    generator: Optional[torch.Generator] = None,
+    use_winners: bool = True,
+    max_positive: Optional[int] = None,
+) -> RowSelection:
     """Pick ``k`` slots for probabilities ``p`` (1-D, non-negative, sums to 1 or all zero).
 
     ``k`` is a host integer (clamped to ``p.numel()``). ``max_positive`` is a host upper bound on the
@@ -105,8 +112,12 @@ def select_rows(p: torch.Tensor, k: int, generator: Optional[torch.Generator] = 
     k = min(int(k), n)
     long = dict(dtype=torch.int64, device=device)
     if k == 0:
-        return RowSelection(torch.zeros(0, **long), torch.zeros(0, dtype=torch.float64, device=device),
-                            torch.zeros((), **long), torch.zeros((), **long))
+        return RowSelection(
+            torch.zeros(0, **long),
+            torch.zeros(0, dtype=torch.float64, device=device),
+            torch.zeros((), **long),
+            torch.zeros((), **long),
+        )
     order = torch.argsort(p, descending=True, stable=True)
     p_sorted = p[order]
     positive = (p_sorted > 0).sum()

@@ -12,6 +12,7 @@ Patterns match trailing dotted components of a module name, ``*`` one component 
 ``wtacrs.targets``). A model type not listed here gets :data:`GENERIC` (the BERT patterns, used
 where they match); :func:`detect` says so, and the kit names what it could not convert.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -82,58 +83,106 @@ _BERT_ATTENTION = Attention("attention.self", "dropout")
 _BERT_FFN = Ffn("intermediate", "dense", "intermediate_act_fn")
 
 BERT = Family(
-    "bert", ("bert", "roberta", "xlm-roberta", "camembert", "electra"), _BERT_ATTENTION, _BERT_FFN,
+    "bert",
+    ("bert", "roberta", "xlm-roberta", "camembert", "electra"),
+    _BERT_ATTENTION,
+    _BERT_FFN,
     qkv=("attention.self.query", "attention.self.key", "attention.self.value"),
-    attn_out=("attention.output.dense",), ffn_in=("intermediate.dense",), ffn_out=("layer.*.output.dense",),
+    attn_out=("attention.output.dense",),
+    ffn_in=("intermediate.dense",),
+    ffn_out=("layer.*.output.dense",),
     lora_targets=("query", "value"),
-    note="BertSelfAttention and its RoBERTa/XLM-R/CamemBERT/ELECTRA copies call ALL_ATTENTION_FUNCTIONS")
+    note="BertSelfAttention and its RoBERTa/XLM-R/CamemBERT/ELECTRA copies call ALL_ATTENTION_FUNCTIONS",
+)
 
 DISTILBERT = Family(
-    "distilbert", ("distilbert",),
+    "distilbert",
+    ("distilbert",),
     Attention("layer.*.attention", "dropout", config_dropout=("attention_dropout",)),
     Ffn("layer.*.ffn", "lin1", "activation"),
-    qkv=("attention.q_lin", "attention.k_lin", "attention.v_lin"), attn_out=("attention.out_lin",),
-    ffn_in=("ffn.lin1",), ffn_out=("ffn.lin2",), lora_targets=("q_lin", "v_lin"))
+    qkv=("attention.q_lin", "attention.k_lin", "attention.v_lin"),
+    attn_out=("attention.out_lin",),
+    ffn_in=("ffn.lin1",),
+    ffn_out=("ffn.lin2",),
+    lora_targets=("q_lin", "v_lin"),
+)
 
 ALBERT = Family(
-    "albert", ("albert",),
+    "albert",
+    ("albert",),
     Attention("albert_layers.*.attention", "attention_dropout"),
     Ffn("albert_layers.*", "ffn", "activation"),
-    qkv=("attention.query", "attention.key", "attention.value"), attn_out=("attention.dense",),
-    ffn_in=("albert_layers.*.ffn",), ffn_out=("albert_layers.*.ffn_output",), lora_targets=("query", "value"),
-    note="one AlbertLayer runs at every depth: its swaps and its gradient-norm cache are shared by all depths")
+    qkv=("attention.query", "attention.key", "attention.value"),
+    attn_out=("attention.dense",),
+    ffn_in=("albert_layers.*.ffn",),
+    ffn_out=("albert_layers.*.ffn_output",),
+    lora_targets=("query", "value"),
+    note="one AlbertLayer runs at every depth: its swaps and its gradient-norm cache are shared by all depths",
+)
 
 MPNET = Family(
-    "mpnet", ("mpnet",),
-    Attention("attention.attn", "dropout", prob_dropout_called=True,
-              sdpa_blocker="eager only in transformers (MPNetSelfAttention.forward adds the relative position "
-                           "bias to its own score matmul)"),
+    "mpnet",
+    ("mpnet",),
+    Attention(
+        "attention.attn",
+        "dropout",
+        prob_dropout_called=True,
+        sdpa_blocker="eager only in transformers (MPNetSelfAttention.forward adds the relative position "
+        "bias to its own score matmul)",
+    ),
     _BERT_FFN,
-    qkv=("attention.attn.q", "attention.attn.k", "attention.attn.v"), attn_out=("attention.attn.o",),
-    ffn_in=("intermediate.dense",), ffn_out=("layer.*.output.dense",), lora_targets=("q", "v"))
+    qkv=("attention.attn.q", "attention.attn.k", "attention.attn.v"),
+    attn_out=("attention.attn.o",),
+    ffn_in=("intermediate.dense",),
+    ffn_out=("layer.*.output.dense",),
+    lora_targets=("q", "v"),
+)
 
 DEBERTA_V2 = Family(
-    "deberta-v2", ("deberta-v2",),
-    Attention("attention.self", "dropout", prob_dropout_called=True,
-              sdpa_blocker="eager only in transformers (DisentangledSelfAttention.forward computes the "
-                           "disentangled c2p/p2c scores itself, no attention interface)"),
+    "deberta-v2",
+    ("deberta-v2",),
+    Attention(
+        "attention.self",
+        "dropout",
+        prob_dropout_called=True,
+        sdpa_blocker="eager only in transformers (DisentangledSelfAttention.forward computes the "
+        "disentangled c2p/p2c scores itself, no attention interface)",
+    ),
     _BERT_FFN,
     qkv=("attention.self.query_proj", "attention.self.key_proj", "attention.self.value_proj"),
-    attn_out=("attention.output.dense",), ffn_in=("intermediate.dense",), ffn_out=("layer.*.output.dense",),
+    attn_out=("attention.output.dense",),
+    ffn_in=("intermediate.dense",),
+    ffn_out=("layer.*.output.dense",),
     lora_targets=("query_proj", "value_proj"),
     note="query_proj/key_proj also project the relative-position embeddings (share_att_key); sampling them "
-         "samples those rows too (unbiased, no padding mask)")
+    "samples those rows too (unbiased, no padding mask)",
+)
 
 MODERNBERT = Family(
-    "modernbert", ("modernbert",),
+    "modernbert",
+    ("modernbert",),
     Attention("layers.*.attn", "attention_dropout", config_dropout=("attention_dropout",)),
     Ffn("layers.*.mlp", "Wi", "act", gated=True, dropout="drop", output="Wo"),
-    qkv=("attn.Wqkv",), attn_out=("attn.Wo",), ffn_in=("mlp.Wi",), ffn_out=("mlp.Wo",), lora_targets=("Wqkv",),
-    note="Wqkv is one fused q/k/v projection; LoRA on it adapts q, k and v")
+    qkv=("attn.Wqkv",),
+    attn_out=("attn.Wo",),
+    ffn_in=("mlp.Wi",),
+    ffn_out=("mlp.Wo",),
+    lora_targets=("Wqkv",),
+    note="Wqkv is one fused q/k/v projection; LoRA on it adapts q, k and v",
+)
 
 FAMILIES = (BERT, DISTILBERT, ALBERT, MPNET, DEBERTA_V2, MODERNBERT)
-GENERIC = Family("generic (BERT patterns)", (), _BERT_ATTENTION, _BERT_FFN, BERT.qkv, BERT.attn_out, BERT.ffn_in,
-                 BERT.ffn_out, BERT.lora_targets)
+GENERIC = Family(
+    "generic (BERT patterns)",
+    (),
+    _BERT_ATTENTION,
+    _BERT_FFN,
+    BERT.qkv,
+    BERT.attn_out,
+    BERT.ffn_in,
+    BERT.ffn_out,
+    BERT.lora_targets,
+)
 """What a model type missing from :data:`FAMILIES` (or a plain ``nn.Module``) gets."""
 
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
@@ -174,7 +223,7 @@ def matches(name: str, pattern: str) -> bool:
     parts, wanted = name.split("."), pattern.split(".")
     if len(parts) < len(wanted):
         return False
-    return all(w == "*" or w == p for w, p in zip(wanted, parts[-len(wanted):]))
+    return all(w == "*" or w == p for w, p in zip(wanted, parts[-len(wanted) :]))
 
 
 def generalise(name: str) -> str:

@@ -31,8 +31,10 @@ where each part applies in a model comes from its :mod:`~ds_bertopt.wtacrs.famil
 ``apply_kit(model, kit)`` performs the swaps and returns one line per part for the log, plus one
 ``warning:`` line naming every module a part could not convert and why (``strict``: an error instead).
 """
+
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional
 
@@ -147,8 +149,14 @@ class CompactDropout(nn.Dropout):
 
 
 # ---------------------------------------------------------------- LayerNorm that saves its output
-def layernorm_backward(grad_out: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor,
-                       weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], reduce_dims: int):
+def layernorm_backward(
+    grad_out: torch.Tensor,
+    y: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    reduce_dims: int,
+):
     """Gradients of LayerNorm from its *output* ``y`` and ``rstd`` (pure; math in fp32 or wider).
 
     ``x̂ = (y − β)/γ``; ``∇x = rstd · (g − mean(g) − x̂ · mean(g · x̂))`` with ``g = ∇y · γ``.
@@ -248,8 +256,11 @@ class GammaGuard:
 
     def _check(self, asking: "OutputSavingLayerNorm") -> None:
         """The documented host sync: one ``(|γ| < min).any()`` per stale LayerNorm, copied to the host at once."""
-        stale = [n for n in self.norms if n.weight is not None and n.min_abs_weight > 0
-                 and n._gamma_stamp != self._stamp(n) and _whole(n.weight)]
+        stale = [
+            n
+            for n in self.norms
+            if n.weight is not None and n.min_abs_weight > 0 and n._gamma_stamp != self._stamp(n) and _whole(n.weight)
+        ]
         if asking not in stale:
             return  # its γ is partitioned right now: the caller saves the input (exact), nothing read
         by_device: dict[torch.device, list] = {}
@@ -286,8 +297,9 @@ class OutputSavingLayerNorm(nn.LayerNorm):
     min_abs_weight: float
 
     @classmethod
-    def from_layernorm(cls, norm: nn.LayerNorm, min_abs_weight: float = 1e-3,
-                       guard: Optional[GammaGuard] = None) -> "OutputSavingLayerNorm":
+    def from_layernorm(
+        cls, norm: nn.LayerNorm, min_abs_weight: float = 1e-3, guard: Optional[GammaGuard] = None
+    ) -> "OutputSavingLayerNorm":
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module.normalized_shape = tuple(norm.normalized_shape)
@@ -308,8 +320,9 @@ class OutputSavingLayerNorm(nn.LayerNorm):
         return self.guard.output_is_safe(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or (
-            self.weight is not None and self.weight.requires_grad))
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad or (self.weight is not None and self.weight.requires_grad)
+        )
         # near-zero γ would blow up x̂ = (y − β)/γ: save the input then (plain LayerNorm), still exact
         if not needs_grad or not self._output_is_safe():
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -365,23 +378,48 @@ def _activate(pre: torch.Tensor, activation: Optional[nn.Module], gated: bool) -
     return act(pre)
 
 
+class PreActivationHandoff:
+    """Hands the pre-activation that rebuilding the FFN activation output computed (``recompute_ffn``, see
+    :mod:`ds_bertopt.wtacrs.recompute`) to the fused projection's backward, which then skips its own GEMM."""
+
+    __slots__ = ("pre",)
+
+    def __init__(self) -> None:
+        self.pre: Optional[torch.Tensor] = None
+
+    def take(self) -> Optional[torch.Tensor]:
+        pre, self.pre = self.pre, None
+        return pre
+
+
+def _rebuild_activation(x, weight, bias, activation, gated, handoff: PreActivationHandoff, device_type: str):
+    """The fused module's output again, from its (saved) input; the pre-activation goes to its backward."""
+    with torch.no_grad(), no_autocast(device_type), gathered(weight, bias):
+        pre = F.linear(x, weight, bias)
+        out = _activate(pre, activation, gated)
+    handoff.pre = pre
+    return out
+
+
 class _ActivationLinearFn(torch.autograd.Function):
     """``act(x Wᵀ + b)`` (or its gated form) keeping only ``x`` and the parameters; backward recomputes
-    ``x Wᵀ + b``. ``activation`` ``None`` is exact erf GELU with the in-place derivative; any other
-    (parameter-free) activation is differentiated by autograd on the recomputed input."""
+    ``x Wᵀ + b`` (or takes it from ``handoff``). ``activation`` ``None`` is exact erf GELU with the in-place
+    derivative; any other (parameter-free) activation is differentiated by autograd on the recomputed input."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, activation, gated):
+    def forward(ctx, x, weight, bias, activation, gated, handoff):
         ctx.save_for_backward(x, weight, bias)
-        ctx.device_type, ctx.activation, ctx.gated = x.device.type, activation, gated
+        ctx.device_type, ctx.activation, ctx.gated, ctx.handoff = x.device.type, activation, gated, handoff
         return _activate(F.linear(x, weight, bias), activation, gated)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
+        handed = ctx.handoff.take() if ctx.handoff is not None else None
         with no_autocast(ctx.device_type), gathered(weight, bias):
-            pre = F.linear(x, weight, bias)  # the recomputed activation input (a fresh buffer we may overwrite)
+            # the recomputed activation input (a fresh buffer we may overwrite)
+            pre = handed if handed is not None else F.linear(x, weight, bias)
             grad_pre = _activation_input_grad(pre, grad_out, ctx.activation, ctx.gated)
             rows = grad_pre.reshape(-1, grad_pre.shape[-1])
             if ctx.needs_input_grad[0]:
@@ -390,11 +428,12 @@ class _ActivationLinearFn(torch.autograd.Function):
                 grad_w = rows.t().matmul(x.reshape(-1, x.shape[-1]).to(rows.dtype)).to(weight.dtype)
             if bias is not None and ctx.needs_input_grad[2]:
                 grad_b = rows.sum(0).to(bias.dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
-def _activation_input_grad(pre: torch.Tensor, grad_out: torch.Tensor, activation: Optional[nn.Module],
-                           gated: bool) -> torch.Tensor:
+def _activation_input_grad(
+    pre: torch.Tensor, grad_out: torch.Tensor, activation: Optional[nn.Module], gated: bool
+) -> torch.Tensor:
     """∂loss/∂pre from the recomputed ``pre`` (pure; ``pre`` may be overwritten)."""
     if activation is not None:
         with torch.enable_grad():
@@ -436,8 +475,16 @@ class GeluLinear(nn.Linear):
         if dtype is not None:  # as autocast would run the linear (and the activation then follows its dtype)
             x, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
+        scope = getattr(self, "_recompute_scope", None)
+        handoff = PreActivationHandoff() if scope is not None and scope.innermost() else None
         with no_autocast(x.device.type):
-            return _ActivationLinearFn.apply(x, weight, bias, self.activation, self.gated)
+            out = _ActivationLinearFn.apply(x, weight, bias, self.activation, self.gated, handoff)
+        if handoff is not None:  # recompute_ffn: the output projection's saved input becomes a recipe
+            rebuild = functools.partial(
+                _rebuild_activation, x, weight, bias, self.activation, self.gated, handoff, x.device.type
+            )
+            scope.record(out, rebuild, (x, weight), "the FFN activation")
+        return out
 
 
 class GatedLinear(GeluLinear):
@@ -497,8 +544,9 @@ def fuse_ffn_activations(model: nn.Module, family: Family, gaps: Optional[list] 
         activation = None if _is_exact_gelu(act) else act
         if spec.gated:
             dropout, output = getattr(module, spec.dropout), getattr(module, spec.output)
-            swapped = GatedFfn((spec.linear, spec.dropout, spec.output), GatedLinear.from_linear(linear, activation),
-                               dropout, output)
+            swapped = GatedFfn(
+                (spec.linear, spec.dropout, spec.output), GatedLinear.from_linear(linear, activation), dropout, output
+            )
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, swapped)
         else:
@@ -516,8 +564,9 @@ def fuse_gelu_linears(model: nn.Module) -> int:
 
 
 # ---------------------------------------------------------------- applying the kit
-def use_sdpa_without_attention_dropout(model: nn.Module, family: Optional[Family] = None,
-                                       gaps: Optional[list] = None) -> int:
+def use_sdpa_without_attention_dropout(
+    model: nn.Module, family: Optional[Family] = None, gaps: Optional[list] = None
+) -> int:
     """Switch a transformers model to SDPA attention with attention dropout 0; return layers touched.
 
     Uses ``PreTrainedModel.set_attn_implementation("sdpa")`` and checks that the config took it (it
@@ -574,22 +623,36 @@ def _probability_dropouts(model: nn.Module, family: Family) -> tuple[set, set]:
 def _compact_dropouts(model: nn.Module, mode: str, family: Family, gaps: list) -> list[str]:
     read_only, _ = _probability_dropouts(model, family)
     for name, module in model.named_modules():
-        if (isinstance(module, nn.Dropout) or "Dropout" in type(module).__name__) and \
-                type(module) not in (nn.Dropout, CompactDropout) and getattr(module, "p", 0) > 0:
+        if (
+            (isinstance(module, nn.Dropout) or "Dropout" in type(module).__name__)
+            and type(module) not in (nn.Dropout, CompactDropout)
+            and getattr(module, "p", 0) > 0
+        ):
             gaps.append((name, f"{type(module).__name__}, not an nn.Dropout"))
-    return swap_modules(model, lambda name, m: CompactDropout(m.p, mode)
-                        if type(m) is nn.Dropout and m.p > 0 and name not in read_only else None)
+    return swap_modules(
+        model,
+        lambda name, m: (
+            CompactDropout(m.p, mode) if type(m) is nn.Dropout and m.p > 0 and name not in read_only else None
+        ),
+    )
 
 
 def _output_saving_layernorms(model: nn.Module, min_abs_weight: float, gaps: list) -> list[str]:
     guard = GammaGuard()
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if (kind.endswith("LayerNorm") or kind.endswith("RMSNorm")) and type(module) is not nn.LayerNorm \
-                and not isinstance(module, OutputSavingLayerNorm):
+        if (
+            (kind.endswith("LayerNorm") or kind.endswith("RMSNorm"))
+            and type(module) is not nn.LayerNorm
+            and not isinstance(module, OutputSavingLayerNorm)
+        ):
             gaps.append((name, f"{kind}, not an nn.LayerNorm"))
-    return swap_modules(model, lambda name, m: OutputSavingLayerNorm.from_layernorm(m, min_abs_weight, guard)
-                        if type(m) is nn.LayerNorm else None)
+    return swap_modules(
+        model,
+        lambda name, m: (
+            OutputSavingLayerNorm.from_layernorm(m, min_abs_weight, guard) if type(m) is nn.LayerNorm else None
+        ),
+    )
 
 
 def _bf16_gelus(model: nn.Module, family: Family, gaps: list) -> list[str]:
@@ -627,13 +690,61 @@ def kit_parts(model: nn.Module, kit, detected: Optional[Detected] = None) -> tup
         fused = fuse_ffn_activations(model, family, part)
         gaps += [(f"kit.recompute_gelu: {module}", why) for module, why in part]
         kinds = ", ".join(sorted(set(fused)))
-        lines.append(f"kit: {len(fused)} FFN activations recompute their input in backward"
-                     + (f" ({kinds})" if kinds else ""))
+        lines.append(
+            f"kit: {len(fused)} FFN activations recompute their input in backward" + (f" ({kinds})" if kinds else "")
+        )
     if kit.bf16_gelu:
         part = []
         names = _bf16_gelus(model, family, part)
         gaps += [(f"kit.bf16_gelu: {module}", why) for module, why in part]
         lines.append(f"kit: {len(names)} GELUs save a bf16 input (approximate gradient)")
+    if kit.checkpoint_every > 0:
+        lines.append(_enable_checkpointing(model, kit.checkpoint_every))
+    return lines, gaps
+
+
+def _enable_checkpointing(model: nn.Module, every: int) -> str:
+    """transformers' activation checkpointing of every ``every``-th layer (``PreTrainedModel.
+    activation_checkpointing_enable(activation_checkpointing_kwargs, every_n_layers, offload)`` of transformers 5;
+    it checkpoints with ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` by default)."""
+    base = pretrained_base(model)
+    enable = getattr(base, "activation_checkpointing_enable", None)
+    if enable is None:
+        raise ConfigError(
+            f"kit.checkpoint_every: {type(base or model).__name__} has no "
+            f"activation_checkpointing_enable (a transformers PreTrainedModel of transformers >= 5)"
+        )
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"kit.checkpoint_every: {type(base).__name__} does not support activation checkpointing")
+    enable(every_n_layers=every)
+    return f"kit: activation checkpointing of every {'' if every == 1 else f'{every}-th '}layer (transformers)"
+
+
+def install_recompute(model: nn.Module, kit, detected: Optional[Detected] = None) -> tuple[list[str], list]:
+    """``kit.recompute_qkv`` / ``kit.recompute_ffn`` (see :mod:`ds_bertopt.wtacrs.recompute`): after every other
+    swap (the producers it hooks must be the final modules). Returns log lines and gaps."""
+    from .recompute import install_scope, record_outputs_of
+
+    lines: list[str] = []
+    gaps: list[tuple[str, str]] = []
+    if not (kit.recompute_qkv or kit.recompute_ffn):
+        return lines, gaps
+    family = (detected or detect(model)).family
+    scope = install_scope(model)
+    if kit.recompute_qkv:
+        names = [name for name, _ in model.named_modules() if name and any(matches(name, p) for p in family.qkv)]
+        recorded, skipped = record_outputs_of(model, scope, names)
+        gaps += [(f"kit.recompute_qkv: {name}", "has an active dropout: not rebuilt") for name in skipped]
+        if not names:
+            gaps.append(("kit.recompute_qkv", f"no module named like {', '.join(family.qkv)}"))
+        lines.append(f"kit: {len(recorded)} attention projections (q/k/v) rebuilt in backward")
+    if kit.recompute_ffn:
+        fused = [m for m in model.modules() if isinstance(m, GeluLinear)]
+        for module in fused:
+            object.__setattr__(module, "_recompute_scope", scope)  # not a submodule
+        if not fused:
+            gaps.append(("kit.recompute_ffn", "no fused FFN projection (recompute_gelu converted none)"))
+        lines.append(f"kit: {len(fused)} FFN activation outputs rebuilt in backward")
     return lines, gaps
 
 
@@ -661,7 +772,7 @@ def apply_kit(model: nn.Module, kit, strict: bool = False) -> list[str]:
     ending with one ``warning:`` line if some part could not convert some module (``strict``: raise)."""
     detected = detect(model)
     lines, gaps = kit_parts(model, kit, detected)
-    if not (kit.sdpa_attention or kit.dropout_mask != "float" or kit.layernorm_saves_output
-            or kit.recompute_gelu or kit.bf16_gelu):
+    more_lines, more_gaps = install_recompute(model, kit, detected)
+    if not kit.any:
         return lines
-    return lines + report_coverage(gaps, detected, strict)
+    return lines + more_lines + report_coverage(gaps + more_gaps, detected, strict)

@@ -18,6 +18,7 @@ it moves the batch to the device) and from the input's row count otherwise (padd
 towards ``k``: more rows stored than needed, still at most ``k``); the selection itself has static
 shapes (:func:`~ds_bertopt.wtacrs.estimator.select_rows`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -73,8 +74,12 @@ class BatchContext:
         self.num_valid_rows: Optional[int] = None
         self._shared: dict[int, _SharedRows] = {}
 
-    def begin(self, attention_mask: Optional[torch.Tensor], example_ids: Optional[torch.Tensor],
-              num_valid_rows: Optional[int] = None) -> None:
+    def begin(
+        self,
+        attention_mask: Optional[torch.Tensor],
+        example_ids: Optional[torch.Tensor],
+        num_valid_rows: Optional[int] = None,
+    ) -> None:
         self._shared.clear()
         self.valid = attention_mask.bool() if attention_mask is not None else None
         self.example_ids = example_ids
@@ -103,6 +108,10 @@ class BatchContext:
         return None
 
     def remember(self, x: torch.Tensor, entry: _SharedRows) -> None:
+        # Only the latest input: the linears that share one read it one after another (q, k, v; LoRA's A of q
+        # and v with the frozen k between). Activation checkpointing re-runs layers in backward, where no root
+        # forward ends to clear this; keeping one entry bounds what such a replay leaves behind to one selection.
+        self._shared.clear()
         self._shared[id(x)] = entry
 
 
@@ -111,8 +120,10 @@ def _host_count(value) -> Optional[int]:
         return None
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu" or value.numel() != 1:
-            raise ValueError(f"{NUM_VALID_ROWS_KWARG}: pass a host int (the count of attention_mask on the host "
-                             f"before the batch moves); got a {value.device.type} tensor of shape {tuple(value.shape)}")
+            raise ValueError(
+                f"{NUM_VALID_ROWS_KWARG}: pass a host int (the count of attention_mask on the host "
+                f"before the batch moves); got a {value.device.type} tensor of shape {tuple(value.shape)}"
+            )
         value = int(value)  # a CPU scalar: no device involved
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{NUM_VALID_ROWS_KWARG}: must be a non-negative int, got {value!r}")
@@ -147,14 +158,20 @@ class _SampledLinearFn(torch.autograd.Function):
     ``row_weights`` is ``None`` when the rows are pre-scaled (fp32/bf16: one GEMM over k rows). In
     fp16 an importance weight times an activation can overflow, so there the rows are stored as
     they are and the weights are applied to the output-gradient rows inside an fp32 GEMM.
+
+    With ``source`` (``keep: input``) nothing is copied in forward: ``source``, the linear's input before any
+    autocast cast, is saved as it is (free when something else keeps it anyway), and backward gathers and scales
+    the ``k`` rows from it exactly as forward would have (same values, same GEMM).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, stored, indices, row_weights, cache_update):
-        ctx.save_for_backward(weight, stored, indices, row_weights)
+    def forward(ctx, x, weight, bias, stored, indices, row_weights, cache_update, source):
+        ctx.from_source = source is not None
+        ctx.save_for_backward(weight, source if ctx.from_source else stored, indices, row_weights)
         ctx.has_bias = bias is not None
         ctx.cache_update = cache_update
         ctx.device_type = x.device.type
+        ctx.compute_dtype = x.dtype
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -166,6 +183,10 @@ class _SampledLinearFn(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_x = grad_out.matmul(weight.to(grad_out.dtype))
             if ctx.needs_input_grad[1]:
+                if ctx.from_source:  # the rows forward would have stored, from the kept input
+                    stored, row_weights = _rows_to_store(
+                        stored.reshape(-1, stored.shape[-1]), indices, row_weights, ctx.compute_dtype
+                    )
                 if row_weights is None:
                     grad_w = rows[indices].t().matmul(stored.to(rows.dtype))
                 else:
@@ -176,7 +197,15 @@ class _SampledLinearFn(torch.autograd.Function):
                 grad_b = rows.sum(0).to(weight.dtype)
         if ctx.cache_update is not None:
             ctx.cache_update(torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32))
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def _rows_to_store(rows: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype):
+    """``(stored rows, row weights or None)``: pre-scaled in ``dtype``, or unscaled with fp32 weights in fp16."""
+    if dtype == torch.float16:
+        return rows[indices].to(dtype), weights.float()
+    picked = rows[indices].float()  # a fresh k-row copy (fp32 input) or cast: scale it in place
+    return picked.mul_(weights.float().unsqueeze(1)).to(dtype), None
 
 
 class SampledLinear(nn.Linear):
@@ -184,20 +213,31 @@ class SampledLinear(nn.Linear):
 
     ratio: float
     min_k: int
+    keep_input: bool
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, ratio: float, min_k: int = 32,
-                    context: Optional[BatchContext] = None, cache_capacity: int = 0) -> "SampledLinear":
-        """Wrap ``linear``'s own parameters (no copy: state dicts and optimizer references stay valid)."""
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        ratio: float,
+        min_k: int = 32,
+        context: Optional[BatchContext] = None,
+        cache_capacity: int = 0,
+        keep_input: bool = False,
+    ) -> "SampledLinear":
+        """Wrap ``linear``'s own parameters (no copy: state dicts and optimizer references stay valid).
+        ``keep_input``: keep a reference to the whole input instead of copying the ``k`` rows (for an input
+        that something else keeps anyway; the weight gradient is the same)."""
         module = rebind_linear(cls, linear)
-        module.ratio, module.min_k = float(ratio), int(min_k)
+        module.ratio, module.min_k, module.keep_input = float(ratio), int(min_k), bool(keep_input)
         module.generator = None
         object.__setattr__(module, "context", context)
         object.__setattr__(module, "cache", GradNormCache(cache_capacity) if cache_capacity > 0 else None)
         return module
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, ratio={self.ratio}, min_k={self.min_k}"
+        keep = ", keep=input" if self.keep_input else ""
+        return f"{super().extra_repr()}, ratio={self.ratio}, min_k={self.min_k}{keep}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and torch.is_grad_enabled() and self.weight.requires_grad):
@@ -209,13 +249,15 @@ class SampledLinear(nn.Linear):
             weight, bias = weight.to(compute_dtype), bias.to(compute_dtype) if bias is not None else None
         compute_x = x.to(compute_dtype) if compute_dtype is not None else x
         stored, indices, row_weights, cache_update = self._select(x, compute_x.dtype)
+        source = x if self.keep_input else None
         with no_autocast(device_type):
-            return _SampledLinearFn.apply(compute_x, weight, bias, stored, indices, row_weights, cache_update)
+            return _SampledLinearFn.apply(compute_x, weight, bias, stored, indices, row_weights, cache_update, source)
 
     @torch.no_grad()
     def _select(self, x: torch.Tensor, dtype: torch.dtype):
-        """Stored rows, their indices, their weights when not pre-scaled (fp16), the cache update."""
-        key = (self.ratio, self.min_k, dtype)
+        """Stored rows, their indices, their weights when not pre-scaled (fp16), the cache update. With
+        ``keep_input`` no rows: ``(None, indices, weights, cache update)``."""
+        key = (self.ratio, self.min_k, dtype, self.keep_input)
         context = self.context
         if context is not None:
             shared = context.lookup(x, key)
@@ -231,19 +273,20 @@ class SampledLinear(nn.Linear):
         flat_valid = valid.flatten() if valid is not None else None
         p = row_probabilities(rows, flat_valid, scores)
         num_rows = context.budget_rows(x, valid is not None) if context is not None else rows.shape[0]
-        selection = select_rows(p, budget(num_rows, self.ratio, self.min_k), generator=self.generator,
-                                max_positive=num_rows)  # padding rows have p = 0: at most N' positive
+        selection = select_rows(
+            p, budget(num_rows, self.ratio, self.min_k), generator=self.generator, max_positive=num_rows
+        )  # padding rows have p = 0: at most N' positive
         # slots in row order: the k-row gather reads memory in order, and at ratio 1 the GEMM sums as nn.Linear's
         indices, slot_order = torch.sort(selection.indices)
         weights = selection.weights[slot_order]
-        if dtype == torch.float16:
-            stored, row_weights = rows[indices].to(dtype), weights.float()
+        if self.keep_input:
+            stored, row_weights = None, weights.float()
         else:
-            stored = (rows[indices].float() * weights.float().unsqueeze(1)).to(dtype)
-            row_weights = None
+            stored, row_weights = _rows_to_store(rows, indices, weights, dtype)
         if context is not None:
-            context.remember(x, _SharedRows(weakref.ref(x), x._version, key, stored, indices, row_weights,
-                                            cache_update))
+            context.remember(
+                x, _SharedRows(weakref.ref(x), x._version, key, stored, indices, row_weights, cache_update)
+            )
         return stored, indices, row_weights, cache_update
 
 

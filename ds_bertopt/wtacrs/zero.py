@@ -8,6 +8,7 @@ every submodule, so a weight saved in forward is normally whole again in backwar
 parameter whose ``ds_status`` is ``NOT_AVAILABLE``, use it, and ``partition()`` it again afterwards.
 Gradients are always returned through autograd, full-shape; DeepSpeed's reduce hooks partition them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,11 @@ import torch
 
 def _is_partitioned(param: Optional[torch.Tensor]) -> bool:
     # deepspeed.runtime.zero.utils.is_zero_param is ``hasattr(param, "ds_id")``
-    return (param is not None and hasattr(param, "ds_id")
-            and getattr(getattr(param, "ds_status", None), "name", None) == "NOT_AVAILABLE")
+    return (
+        param is not None
+        and hasattr(param, "ds_id")
+        and getattr(getattr(param, "ds_status", None), "name", None) == "NOT_AVAILABLE"
+    )
 
 
 @contextlib.contextmanager

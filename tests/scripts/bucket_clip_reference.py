@@ -4,6 +4,7 @@ BERT-like model and the reference result of bucket clipping, computed from the f
 The reference gathers every rank's local gradient (recomputed on a plain copy of the model),
 clips it per bucket in float64 with thresholds recomputed from scratch, and averages over ranks.
 """
+
 from __future__ import annotations
 
 import copy
@@ -22,8 +23,13 @@ class TinyLM(torch.nn.Module):
     def __init__(self, unused: bool = False):
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, DIM)
-        self.layers = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Tanh(), torch.nn.Linear(DIM, DIM),
-                                          torch.nn.Tanh(), torch.nn.Linear(DIM, DIM))
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(DIM, DIM),
+            torch.nn.Tanh(),
+            torch.nn.Linear(DIM, DIM),
+            torch.nn.Tanh(),
+            torch.nn.Linear(DIM, DIM),
+        )
         self.norm = torch.nn.LayerNorm(DIM)
         self.unused = torch.nn.Parameter(torch.zeros(7)) if unused else None
 
@@ -36,14 +42,20 @@ class TinyLM(torch.nn.Module):
 
 def micro_batches(rank: int, count: int, step: int = 0):
     gen = torch.Generator().manual_seed(1000 + 100 * step + 10 * rank)
-    return [(torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen), torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen))
-            for _ in range(count)]
+    return [
+        (torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen), torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen))
+        for _ in range(count)
+    ]
 
 
 def ds_config(stage: int, gas: int, clip: dict | None, bf16: bool = False, extra: dict | None = None) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
-           "steps_per_print": 10**9, "zero_optimization": {"stage": stage, "overlap_comm": True,
-                                                           "contiguous_gradients": True}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
+    }
     if bf16:
         cfg["bf16"] = {"enabled": True, "check_grad_overflow": True}
     # precision pinned: "auto" would pick bf16 on CPUs with native bf16 and miss the fp32 tolerances
@@ -64,8 +76,9 @@ def local_micro_grads(reference, batches, dtype) -> list[dict[str, torch.Tensor]
     for batch in batches:
         model.zero_grad(set_to_none=True)
         (model(batch) / len(batches)).backward()
-        out.append({n: (p.grad if p.grad is not None else torch.zeros_like(p)).double()
-                    for n, p in model.named_parameters()})
+        out.append(
+            {n: (p.grad if p.grad is not None else torch.zeros_like(p)).double() for n, p in model.named_parameters()}
+        )
     return out
 
 
@@ -78,7 +91,7 @@ def all_gather_dicts(grads: dict[str, torch.Tensor]) -> list[dict[str, torch.Ten
     for tensor in gathered:
         pieces, offset = {}, 0
         for n in names:
-            pieces[n] = tensor[offset:offset + grads[n].numel()].view_as(grads[n])
+            pieces[n] = tensor[offset : offset + grads[n].numel()].view_as(grads[n])
             offset += grads[n].numel()
         out.append(pieces)
     return out
@@ -109,8 +122,10 @@ def reference_reduced(micro: list[dict], layout, thresholds, eps, per_micro: boo
     gas, world = len(micro), dist.get_world_size()
     if per_micro:
         ranks = [all_gather_dicts(m) for m in micro]  # [micro][rank]
-        clipped = [[clip_by_buckets(ranks[m][r], layout, [t / gas for t in thresholds], eps) for m in range(gas)]
-                   for r in range(world)]
+        clipped = [
+            [clip_by_buckets(ranks[m][r], layout, [t / gas for t in thresholds], eps) for m in range(gas)]
+            for r in range(world)
+        ]
         per_rank = [{n: sum(c[n] for c in clipped[r]) for n in micro[0]} for r in range(world)]
     else:
         local = {n: sum(m[n] for m in micro) for n in micro[0]}

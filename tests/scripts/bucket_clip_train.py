@@ -7,6 +7,7 @@ For each ZeRO stage: ``ds_bertopt.engine.initialize`` with ``bucket_clip`` on (a
 ``--gas`` micro-batches; after each step the parameters are compared with a replay that applies
 AdamW to the reference clipped-and-averaged gradient. Rank 0 writes one JSON object per stage.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,14 @@ def run_stage(stage: int, steps: int, gas: int, max_norm: float) -> dict:
         ours = dict(engine.module.named_parameters())
         for name, p in reference.named_parameters():
             worst = max(worst, (ours[name].detach().double() - p.detach().double()).abs().max().item())
-    return {"stage": stage, "max_param_diff": worst, "clipped_buckets": clipped, "buckets": total,
-            "gradient_clipping": engine.gradient_clipping(), "adapter": type(engine.bucket_clip).__name__}
+    return {
+        "stage": stage,
+        "max_param_diff": worst,
+        "clipped_buckets": clipped,
+        "buckets": total,
+        "gradient_clipping": engine.gradient_clipping(),
+        "adapter": type(engine.bucket_clip).__name__,
+    }
 
 
 def main() -> int:

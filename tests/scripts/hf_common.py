@@ -1,4 +1,5 @@
 """Shared helpers of the Hugging Face integration tests (imported by the tests and by hf_train.py)."""
+
 from __future__ import annotations
 
 import csv
@@ -12,8 +13,12 @@ POSITIVE = "good great wonderful moving funny brilliant charming smart".split()
 NEGATIVE = "bad awful boring dull tedious clumsy flat stupid".split()
 FILLER = "the film movie story plot actors it is was a this and".split()
 
-FIXED_TEXTS = ("A three-hour cinema master class.", "Dull, tedious and far too long for what it has to say.",
-               "Funny.", "An ambitious, messy film that still moves you in its final act, mostly.")
+FIXED_TEXTS = (
+    "A three-hour cinema master class.",
+    "Dull, tedious and far too long for what it has to say.",
+    "Funny.",
+    "An ambitious, messy film that still moves you in its final act, mostly.",
+)
 """The fixed batch on which saved-for-backward bytes are compared (different lengths: padding matters)."""
 
 KIT = {"sdpa_attention": True, "dropout_mask": "regenerate", "layernorm_saves_output": True, "recompute_gelu": True}
@@ -41,8 +46,11 @@ def balanced_subset_csv(source: Path, path: Path, per_label: int, seed: int) -> 
     with open(source, newline="", encoding="utf-8") as fh:
         rows = [(r["text"], int(r["label"])) for r in csv.DictReader(fh)]
     rng = random.Random(seed)
-    picked = [row for label in sorted({r[1] for r in rows})
-              for row in rng.sample([r for r in rows if r[1] == label], per_label)]
+    picked = [
+        row
+        for label in sorted({r[1] for r in rows})
+        for row in rng.sample([r for r in rows if r[1] == label], per_label)
+    ]
     rng.shuffle(picked)
     with open(path, "w", newline="", encoding="utf-8") as fh:
         writer = csv.writer(fh)
@@ -53,10 +61,17 @@ def balanced_subset_csv(source: Path, path: Path, per_label: int, seed: int) -> 
 
 def deepspeed_json(path: Path, stage: int, bertopt: dict) -> Path:
     """A Trainer-style DeepSpeed config ("auto" batch values) with a ``"bertopt"`` section, fp32 pinned."""
-    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-              "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": stage},
-              "bf16": {"enabled": False}, "fp16": {"enabled": False}, "steps_per_print": 1_000_000,
-              "bertopt": bertopt}
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+        "steps_per_print": 1_000_000,
+        "bertopt": bertopt,
+    }
     path.write_text(json.dumps(config, indent=1), encoding="utf-8")
     return path
 

@@ -8,6 +8,7 @@ bytes on the fixed batch (seeded: the test repeats the measurement on the saved 
 ``prepare_model`` and expects the same bytes); whether ``"bertopt"`` reached DeepSpeed; the engine's optimizer,
 gradient clipping and bucket-clip hook; the logged learning rates.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,14 +37,18 @@ def main(argv: list[str]) -> None:
     sampled = [m for m in model.modules() if isinstance(m, SampledLinear)]
     caches = [m.cache for m in sampled if m.cache is not None]
     result = {
-        "eval_loss_before": before, "eval_loss_after": after,
-        "world_size": trainer.args.world_size, "zero_stage": engine.zero_optimization_stage(),
-        "engine": type(engine).__name__, "sampled": len(sampled),
+        "eval_loss_before": before,
+        "eval_loss_after": after,
+        "world_size": trainer.args.world_size,
+        "zero_stage": engine.zero_optimization_stage(),
+        "engine": type(engine).__name__,
+        "sampled": len(sampled),
         "cached_examples": max((int((c.tags >= 0).sum()) for c in caches if c.tags is not None), default=0),
         "bertopt_in_engine_config": "bertopt" in engine.config,
         "bertopt_in_plugin_config": "bertopt" in trainer.accelerator.state.deepspeed_plugin.deepspeed_config,
         "saved": saved_bytes_on_fixed_batch(model, trainer.processing_class),
-        "client_optimizer": type(engine.client_optimizer).__name__, "gradient_clipping": engine.gradient_clipping(),
+        "client_optimizer": type(engine.client_optimizer).__name__,
+        "gradient_clipping": engine.gradient_clipping(),
         "bucket_clip": getattr(engine, "bucket_clip", None) is not None,
         "learning_rates": [r["learning_rate"] for r in trainer.state.log_history if "learning_rate" in r],
         "train_losses": [r["loss"] for r in trainer.state.log_history if "loss" in r],

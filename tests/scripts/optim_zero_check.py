@@ -10,6 +10,7 @@ Model: a tiny BERT masked LM, dropout off so every stage sees the same function.
 summation order of the per-layer norms), and bf16 on purpose for the same comparison through
 DeepSpeed's bf16 wrappers (``FP16_UnfusedOptimizer`` at ZeRO 0, ``DeepSpeedZeroOptimizer`` at 1/2).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,18 @@ def tiny_bert():
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
-    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=2,
-                                      intermediate_size=40, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-                                      attention_probs_dropout_prob=0.0))
+    return BertForMaskedLM(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=40,
+            max_position_embeddings=SEQ,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 def batch(step: int, rank: int) -> dict:
@@ -51,18 +61,31 @@ def engine_for(stage: int, *, max_grad_norm: float, bf16: bool = False, max_step
     from ds_bertopt.configlib import load_section
     from ds_bertopt.engine import initialize
 
-    bertopt = {"optimizer": {"type": "lamb", "lr": 0.02, "weight_decay": 0.01, "max_grad_norm": max_grad_norm},
-               "schedule": {"type": "poly", "warmup_steps": 2},
-               "train": {"max_steps": max_steps, "precision": "bf16" if bf16 else "fp32"}}
-    ds = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-          "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
+    bertopt = {
+        "optimizer": {"type": "lamb", "lr": 0.02, "weight_decay": 0.01, "max_grad_norm": max_grad_norm},
+        "schedule": {"type": "poly", "warmup_steps": 2},
+        "train": {"max_steps": max_steps, "precision": "bf16" if bf16 else "fp32"},
+    }
+    ds = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
     model = tiny_bert()
     if bf16:
         model = model.to(torch.bfloat16)
-    optimizer, scheduler = optim.build(model, load_section(BertOptConfig, bertopt, "bertopt"),
-                                       global_batch=MICRO * torch.distributed.get_world_size(), zero_stage=stage)
-    engine, _, _, _ = initialize(config={**ds, "bertopt": bertopt}, model=model, optimizer=optimizer,
-                                 lr_scheduler=scheduler)
+    optimizer, scheduler = optim.build(
+        model,
+        load_section(BertOptConfig, bertopt, "bertopt"),
+        global_batch=MICRO * torch.distributed.get_world_size(),
+        zero_stage=stage,
+    )
+    engine, _, _, _ = initialize(
+        config={**ds, "bertopt": bertopt}, model=model, optimizer=optimizer, lr_scheduler=scheduler
+    )
     return engine, optimizer
 
 
@@ -89,14 +112,19 @@ def fp32_masters(engine) -> torch.Tensor:
     copies = {}  # ZeRO 0: FP16_UnfusedOptimizer keeps one fp32 copy per parameter, group by group
     for low, high in zip(getattr(wrapper, "fp16_groups", ()), getattr(wrapper, "fp32_groups", ())):
         copies.update({id(p): c for p, c in zip(low, high)})
-    return torch.cat([(copies[id(p)] if id(p) in copies else safe_get_full_fp32_param(p)).detach().float().reshape(-1)
-                      for p in engine.module.parameters()])
+    return torch.cat(
+        [
+            (copies[id(p)] if id(p) in copies else safe_get_full_fp32_param(p)).detach().float().reshape(-1)
+            for p in engine.module.parameters()
+        ]
+    )
 
 
 def optimizer_state(lamb) -> torch.Tensor:
     """This rank's LAMB moments, flattened (the shard under ZeRO 1/2)."""
-    tensors = [lamb.state[p][k].reshape(-1) for g in lamb.param_groups for p in g["params"]
-               for k in ("exp_avg", "exp_avg_sq")]
+    tensors = [
+        lamb.state[p][k].reshape(-1) for g in lamb.param_groups for p in g["params"] for k in ("exp_avg", "exp_avg_sq")
+    ]
     return torch.cat(tensors)
 
 
@@ -115,9 +143,13 @@ def run_checks(out_dir: str, checks=ALL_CHECKS, steps: int = 4) -> None:
         for stage in (0, 1, 2):
             engine, lamb = engine_for(stage, max_grad_norm=0.05)
             scales = train_steps(engine, lamb, 0, steps)
-            results[f"stage{stage}"] = {"params": flat_params(engine), "grad_scales": scales,
-                                        "lr": engine.get_lr()[0], "clip": lamb.max_grad_norm,
-                                        "attached": sorted(len(layout.fragments) for layout in lamb._layouts.values())}
+            results[f"stage{stage}"] = {
+                "params": flat_params(engine),
+                "grad_scales": scales,
+                "lr": engine.get_lr()[0],
+                "clip": lamb.max_grad_norm,
+                "attached": sorted(len(layout.fragments) for layout in lamb._layouts.values()),
+            }
     if "per_shard" in checks:
         # What a client LAMB does under ZeRO without our layouts: one "layer" per flat shard.
         engine, lamb = engine_for(1, max_grad_norm=0.05)
@@ -133,26 +165,37 @@ def run_checks(out_dir: str, checks=ALL_CHECKS, steps: int = 4) -> None:
         for stage in (0, 2):
             engine, lamb = engine_for(stage, max_grad_norm=0.05)
             train_steps(engine, lamb, 0, steps)
-            straight = {"params": flat_params(engine), "state": gather_state(optimizer_state(lamb)),
-                        "lr": engine.get_lr()[0], "sched": engine.lr_scheduler.state_dict()["last_epoch"]}
+            straight = {
+                "params": flat_params(engine),
+                "state": gather_state(optimizer_state(lamb)),
+                "lr": engine.get_lr()[0],
+                "sched": engine.lr_scheduler.state_dict()["last_epoch"],
+            }
             engine, lamb = engine_for(stage, max_grad_norm=0.05)
             train_steps(engine, lamb, 0, steps // 2)
             engine.save_checkpoint(holder[0], tag=f"stage{stage}")
             engine, lamb = engine_for(stage, max_grad_norm=0.05)
             engine.load_checkpoint(holder[0], tag=f"stage{stage}")
             train_steps(engine, lamb, steps // 2, steps)
-            resumed = {"params": flat_params(engine), "state": gather_state(optimizer_state(lamb)),
-                       "lr": engine.get_lr()[0], "sched": engine.lr_scheduler.state_dict()["last_epoch"]}
+            resumed = {
+                "params": flat_params(engine),
+                "state": gather_state(optimizer_state(lamb)),
+                "lr": engine.get_lr()[0],
+                "sched": engine.lr_scheduler.state_dict()["last_epoch"],
+            }
             results[f"resume{stage}"] = {"straight": straight, "resumed": resumed}
     if "bf16" in checks:
         for stage in BF16_STAGES:
             engine, lamb = engine_for(stage, max_grad_norm=0.05, bf16=True)
             scales = train_steps(engine, lamb, 0, steps)
             results[f"bf16_stage{stage}"] = {
-                "params": flat_params(engine), "masters": fp32_masters(engine), "grad_scales": scales,
-                "wrapper": type(engine.optimizer).__name__, "steps": sorted({lamb.state[p]["step"] for g in
-                                                                             lamb.param_groups for p in g["params"]}),
-                "fragments": sum(len(layout.fragments) for layout in lamb._layouts.values())}
+                "params": flat_params(engine),
+                "masters": fp32_masters(engine),
+                "grad_scales": scales,
+                "wrapper": type(engine.optimizer).__name__,
+                "steps": sorted({lamb.state[p]["step"] for g in lamb.param_groups for p in g["params"]}),
+                "fragments": sum(len(layout.fragments) for layout in lamb._layouts.values()),
+            }
         engine, lamb = engine_for(1, max_grad_norm=0.05, bf16=True)  # the per-shard control, in bf16
         for group in lamb.param_groups:
             lamb.set_layout(group["params"][0], Layout.whole([group["params"][0]]))
@@ -164,8 +207,16 @@ def run_checks(out_dir: str, checks=ALL_CHECKS, steps: int = 4) -> None:
 
 
 def spawn_worker(rank: int, world: int, port: int, out_dir: str, checks, steps: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     import deepspeed
 

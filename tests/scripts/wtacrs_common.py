@@ -1,21 +1,38 @@
 """Shared helpers of the WTA-CRS / fine-tuning tests (imported by tests and spawned scripts)."""
+
 from __future__ import annotations
 
 import torch
 
 
-def tiny_bert(hidden_dropout: float = 0.1, attention_dropout: float = 0.1, seed: int = 0, layers: int = 2,
-              hidden: int = 32, vocab: int = 200, num_labels: int = 2, attn: str = "sdpa"):
+def tiny_bert(
+    hidden_dropout: float = 0.1,
+    attention_dropout: float = 0.1,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 32,
+    vocab: int = 200,
+    num_labels: int = 2,
+    attn: str = "sdpa",
+):
     """A randomly initialised BertForSequenceClassification small enough for CPU tests."""
     from transformers import BertConfig, BertForSequenceClassification
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                        intermediate_size=4 * hidden, max_position_embeddings=64, num_labels=num_labels,
-                        hidden_dropout_prob=hidden_dropout, attention_probs_dropout_prob=attention_dropout,
-                        attn_implementation=attn)
+    config = BertConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=64,
+        num_labels=num_labels,
+        hidden_dropout_prob=hidden_dropout,
+        attention_probs_dropout_prob=attention_dropout,
+        attn_implementation=attn,
+    )
     return BertForSequenceClassification(config)
 
 
@@ -38,8 +55,14 @@ def bias_statistic(estimates: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 # model_type -> config kwargs of a tiny random-init model (transformers' own config classes, no download)
-_TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=200,
-             max_position_embeddings=64)
+_TINY = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    vocab_size=200,
+    max_position_embeddings=64,
+)
 TINY_FAMILIES = {
     "bert": dict(_TINY),
     "roberta": dict(_TINY, pad_token_id=1),
@@ -49,12 +72,32 @@ TINY_FAMILIES = {
     "distilbert": dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64, vocab_size=200, max_position_embeddings=64),
     "albert": dict(_TINY, embedding_size=16, hidden_act="gelu_new"),
     "mpnet": dict(_TINY),
-    "deberta-v2": dict(_TINY, relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"],
-                       share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False,
-                       type_vocab_size=0, pooler_hidden_size=32),
-    "modernbert": dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
-                       vocab_size=200, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                       cls_token_id=1, sep_token_id=2, global_attn_every_n_layers=2, local_attention=8),
+    "deberta-v2": dict(
+        _TINY,
+        relative_attention=True,
+        position_buckets=8,
+        pos_att_type=["p2c", "c2p"],
+        share_att_key=True,
+        norm_rel_ebd="layer_norm",
+        position_biased_input=False,
+        type_vocab_size=0,
+        pooler_hidden_size=32,
+    ),
+    "modernbert": dict(
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=48,
+        vocab_size=200,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+        global_attn_every_n_layers=2,
+        local_attention=8,
+    ),
 }
 _DROPOUT_KEYS = {  # model_type -> the config keys of its dropouts
     "distilbert": ("dropout", "attention_dropout", "seq_classif_dropout"),

@@ -10,6 +10,7 @@ the innermost frame in ``ds_bertopt/wtacrs``. Expected: one sync per optimizer s
 transformers (its SDPA mask helper reads ``attention_mask.all()``) are listed apart, not failed on.
 Without CUDA it says so and exits 0 (the CPU twin is ``tests/test_wtacrs_sync.py``).
 """
+
 from __future__ import annotations
 
 import sys
@@ -35,6 +36,7 @@ def _record_syncs(into: list):
         ours = [f for f in frames if f.filename.startswith(OURS)]
         where = ours[-1] if ours else next((f for f in reversed(frames) if "site-packages" in f.filename), frames[-1])
         into.append(("ours" if ours else "theirs", f"{Path(where.filename).name}:{where.lineno} {where.name}"))
+
     return show
 
 
@@ -43,8 +45,14 @@ def check(model_type: str, device: str = "cuda") -> list[str]:
     from ds_bertopt.wtacrs import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, prepare_model
     from ds_bertopt.wtacrs.config import WtaCrsConfig
 
-    raw = {"enabled": True, "ratio": 0.3, "min_k": 4, "grad_norm_cache": True, "targets": ["ffn_out", "qkv"],
-           "kit": KIT}
+    raw = {
+        "enabled": True,
+        "ratio": 0.3,
+        "min_k": 4,
+        "grad_norm_cache": True,
+        "targets": ["ffn_out", "qkv"],
+        "kit": KIT,
+    }
     model, _ = prepare_model(tiny_family(model_type, dropout=0.1), load_section(WtaCrsConfig, raw, "wtacrs"))
     model = model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -71,8 +79,9 @@ def check(model_type: str, device: str = "cuda") -> list[str]:
                 theirs = sorted({where for who, where in syncs if who == "theirs"})
                 print(f"{model_type} micro-step {step}: ours {ours or 'none'}; transformers/torch {theirs or 'none'}")
                 if len(ours) != expect or any("_check" not in where for where in ours):
-                    problems.append(f"{model_type} micro-step {step}: expected {expect} sync in GammaGuard._check, "
-                                    f"got {ours}")
+                    problems.append(
+                        f"{model_type} micro-step {step}: expected {expect} sync in GammaGuard._check, got {ours}"
+                    )
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return problems

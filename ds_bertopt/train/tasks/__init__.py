@@ -10,6 +10,7 @@ fine-tuning, and nothing else. A task is an object with:
   ``tokens(batch)``, ``targets(batch)``, ``loss(engine, batch, normalizer) -> (loss, mean loss)``;
 * ``evaluate(engine, topo, seed) -> dict``, ``eval_line``, ``describe_model``, ``save_final``, ``done_line``.
 """
+
 from .finetune import FinetuneTask
 from .pretrain import PretrainTask
 

