@@ -1345,7 +1345,8 @@ def section_wtacrs(ctx: Ctx) -> Result:
 # ------------------------------------------------------------------------------------------------------------
 # 5. memory
 # ------------------------------------------------------------------------------------------------------------
-MEMORY_VARIANTS = ("full", "hf_ckpt", "kit+wta", "lora+kit", "kit+wta+ckpt")
+MEMORY_VARIANTS = ("full", "hf_ckpt", "kit+wta", "lora+kit", "kit+wta+ckpt", "exact", "balanced", "max_saving")
+"""The last three: the ``wtacrs.preset`` of that name (the frontier of docs/wtacrs.md, on CUDA memory)."""
 
 
 def enable_activation_checkpointing(model) -> None:
@@ -1371,7 +1372,11 @@ def build_finetune_model(source: dict, variant: str, device):
     else:  # random init directly on the device (BERT-base's init on a host takes seconds)
         with torch.device(device):
             model = BertForSequenceClassification(BertConfig(num_labels=2, **source["config"]))
-    if variant in ("kit+wta", "kit+wta+ckpt"):
+    if variant in ("exact", "balanced", "max_saving"):
+        from ds_bertopt.wtacrs.config import WtaCrsConfig
+
+        model, _ = prepare_model(model, WtaCrsConfig(preset=variant))
+    elif variant in ("kit+wta", "kit+wta+ckpt"):
         model, _ = prepare_model(model, shipped_wtacrs())
     elif variant == "lora+kit":
         model, _ = prepare_model(model, shipped_wtacrs(enabled=False, **{"lora.enabled": True}))
@@ -1524,6 +1529,17 @@ def section_memory(ctx: Ctx) -> Result:
             if wta["peak"] >= full["peak"]:
                 worse.append(" ".join(key))
     figures = "kit+WTA@0.3 peak vs full: " + ", ".join(ratios)
+    against = []  # the frontier on CUDA memory: each preset's peak against HF gradient checkpointing's
+    for key, row in results.items():
+        ckpt = row.get("hf_ckpt")
+        cells = [
+            f"{p} {row[p]['peak'] / ckpt['peak']:.2f}x"
+            for p in ("exact", "balanced", "max_saving")
+            if ckpt and row.get(p)
+        ]
+        if cells:
+            against.append(f"{key[0].split(' ')[0]} {key[1]} {key[2]}: " + ", ".join(cells))
+    figures += "; preset peak vs HF checkpointing: " + ("; ".join(against) or "n/a")
     if failures or worse:
         failed_text = f"{len(failures)} measurements failed: {'; '.join(failures)[:600]}; " if failures else ""
         return Result("FAIL", failed_text + (f"kit+WTA not below full in {worse}; " if worse else "") + figures)

@@ -318,6 +318,7 @@ FRONTIER_QUICK = [
     "LoRA",
     "LoRA + preset balanced",
 ]
+MAX_SAVING_TARGET = (3.5, 1.35)  # the max-saving preset: peak reduction, step time vs full
 FRONTIER_TIME_LIMIT = 1.10  # the "no step-time cost": at most 1.10× full fine-tuning
 
 
@@ -394,6 +395,13 @@ def frontier_section(
         f"({1 / gc_memory:.2f}x) at <= {FRONTIER_TIME_LIMIT:.2f}x full step time: "
         f"{'met by ' + ', '.join(dominating) if dominating else 'NOT met'}"
     )
+    if "preset max_saving" in points:
+        memory, step = points["preset max_saving"]
+        ok = 1 / memory >= MAX_SAVING_TARGET[0] and step <= MAX_SAVING_TARGET[1]
+        say(
+            f"[target] {label} {batch}x{seq}: preset max_saving >= {MAX_SAVING_TARGET[0]}x lower peak than full at "
+            f"<= {MAX_SAVING_TARGET[1]}x step time: {'met' if ok else 'NOT met'} ({1 / memory:.2f}x at {step:.2f}x)"
+        )
     FIGURES.append(
         {
             "kind": "scatter",
@@ -666,6 +674,7 @@ def main() -> int:
     parser.add_argument("--accuracy-variants", help="accuracy: comma-separated names (default: all)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="accuracy: seeds")
     parser.add_argument("--epochs", type=int, default=2, help="accuracy: epochs")
+    parser.add_argument("--max-train", type=int, default=None, help="accuracy: first N training examples (default all)")
     parser.add_argument("--record-as", default="wtacrs", help="name of the recorded results (bench/run_all.py)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -724,7 +733,7 @@ def main() -> int:
             unknown = [n for n in names if n not in ACCURACY_VARIANTS]
             if unknown:
                 parser.error(f"--accuracy-variants: unknown {unknown[0]!r}; choose from {', '.join(ACCURACY_VARIANTS)}")
-            accuracy_section(args.seeds, args.epochs, None, args.threads, names)
+            accuracy_section(args.seeds, args.epochs, args.max_train, args.threads, names)
     if "families" in sections:
         families_section(model, args.family_batch, args.family_seq, args.threads, args.family_tiny)
     record_results(

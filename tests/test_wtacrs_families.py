@@ -312,3 +312,25 @@ def test_family_attention_is_counted_as_attention():
     model = tiny_family("distilbert")
     batch = family_batch("distilbert", pad_from=None)
     assert saved_tensor_bytes(model, batch)["attention"] > 0
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_FAMILIES))
+def test_exact_preset_is_exact_and_keeps_less_in_every_family(model_type):
+    """``wtacrs.preset: exact`` (q/k/v and FFN outputs rebuilt in backward on top of the kit): logits and every
+    gradient match the unconverted model, and it keeps less than the kit without the recomputation."""
+    reference = tiny_family(model_type, attn="eager")
+    model, lines = prepare_model(copy.deepcopy(reference), wtacrs_config(preset="exact"))
+    batch = family_batch(model_type)
+    out_ref, out = reference(**batch), model(**batch)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=2e-6)
+    out_ref.loss.backward()
+    out.loss.backward()
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        if ref_params[name].grad is None:
+            assert param.grad is None or not param.grad.any(), name
+            continue
+        torch.testing.assert_close(param.grad, ref_params[name].grad, rtol=1e-4, atol=3e-6, msg=name)
+    kit_only, _ = prepare_model(copy.deepcopy(reference), wtacrs_config(kit=EXACT_KIT))
+    big = family_batch(model_type, batch=4, seq=32, pad_from=None)
+    assert saved_tensor_bytes(model, big)["total"] < saved_tensor_bytes(kit_only, big)["total"], lines

@@ -127,3 +127,14 @@ def test_balanced_preset_samples_every_linear_by_reference():
     loss = model(**tiny_batch()).loss
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_fields_given_next_to_a_preset_are_named_in_the_log():
+    """A config file that spells out ``targets`` keeps it under ``preset: balanced``: the log line says so."""
+    model = tiny_bert(hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = WtaCrsConfig(preset="balanced", targets=("auto",), kit=KitConfig(recompute_qkv=False))
+    _, lines = prepare_model(model, cfg)
+    line = next(line for line in lines if line.startswith("wtacrs: preset balanced"))
+    assert "targets ['auto'] (preset: ['all'])" in line and "kit.recompute_qkv False (preset: True)" in line, line
+    _, plain = prepare_model(tiny_bert(), WtaCrsConfig(preset="balanced"))
+    assert "wtacrs: preset balanced" in plain and not any("overridden" in line for line in plain)

@@ -19,6 +19,7 @@ from typing import Iterable, Optional, Sequence
 from torch import nn
 
 from ..errors import ConfigError
+from .config import PRESETS
 from .families import GROUPS, Detected, Family, detect, matches, pretrained_base, summarise
 from .kit import OutputSavingLayerNorm, install_recompute, kit_parts, report_coverage, swap_modules
 from .linear import SampledLinear, install_context
@@ -198,7 +199,7 @@ def prepare_model(model: nn.Module, cfg) -> tuple[nn.Module, list[str]]:
         targets = detected.family.lora_targets if tuple(cfg.lora.targets) == ("auto",) else cfg.lora.targets
         lines.append(f"LoRA r={cfg.lora.r} on {', '.join(targets)}: {trainable:,} trainable parameters")
     if cfg.preset is not None:
-        lines.append(f"wtacrs: preset {cfg.preset}")
+        lines.append(f"wtacrs: preset {cfg.preset}" + _preset_overrides(cfg))
     kit_lines, gaps = kit_parts(model, cfg.kit, detected)
     lines.extend(kit_lines)
     if cfg.enabled:
@@ -225,3 +226,27 @@ def prepare_model(model: nn.Module, cfg) -> tuple[nn.Module, list[str]]:
     if cfg.enabled or cfg.kit.any:
         lines.extend(report_coverage(gaps, detected, cfg.strict))
     return model, lines
+
+
+def _preset_overrides(cfg) -> str:
+    """``"; overridden by the config: targets ['auto'] (preset: ['all']), ..."``: fields given next to the preset that
+    differ from what it sets (a config file that spells out a field keeps it; the log must say so)."""
+    preset = PRESETS[cfg.preset]
+    differ = [
+        (name, getattr(cfg, name), value)
+        for name, value in preset.items()
+        if name != "kit" and name in getattr(cfg, "_given", ()) and getattr(cfg, name) != value
+    ]
+    differ += [
+        (f"kit.{name}", getattr(cfg.kit, name), value)
+        for name, value in preset.get("kit", {}).items()
+        if name in getattr(cfg.kit, "_given", ()) and getattr(cfg.kit, name) != value
+    ]
+    if not differ:
+        return ""
+    shown = ", ".join(f"{name} {_show(given)} (preset: {_show(value)})" for name, given, value in differ)
+    return f"; overridden by the config: {shown}"
+
+
+def _show(value) -> str:
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)
