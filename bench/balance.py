@@ -709,11 +709,13 @@ def main() -> int:
     if measured and not (SHARED / "linux_docs.jsonl.gz").exists():
         print(f"[measured] {SHARED} is absent: skipped")
         measured = []
-    if "ranks" in measured:
+    for part, label, nodes in (("ranks", "2 ranks", 1), ("nodes", "2 nodes × 2 ranks", 2)):
+        if part not in measured:
+            continue
         for micro, accum in ((16, 1), (4, 4)):
             measured_part(
-                "2 ranks",
-                1,
+                label,
+                nodes,
                 2,
                 "small" if args.quick else "medium",
                 "wide",
@@ -724,23 +726,8 @@ def main() -> int:
                 MEASURED,
                 args.repeats,
                 args.lock,
-                targets=TOKEN_TARGETS if (micro, accum) == (16, 1) else None,
-            )
-    if "nodes" in measured:
-        for micro, accum in ((16, 1), (4, 4)):
-            measured_part(
-                "2 nodes × 2 ranks",
-                2,
-                2,
-                "small" if args.quick else "medium",
-                "wide",
-                micro,
-                accum,
-                4 if args.quick else 8,
-                2,
-                MEASURED,
-                args.repeats,
-                args.lock,
+                # the targets are for 2 ranks at one micro-batch of 16
+                targets=TOKEN_TARGETS if (part, micro, accum) == ("ranks", 16, 1) else None,
             )
     if "convergence" in parts:
         convergence_part([1, 2], 60 if args.quick else 300, args.quick)

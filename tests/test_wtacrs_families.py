@@ -67,6 +67,18 @@ def layers_of(model) -> int:
     return getattr(config, "num_hidden_layers", None) or config.n_layers
 
 
+def assert_same_gradients(model, reference, loss, ref_loss) -> None:
+    """Backward both; every parameter's gradient matches (a parameter without one in the reference has none)."""
+    ref_loss.backward()
+    loss.backward()
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        if ref_params[name].grad is None:
+            assert param.grad is None or not param.grad.any(), name
+            continue
+        torch.testing.assert_close(param.grad, ref_params[name].grad, rtol=1e-4, atol=3e-6, msg=name)
+
+
 @pytest.mark.parametrize("model_type", sorted(TINY_FAMILIES))
 def test_registry_finds_every_part(model_type):
     model = tiny_family(model_type)
@@ -105,14 +117,7 @@ def test_kit_and_sampling_at_ratio_one_are_exact(model_type):
     batch = family_batch(model_type)
     out_ref, out = reference(**batch), model(**batch)
     torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=2e-6)
-    out_ref.loss.backward()
-    out.loss.backward()
-    ref_params = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        if ref_params[name].grad is None:
-            assert param.grad is None or not param.grad.any(), name
-            continue
-        torch.testing.assert_close(param.grad, ref_params[name].grad, rtol=1e-4, atol=3e-6, msg=name)
+    assert_same_gradients(model, reference, out.loss, out_ref.loss)
     assert list(model.state_dict()) == list(reference.state_dict())
 
 
@@ -323,14 +328,7 @@ def test_exact_preset_is_exact_and_keeps_less_in_every_family(model_type):
     batch = family_batch(model_type)
     out_ref, out = reference(**batch), model(**batch)
     torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=2e-6)
-    out_ref.loss.backward()
-    out.loss.backward()
-    ref_params = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        if ref_params[name].grad is None:
-            assert param.grad is None or not param.grad.any(), name
-            continue
-        torch.testing.assert_close(param.grad, ref_params[name].grad, rtol=1e-4, atol=3e-6, msg=name)
+    assert_same_gradients(model, reference, out.loss, out_ref.loss)
     kit_only, _ = prepare_model(copy.deepcopy(reference), wtacrs_config(kit=EXACT_KIT))
     big = family_batch(model_type, batch=4, seq=32, pad_from=None)
     assert saved_tensor_bytes(model, big)["total"] < saved_tensor_bytes(kit_only, big)["total"], lines

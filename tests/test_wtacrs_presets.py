@@ -102,8 +102,11 @@ def test_recomputation_keeps_less_for_backward(parts, category, at_least):
     assert before[category] - after[category] >= at_least, (parts, before, after)
 
 
-def test_a_sampled_linear_keeping_its_input_gives_the_same_gradient():
-    """``keep: input`` gathers in backward the rows forward would have copied: same weight gradient, bit for bit."""
+@pytest.mark.precision
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_a_sampled_linear_keeping_its_input_gives_the_same_gradient(autocast):
+    """``keep: input`` gathers in backward the rows forward would have copied: same weight gradient, bit for bit,
+    in fp32 and under bf16 autocast (rows cast and scaled as forward would)."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(16, 8)
     x = torch.randn(4, 40, 16)
@@ -111,7 +114,9 @@ def test_a_sampled_linear_keeping_its_input_gives_the_same_gradient():
     for keep_input in (False, True):
         module = SampledLinear.from_linear(copy.deepcopy(linear), ratio=0.3, min_k=4, keep_input=keep_input)
         module.generator = torch.Generator().manual_seed(7)
-        module(x).pow(2).sum().backward()
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            out = module(x)
+        out.float().pow(2).sum().backward()
         grads.append(module.weight.grad)
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
@@ -138,3 +143,18 @@ def test_fields_given_next_to_a_preset_are_named_in_the_log():
     assert "targets ['auto'] (preset: ['all'])" in line and "kit.recompute_qkv False (preset: True)" in line, line
     _, plain = prepare_model(tiny_bert(), WtaCrsConfig(preset="balanced"))
     assert "wtacrs: preset balanced" in plain and not any("overridden" in line for line in plain)
+
+
+@pytest.mark.precision
+def test_exact_preset_under_bf16_autocast_tracks_the_plain_model():
+    """The rebuilt q/k/v and FFN outputs replay the recorded autocast state: bf16 gradients track the plain model's."""
+    batch = tiny_batch(pad_from=11)
+    reference = tiny_bert(hidden_dropout=0.0, attention_dropout=0.0, attn="sdpa").train()
+    model, _ = prepare_model(copy.deepcopy(reference), WtaCrsConfig(preset="exact"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref_grads = _grads(reference, batch)
+        loss, grads = _grads(model, batch)
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-2)
+    for name in ref_grads:
+        error = float((grads[name] - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-12))
+        assert error < 0.05, (name, error)
