@@ -12,17 +12,20 @@ resolved by :func:`resolve_batch` before ``deepspeed.initialize``.
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
 import json
 import os
+import typing
 from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
 from .comm.config import BucketClipConfig
-from .configlib import load_section, parse_override, set_dotted, to_dict
+from .configlib import add_config_arguments, load_section, overrides_from_namespace, parse_override, set_dotted, to_dict
 from .data.config import DataConfig, SamplerConfig
-from .model.config import ModelConfig
 from .errors import ConfigError, check
+from .model.config import ModelConfig
 from .optim.config import OptimizerConfig, ScheduleConfig
 from .wtacrs.config import WtaCrsConfig
 
@@ -238,8 +241,6 @@ def load_config(path: str, overrides: tuple[str, ...] | list[str] = ()) -> RunCo
 
 def _point_to_other_sections(ours: dict) -> None:
     """A key given in the wrong section (``finetune.max_steps`` for ``train.max_steps``) is named with its home."""
-    import dataclasses
-    import typing
 
     hints = typing.get_type_hints(BertOptConfig)
     fields = {
@@ -381,3 +382,28 @@ def check_precision(ds: dict, device_type: str) -> str:
 def describe(cfg: RunConfig) -> dict:
     """A JSON-able view of the resolved config, for logs and checkpoints."""
     return {"deepspeed": cfg.deepspeed, "bertopt": to_dict(cfg.bertopt)}
+
+
+def run_arg_parser(description: str, shortcuts: dict[str, str]) -> argparse.ArgumentParser:
+    """The command line of a run: generic flags, the aliases in ``shortcuts`` (flag → dotted key) and
+    ``--<section>.<field>`` for every field of :class:`BertOptConfig`, its docstring the help."""
+    p = argparse.ArgumentParser(
+        description=description,
+        usage="%(prog)s --deepspeed_config FILE [options]",
+        allow_abbrev=False,  # --max_step must not silently mean --max_steps
+        epilog="Every config field is also a flag (--section.field), documented below; "
+        "-o key=value sets any bertopt key and -o deepspeed.key=value DeepSpeed's.",
+    )
+    p.add_argument("--deepspeed_config", required=True, help='DeepSpeed JSON with a "bertopt" section')
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    resume_help = "continue this run from its newest complete checkpoint (of DIR, default: the output dir)"
+    p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="DIR", help=resume_help)
+    override_help = "set any bertopt key (e.g. bucket_clip.enabled=true) or deepspeed.<key>"
+    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE", help=override_help)
+    add_config_arguments(p, BertOptConfig, "bertopt", shortcuts)
+    return p
+
+
+def run_overrides(args: argparse.Namespace) -> list[str]:
+    """The overrides a command line gives: its config flags, then ``-o`` (the later wins)."""
+    return overrides_from_namespace(args) + list(args.override)

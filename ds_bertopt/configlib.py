@@ -15,10 +15,14 @@ Nested dataclass fields are loaded recursively; ``Optional``, ``Literal``, ``tup
 
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
 import difflib
+import inspect
 import json
 import math
+import textwrap
 import types
 import typing
 from typing import Any, Literal, Optional, Union, get_args, get_origin
@@ -164,9 +168,6 @@ def parse_override(text: str) -> tuple[str, Any]:
 # ------------------------------------------------------------------------------------------------
 def field_docs(cls: type) -> dict[str, str]:
     """``{field: docstring}`` of a config dataclass, read from the string literal after each field."""
-    import ast
-    import inspect
-    import textwrap
 
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
@@ -229,7 +230,6 @@ def add_config_arguments(parser, cls: type, root: str, shortcuts: Optional[dict[
     """Add ``--<section>.<field>`` for every field below ``cls`` (and ``--<shortcut>`` for the keys named in
     ``shortcuts``), with the field's docstring as help. Parsed values are kept as given; turn them into
     overrides with :func:`overrides_from_namespace`, so one loader validates file, flags and ``-o`` alike."""
-    import argparse
 
     by_key = {key: (tp, default, doc) for key, tp, default, doc in iter_fields(cls)}
     aliases: dict[str, list[str]] = {}

@@ -19,8 +19,10 @@ node-local data planner (``ds_bertopt.data.plan``) depends on ``node = rank // r
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -174,8 +176,6 @@ def bind_device(topo: Topology, accelerator) -> None:
 
 def _rendezvous(topo: Topology, addr: str, port: int, timeout_s: int):
     """Connect to the TCP store and cross-check every rank's (world size, ranks per node) view."""
-    import json
-    import time
 
     import torch.distributed as dist
 

@@ -19,8 +19,10 @@ It returns DeepSpeed's 4-tuple unchanged in shape.
 from __future__ import annotations
 
 import copy
+import importlib.util
 from typing import Any
 
+from .comm import install_bucket_clip
 from .config import BertOptConfig, RunConfig, apply_precision, load_config, resolve_batch
 from .configlib import load_section
 from .dsconfig import check_deepspeed_config
@@ -75,7 +77,6 @@ MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "co
 
 
 def check_monitor_packages(ds: dict) -> None:
-    import importlib.util
 
     for block, package in MONITOR_PACKAGES.items():
         if (ds.get(block) or {}).get("enabled") and importlib.util.find_spec(package) is None:
@@ -137,8 +138,6 @@ def _allow_our_optimizer_under_zero(ds: dict, optimizer) -> None:
 def attach_extensions(engine, bertopt: BertOptConfig) -> None:
     """Install what ``bertopt`` asks for into an initialised engine."""
     if bertopt.bucket_clip.enabled:
-        from .comm import install_bucket_clip
-
         install_bucket_clip(engine, bertopt.bucket_clip)
     client = getattr(engine, "client_optimizer", None)
     if isinstance(client, Lamb):

@@ -13,16 +13,15 @@ import contextlib
 import json
 import sys
 
-from ..config import describe
+from ..config import describe, run_overrides
+from ..dist import Topology
 from ..errors import ConfigError
+from ..train.loop import build_arg_parser
+from ..train.preflight import preflight
+from ..train.tasks import TASKS
 
 
 def main(argv: list[str]) -> int:
-    from ..dist import Topology
-    from ..train.loop import build_arg_parser, overrides_of
-    from ..train.preflight import preflight
-    from ..train.tasks import TASKS
-
     head = argparse.ArgumentParser(prog="ds-bertopt config", description=__doc__, add_help=False)
     head.add_argument("--task", choices=sorted(TASKS), default="pretrain")
     head.add_argument("--world-size", type=int, default=1)
@@ -48,7 +47,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--ranks-per-node: {per_node} does not divide world size {world}")
     topo = Topology(rank=0, world_size=world, local_rank=0, ranks_per_node=per_node, node_rank=0)
     with contextlib.redirect_stdout(sys.stderr):  # the pre-flight's log lines; stdout holds the JSON only
-        plan = preflight(task, args.deepspeed_config, overrides_of(args), topo, known.device, resume=args.resume)
+        plan = preflight(task, args.deepspeed_config, run_overrides(args), topo, known.device, resume=args.resume)
     json.dump(describe(plan.cfg), sys.stdout, indent=2)
     print()
     return 0

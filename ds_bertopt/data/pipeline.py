@@ -15,9 +15,13 @@ import random
 from dataclasses import dataclass
 
 import numpy as np
+from filelock import FileLock
 
+from ..dist import barrier
 from ..errors import DataError
 from . import sequences
+from .corpus import load_documents
+from .tokenizer import get_tokenizer
 
 PIPELINE_VERSION = "1"  # bump when the sequence-building code changes what it produces
 _MAP_BATCH = 256
@@ -155,8 +159,6 @@ def split_documents(documents, eval_fraction: float, seed: int):
 
 
 def _build(cfg, cache_dir: str) -> PretrainData:
-    from .corpus import load_documents
-    from .tokenizer import get_tokenizer
 
     data_cfg, model_cfg = cfg.data, cfg.model
     documents = load_documents(data_cfg, cache_dir)
@@ -184,9 +186,6 @@ def _build(cfg, cache_dir: str) -> PretrainData:
 
 def build_pretrain_data(cfg, local_rank: int = 0, distributed: bool = False) -> PretrainData:
     """Build (local rank 0 of each node first, under a file lock) or load from cache."""
-    from filelock import FileLock
-
-    from ..dist import barrier
 
     cache_dir = os.path.abspath(os.path.expanduser(cfg.data.cache_dir))
     os.makedirs(cache_dir, exist_ok=True)

@@ -51,11 +51,16 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
+from .. import optim
 from ..config import BertOptConfig
 from ..configlib import load_section
+from ..data.sampler import PlanBatchSampler
+from ..engine import attach_extensions
 from ..errors import ConfigError
+from ..wtacrs import prepare_model
 from ..wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, SampledLinear
 
 TESTED_VERSIONS = {"transformers": "5.24.0", "accelerate": "1.15.0", "deepspeed": "0.19.8"}
@@ -496,8 +501,6 @@ class BertOptCallback(TrainerCallback):
         cfg: HfBertOptConfig = trainer._bertopt
         engine = trainer.model_wrapped
         if cfg.bertopt.wtacrs.enabled:
-            from ..wtacrs import SampledLinear
-
             module = getattr(engine, "module", engine)
             if not any(isinstance(m, SampledLinear) for m in module.modules()):
                 raise RuntimeError(
@@ -523,8 +526,6 @@ class BertOptCallback(TrainerCallback):
                 "(transformers' deepspeed_optim_sched no longer calls Trainer.create_optimizer?)"
             )
         if engine not in self._attached:
-            from ..engine import attach_extensions
-
             attach_extensions(engine, cfg.bertopt)
             self._attached.add(engine)
 
@@ -532,7 +533,6 @@ class BertOptCallback(TrainerCallback):
         if self._first_step is None or state.global_step != self._first_step:
             return
         self._first_step = None
-        from ..wtacrs import SampledLinear
 
         trainer = self._owner()
         caches = [m.cache for m in trainer.model.modules() if isinstance(m, SampledLinear) and m.cache is not None]
@@ -623,7 +623,6 @@ class BertOptTrainerMixin:
 
     # -- 1. the model
     def _bertopt_prepare(self, model):
-        from ..wtacrs import SampledLinear, prepare_model
 
         wtacrs = self._bertopt.bertopt.wtacrs
         if getattr(model, "_ds_bertopt_prepared", False):
@@ -691,9 +690,6 @@ class BertOptTrainerMixin:
             ) from None
 
     def _bertopt_planned_dataloader(self, dataset):
-        from torch.utils.data import DataLoader
-
-        from ..data.sampler import PlanBatchSampler
 
         args = self.args
         lengths = self._bertopt_lengths(dataset)
@@ -753,8 +749,6 @@ class BertOptTrainerMixin:
         if not self._bertopt.uses_our_optimizer:
             return super().create_optimizer(model)
         if self.optimizer is None:
-            from .. import optim
-
             max_steps = int(self.state.max_steps or 0)
             if max_steps <= 0:
                 raise ConfigError(

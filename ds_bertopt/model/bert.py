@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from ..errors import ConfigError
+from ..log import print0
 
 
 def build_pretraining_model(model_cfg, tokenizer, max_seq_length: int):
@@ -125,7 +127,6 @@ class SparseMLMHead(torch.nn.Module):
 def save_hf_model(module: torch.nn.Module, path: str, *, is_main: bool, tokenizer=None) -> None:
     """Hugging Face format (``from_pretrained``-loadable, fp32; PEFT models: their adapter files), gathered under
     ZeRO-3. Collective: every rank calls it; rank 0 writes."""
-    import contextlib
 
     import deepspeed
 
@@ -139,6 +140,5 @@ def save_hf_model(module: torch.nn.Module, path: str, *, is_main: bool, tokenize
     if is_main:
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
-        from ..log import print0
 
         print0(f"final model written to {path}")

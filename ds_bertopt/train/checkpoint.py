@@ -1,24 +1,12 @@
 """Atomic, resumable checkpoints around ``engine.save_checkpoint`` / ``engine.load_checkpoint``.
 
-Layout under ``<output_dir>/checkpoints``::
-
-    step00000100/            a complete checkpoint (DeepSpeed's files + ours)
-        COMPLETE.json        written last: step, world size, what the sampler needs
-        rng_rank<r>.pt       python / numpy / torch (/ cuda) RNG states of every rank
-    step00000200.partial/    a save in progress, or one that died: never loaded
-    latest                   tag of the newest complete checkpoint (replaced atomically)
-
-``COMPLETE.json`` also records the run's identity: its id (``output_dir/run.json``, written when the
-run starts), the world size and the config that shapes the trajectory (:func:`identity`). ``--resume``
-only loads checkpoints of that run, and :func:`identity_mismatch` names what differs from the config
-given now (``bertopt.model.hidden_size: checkpoint 128, config 64``) before anything is built.
-
-A save writes into ``<tag>.partial``; only when every rank has finished (barrier) does local rank 0
-of each node write ``COMPLETE.json``, rename the directory to ``<tag>`` and switch ``latest``. A
-crash at any point leaves the previous checkpoint complete and ``latest`` pointing at it. Resume
-reads ``latest``; if it names something missing or incomplete, or loading fails on any rank, it
-falls back to the newest older complete checkpoint and says so. The last ``keep_last`` complete
-checkpoints are kept.
+Layout under ``<output_dir>/checkpoints``: ``stepNNNNNNNN/`` (DeepSpeed's files, ``rng_rank<r>.pt`` and, written
+last, ``COMPLETE.json`` with the step, the sampler position and the run's :func:`identity`), ``<tag>.partial/``
+(a save in progress or one that died: never loaded) and ``latest`` (replaced atomically). Only when every rank
+has saved does local rank 0 of each node mark, rename and switch ``latest``, so a crash at any point leaves the
+previous checkpoint complete. Resume loads only checkpoints of the same run whose identity matches the config
+given now (:func:`identity_mismatch` names the first difference), falls back to the newest older complete one
+when ``latest`` is stale or loading fails on any rank, and says so. The last ``keep_last`` are kept.
 """
 
 from __future__ import annotations
@@ -34,7 +22,7 @@ import numpy as np
 import torch
 
 from .. import faults
-from ..dist import barrier
+from ..dist import Topology, barrier
 from ..errors import BertOptError
 from ..log import print0
 
@@ -106,8 +94,9 @@ def complete_tags(root: str) -> list[str]:
     return sorted(tags, reverse=True)
 
 
-def save(engine, output_dir: str, step: int, client_state: dict, *, rank: int, local_rank: int, keep_last: int) -> str:
+def save(engine, output_dir: str, step: int, client_state: dict, topo: Topology, keep_last: int) -> str:
     """Collective: every rank calls it. Returns the final checkpoint directory."""
+    rank, local_rank = topo.rank, topo.local_rank
     root = checkpoint_root(output_dir)
     tag = tag_for(step)
     partial = f"{tag}.partial"
@@ -121,11 +110,8 @@ def save(engine, output_dir: str, step: int, client_state: dict, *, rank: int, l
     faults.inject("save", rank, step)
     barrier()
     final = os.path.join(root, tag)
-    marker = {
-        "step": step,
-        "tag": tag,
-        **{k: client_state[k] for k in ("world_size", "sampler", "identity") if k in client_state},
-    }
+    kept = ("world_size", "sampler", "identity")
+    marker = {"step": step, "tag": tag, **{k: client_state[k] for k in kept if k in client_state}}
     # Global rank 0 finalises first; then the local rank 0 of any node whose filesystem is not
     # shared with rank 0 (it still sees its own ``.partial``) finalises its copy.
     if rank == 0:
@@ -166,31 +152,12 @@ def resolve_resume_dir(resume: str, output_dir: str) -> str:
 RUN_FILE = "run.json"
 # Keys that may differ between a run and its resumption: where and how often it reports, not what it computes;
 # and how long it runs (a run may be extended: the LR schedule then spans the new length, and the loop says so).
-OPERATIONAL_KEYS = (
-    "bertopt.train.max_steps",
-    "bertopt.train.epochs",
-    "bertopt.train.output_dir",
-    "bertopt.train.overwrite_output_dir",
-    "bertopt.train.eval_every",
-    "bertopt.train.eval_each_epoch",
-    "bertopt.train.log_every",
-    "bertopt.train.save_every",
-    "bertopt.train.keep_last",
-    "bertopt.train.save_model",
-    "bertopt.train.dataloader_workers",
-    "bertopt.train.dist_timeout_s",
-    "bertopt.train.dist_init_timeout_s",
-    "bertopt.train.log_samples",
-    "bertopt.train.max_consecutive_nonfinite",
-    "deepspeed.steps_per_print",
-    "deepspeed.wall_clock_breakdown",
-    "deepspeed.csv_monitor",
-    "deepspeed.tensorboard",
-    "deepspeed.wandb",
-    "deepspeed.comet",
-    "deepspeed.flops_profiler",
-    "deepspeed.comms_logger",
+_TRAIN_KEYS = (
+    "max_steps epochs output_dir overwrite_output_dir eval_every eval_each_epoch log_every save_every keep_last"
 )
+_TRAIN_KEYS += " save_model dataloader_workers dist_timeout_s dist_init_timeout_s log_samples max_consecutive_nonfinite"
+_DS_KEYS = "steps_per_print wall_clock_breakdown csv_monitor tensorboard wandb comet flops_profiler comms_logger"
+OPERATIONAL_KEYS = (*(f"bertopt.train.{k}" for k in _TRAIN_KEYS.split()), *(f"deepspeed.{k}" for k in _DS_KEYS.split()))
 
 
 def _flatten(tree, prefix: str, out: dict) -> dict:
@@ -257,8 +224,6 @@ def load(engine, root: str, *, rank: int, run_id: Optional[str] = None) -> Optio
 
     Collective: ranks agree on success after each attempt so that all load the same one.
     """
-    import torch.distributed as dist
-
     tags = run_tags(root, run_id)
     if not tags:
         raise BertOptError(f"no complete checkpoint of this run under {root}")
@@ -280,8 +245,8 @@ def load(engine, root: str, *, rank: int, run_id: Optional[str] = None) -> Optio
         except Exception as exc:  # corrupt or truncated files: try the next older checkpoint
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         ok = torch.tensor([0.0 if error else 1.0], device=engine.device)  # NCCL reduces accelerator tensors only
-        if dist.is_initialized():
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
         if ok.item() == 1.0:
             client = dict(client or {})
             client["tag"] = tag

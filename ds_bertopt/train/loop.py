@@ -1,22 +1,10 @@
-"""The one training loop. Pretraining and fine-tuning are tasks (:mod:`.tasks`) that bring data, a model,
-a loss and their metrics; everything else is here, so both get every guarantee:
-
-* engine set-up: the task's model, ``ds_bertopt.optim.build`` (LAMB/AdamW + schedule, spanning the real
-  number of steps), ``ds_bertopt.engine.initialize`` (DeepSpeed + our extensions), the non-finite guard;
-* the step: ``grad_accum`` micro-batches from the task's length-aware plan, collated (and masked) ahead
-  of time by ``DataLoader`` workers into pinned memory on GPUs; losses stay on the device; with
-  ``task.global_loss_normalizer`` the loss of every micro-batch is divided by the step's target count
-  over all ranks and micro-batches (variable micro-batch sizes then give the big batch's gradient);
-  a step with non-finite gradients is skipped (``max_consecutive_nonfinite`` in a row stop the job);
-* evaluation every ``eval_every`` steps / each epoch, ``metrics.jsonl`` + DeepSpeed's monitor, tqdm on rank 0;
-* atomic checkpoints with the run's identity, exact ``--resume`` (model, optimizer, scheduler, RNG, data
-  position), preemption: SIGTERM/SIGUSR1 make every rank finish its step, checkpoint and exit
-  with :data:`PREEMPTED_EXIT`;
-* the entry point: generated CLI, pre-flight (nothing is built or written before it passes), process
-  group, one-line errors, a dead peer named.
-
-Host syncs per step, by design: reading ``engine.was_step_applied()`` (the non-finite verdict; DeepSpeed's
-own overflow checks read it too) and the preemption flag of the step before (already reduced, no wait).
+"""The one training loop; pretraining and fine-tuning are tasks (:mod:`.tasks`) bringing data, a model, a loss
+and metrics. Here: engine set-up; the step (micro-batches of the length-aware plan collated ahead by ``DataLoader``
+workers, the global loss normalizer, non-finite steps skipped, too many in a row stop the job); evaluation and
+``metrics.jsonl``; atomic checkpoints and exact ``--resume``; preemption (SIGTERM/SIGUSR1: every rank finishes its
+step, checkpoints, exits :data:`PREEMPTED_EXIT`); the entry point (pre-flight, one-line errors, dead peers named).
+Host syncs per step, by design: ``engine.was_step_applied()`` (the non-finite verdict; DeepSpeed's own overflow
+checks read it too) and the preemption flag of the step before (already reduced, no wait).
 """
 
 from __future__ import annotations
@@ -35,20 +23,12 @@ from typing import Optional
 
 import numpy as np
 import torch
+from deepspeed.accelerator import get_accelerator
 
-from .. import faults
-from ..config import BertOptConfig, describe
-from ..configlib import add_config_arguments, overrides_from_namespace
-from ..dist import (
-    Topology,
-    barrier,
-    describe_dead_peers,
-    init_distributed,
-    is_comm_failure,
-    set_cpu_thread_default,
-    topology_from_env,
-    verify_topology,
-)
+from .. import dist, faults, optim
+from ..config import describe, run_arg_parser, run_overrides
+from ..data.sampler import PlanBatchSampler
+from ..engine import initialize
 from ..errors import BertOptError
 from ..log import print0, print_all
 from . import checkpoint
@@ -59,6 +39,10 @@ PREEMPTED_EXIT = 75
 """Exit status after a preemption signal was honoured: a complete checkpoint was written; ``--resume``
 continues exactly (EX_TEMPFAIL: "try again")."""
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+COMMON_SHORTCUTS = {
+    k: f"train.{k}" for k in "max_steps output_dir overwrite_output_dir seed log_every save_every".split()
+}
+"""CLI aliases every task has (``--max_steps`` for ``--train.max_steps``); tasks add their own."""
 
 
 class Preempted(Exception):
@@ -79,6 +63,15 @@ def step_loss_normalizer(local_targets: int, accum: int, world: int, device) -> 
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
     return total / (accum * world)
+
+
+def to_device(batch: dict, device, keys=None) -> dict:
+    """The batch's tensors on ``device`` (non-blocking: pinned host memory on GPUs), other values as they are."""
+    return {
+        k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
+        for k, v in batch.items()
+        if keys is None or k in keys
+    }
 
 
 class MicroBatches(torch.utils.data.Dataset):
@@ -110,10 +103,7 @@ class StepKeys(torch.utils.data.Sampler):
 class Trainer:
     """One job on this rank: set-up in ``__init__``, the loop in :meth:`run`."""
 
-    def __init__(self, plan: Plan, topo: Topology, task):
-        from .. import optim
-        from ..engine import initialize
-
+    def __init__(self, plan: Plan, topo: dist.Topology, task):
         self.plan, self.topo, self.task = plan, topo, task
         b, ds = plan.cfg.bertopt, plan.cfg.deepspeed
         self.output_dir = plan.output_dir
@@ -121,14 +111,20 @@ class Trainer:
             # torch's deterministic mode refuses cuBLAS GEMMs without a fixed workspace; set it before the first one
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-        self.micro, self.accum, self.global_batch = (
-            ds["train_micro_batch_size_per_gpu"],
-            ds["gradient_accumulation_steps"],
-            ds["train_batch_size"],
-        )
+        batch_keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+        self.micro, self.accum, self.global_batch = (ds[key] for key in batch_keys)
         seed_everything(b.train.seed)  # identical init on every rank
         model = task.build(plan.cfg, topo)
-        self.sampler = task.batch_sampler(topo, self.micro, self.accum)
+        self.sampler = PlanBatchSampler(
+            task.lengths,
+            rank=topo.rank,
+            world_size=topo.world_size,
+            ranks_per_node=topo.ranks_per_node,
+            micro_batch=self.micro,
+            grad_accum=self.accum,
+            cfg=b.sampler,
+            seed=b.train.seed,
+        )
         steps_per_epoch = self.sampler.steps_per_epoch
         epochs_steps = steps_per_epoch * b.train.epochs if b.train.epochs else None
         self.max_steps = min(s for s in (b.train.max_steps, epochs_steps) if s is not None)
@@ -157,10 +153,9 @@ class Trainer:
         self.history: dict = {"eval": [], "train": []}
         self.skipped_in_a_row = 0
         self.stop_requested = False
+        self.pin_memory = self.engine.device.type != "cpu"
         workers = b.train.dataloader_workers
-        on_gpu = self.engine.device.type != "cpu"
-        self.workers = workers if workers is not None else (2 if on_gpu else 0)
-        self.pin_memory = on_gpu
+        self.workers = workers if workers is not None else (2 if self.pin_memory else 0)
 
     # --- run directory and resume ------------------------------------------------------------------
     def _start_run_directory(self) -> None:
@@ -179,7 +174,7 @@ class Trainer:
         if torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(holder, src=0)
         self.run_id = holder[0]
-        barrier()  # no rank writes into output_dir before it exists
+        dist.barrier()  # no rank writes into output_dir before it exists
 
     def _resume(self, root: str) -> None:
         client = checkpoint.load(self.engine, root, rank=self.topo.rank, run_id=self.run_id)
@@ -196,14 +191,8 @@ class Trainer:
         )
 
     def client_state(self) -> dict:
-        return {
-            "step": self.step,
-            "sampler": self.sampler.state_dict(),
-            "world_size": self.topo.world_size,
-            "global_batch": self.global_batch,
-            "max_steps": self.max_steps,
-            "identity": self.identity,
-        }
+        sizes = {"world_size": self.topo.world_size, "global_batch": self.global_batch, "max_steps": self.max_steps}
+        return {"step": self.step, "sampler": self.sampler.state_dict(), **sizes, "identity": self.identity}
 
     # --- the step -----------------------------------------------------------------------------------
     def _loader(self):
@@ -227,28 +216,18 @@ class Trainer:
         epoch = batches[0][0][0]
         self.sampler.next_step()  # the consumed position, for checkpoints (the loader runs ahead on a copy)
         if sample_log is not None:
-            sample_log.write(
-                json.dumps(
-                    {
-                        "step": self.step + 1,
-                        "epoch": epoch,
-                        "rank": topo.rank,
-                        "node": topo.node_rank,
-                        "indices": [list(k[3]) for k, _ in batches],
-                    }
-                )
-                + "\n"
-            )
+            indices = [list(key[3]) for key, _ in batches]
+            record = {"step": self.step + 1, "epoch": epoch, "rank": topo.rank, "node": topo.node_rank}
+            sample_log.write(json.dumps({**record, "indices": indices}) + "\n")
         normalizer = None
         if self.task.global_loss_normalizer:
-            normalizer = step_loss_normalizer(
-                sum(self.task.targets(batch) for _, batch in batches), self.accum, topo.world_size, device
-            )
+            targets = sum(batch["num_targets"] for _, batch in batches)
+            normalizer = step_loss_normalizer(targets, self.accum, topo.world_size, device)
         losses, tokens = [], 0
         for _, batch in batches:
-            tokens += self.task.tokens(batch)
-            moved = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-            loss, mean_loss = self.task.loss(engine, moved, normalizer)  # to backpropagate, to report
+            tokens += batch["num_tokens"]
+            # the loss to backpropagate, and the mean loss to report
+            loss, mean_loss = self.task.loss(engine, to_device(batch, device), normalizer)
             loss = faults.inject("loss", topo.rank, self.step + 1, loss)
             faults.inject("forward", topo.rank, self.step + 1)
             engine.backward(loss)
@@ -262,10 +241,8 @@ class Trainer:
         loss = float(torch.stack(losses).mean())
         if engine.fp16_enabled() and math.isfinite(loss):  # the dynamic loss scaler at work, not a broken run
             window.skipped += 1
-            print0(
-                f"step {self.step}: skipped by the fp16 loss scaler (gradient overflow), loss scale now "
-                f"{getattr(engine.optimizer, 'loss_scale', '?')}"
-            )
+            scale = getattr(engine.optimizer, "loss_scale", "?")
+            print0(f"step {self.step}: skipped by the fp16 loss scaler (gradient overflow), loss scale now {scale}")
             return
         self._skipped(window, loss)
 
@@ -284,24 +261,15 @@ class Trainer:
 
     # --- evaluation, checkpoints, preemption --------------------------------------------------------
     def evaluate(self) -> None:
-        record = {
-            "step": self.step,
-            "epoch": self.sampler.epoch,
-            **self.task.evaluate(self.engine, self.topo, self.b.train.seed),
-        }
+        scores = self.task.evaluate(self.engine, self.topo, self.b.train.seed)
+        record = {"step": self.step, "epoch": self.sampler.epoch, **scores}
         self.history["eval"].append(record)
         self.metrics.write(record, self.step * self.global_batch)
         print0(f"step {self.step}: {self.task.eval_line(record)}")
 
     def save(self) -> None:
         path = checkpoint.save(
-            self.engine,
-            self.output_dir,
-            self.step,
-            self.client_state(),
-            rank=self.topo.rank,
-            local_rank=self.topo.local_rank,
-            keep_last=self.b.train.keep_last,
+            self.engine, self.output_dir, self.step, self.client_state(), self.topo, self.b.train.keep_last
         )
         print0(f"checkpoint saved: {path}")
 
@@ -334,12 +302,8 @@ class Trainer:
         sample_log = None
         if t.log_samples:
             os.makedirs(os.path.join(self.output_dir, "samples"), exist_ok=True)
-            sample_log = open(
-                os.path.join(self.output_dir, "samples", f"rank{self.topo.rank}.jsonl"),
-                "a",
-                encoding="utf-8",
-                buffering=1,
-            )
+            path = os.path.join(self.output_dir, "samples", f"rank{self.topo.rank}.jsonl")
+            sample_log = open(path, "a", encoding="utf-8", buffering=1)  # closed in the finally
         previous = {s: signal.signal(s, self._on_signal) for s in PREEMPTION_SIGNALS}
         bar = progress_bar(self.max_steps, self.step, self.task.name, self.topo.is_main)
         window, pending, evaluated_at = Window(self.engine.device), None, -1
@@ -350,19 +314,15 @@ class Trainer:
                 self.train_step(batches, sample_log, window)
                 bar.update(1)
                 last = self.step == self.max_steps
-                epoch_end = self.sampler.step == self.sampler.steps_per_epoch
+                epoch_end = t.eval_each_epoch and self.sampler.step == self.sampler.steps_per_epoch
                 if self.step % t.log_every == 0 or last:
                     record = window.close(self.step, self.engine.get_lr()[0], self.sampler.epoch, self.max_steps, bar)
                     self.history["train"].append(record)
                     self.metrics.write(record, self.step * self.global_batch)
-                if (
-                    (t.eval_every and self.step % t.eval_every == 0)
-                    or (t.eval_each_epoch and epoch_end)
-                    or (last and evaluates)
-                ):
-                    if evaluated_at != self.step:
-                        self.evaluate()
-                        evaluated_at = self.step
+                due = (t.eval_every and self.step % t.eval_every == 0) or epoch_end or (last and evaluates)
+                if due and evaluated_at != self.step:
+                    self.evaluate()
+                    evaluated_at = self.step
                 stop, pending = self._agreed_stop(pending)
                 if (t.save_every and self.step % t.save_every == 0) or last or stop:
                     self.save()
@@ -387,73 +347,39 @@ class Trainer:
 
 # --- the entry point ---------------------------------------------------------------------------------
 def build_arg_parser(task) -> argparse.ArgumentParser:
-    """The CLI of a task: generic flags, the task's shortcuts, and ``--<section>.<field>`` for every config field."""
-    p = argparse.ArgumentParser(
-        description=task.description,
-        usage="%(prog)s --deepspeed_config FILE [options]",
-        allow_abbrev=False,  # --max_step must not silently mean --max_steps
-        epilog="Every config field is also a flag (--section.field), documented below; "
-        "-o key=value sets any bertopt key and -o deepspeed.key=value DeepSpeed's.",
-    )
-    p.add_argument("--deepspeed_config", required=True, help='DeepSpeed JSON with a "bertopt" section')
-    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    p.add_argument(
-        "--resume",
-        nargs="?",
-        const="auto",
-        default=None,
-        metavar="DIR",
-        help="continue this run from its newest complete checkpoint (of DIR, default: the output dir)",
-    )
-    p.add_argument(
-        "-o",
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="set any bertopt key (e.g. bucket_clip.enabled=true) or deepspeed.<key>",
-    )
-    add_config_arguments(p, BertOptConfig, "bertopt", task.shortcuts)
-    return p
-
-
-def overrides_of(args: argparse.Namespace) -> list[str]:
-    return overrides_from_namespace(args) + list(args.override)
+    """The CLI of a task: :func:`ds_bertopt.config.run_arg_parser` with the common aliases and the task's."""
+    return run_arg_parser(task.description, {**COMMON_SHORTCUTS, **task.shortcuts})
 
 
 def main(task, argv: Optional[list[str]] = None) -> int:
     """Run ``task`` from the command line; returns the exit status (2: bad input, 1: a dead peer,
     :data:`PREEMPTED_EXIT`: checkpointed after a preemption signal)."""
-    from deepspeed.accelerator import get_accelerator
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local checkpoints only: never reach for the hub mid-run
     args = build_arg_parser(task).parse_args(argv)
     started = False
     try:
-        topo = topology_from_env(local_rank_arg=args.local_rank)
-        set_cpu_thread_default(topo)
+        topo = dist.topology_from_env(local_rank_arg=args.local_rank)
+        dist.set_cpu_thread_default(topo)
         plan = preflight(
-            task, args.deepspeed_config, overrides_of(args), topo, get_accelerator().device_name(), resume=args.resume
+            task, args.deepspeed_config, run_overrides(args), topo, get_accelerator().device_name(), resume=args.resume
         )
         started = True
         train = plan.cfg.bertopt.train
-        init_distributed(topo, timeout_s=train.dist_timeout_s, init_timeout_s=train.dist_init_timeout_s)
-        verify_topology(topo)
+        dist.init_distributed(topo, timeout_s=train.dist_timeout_s, init_timeout_s=train.dist_init_timeout_s)
+        dist.verify_topology(topo)
         history = Trainer(plan, topo, task).run()
     except Preempted as exc:
         print0(str(exc))
         return PREEMPTED_EXIT
     except BertOptError as exc:
-        if started:  # may be specific to this rank: every rank that hits it says so
-            print_all(f"error: {exc}", file=sys.stderr)
-        else:
-            print0(f"error: {exc}", file=sys.stderr)
+        # after the pre-flight an error may be specific to this rank: every rank that hits it says so
+        (print_all if started else print0)(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a dead peer: say who, then fail
-        if not started or not is_comm_failure(exc):
+        if not started or not dist.is_comm_failure(exc):
             raise
         print_all(
-            f"error: lost contact with the other ranks: {describe_dead_peers(topo.rank)} "
+            f"error: lost contact with the other ranks: {dist.describe_dead_peers(topo.rank)} "
             f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})",
             file=sys.stderr,
         )

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
-from typing import Optional
 
 import torch
+from tqdm.auto import tqdm
 
 from ..log import print0
 
@@ -21,9 +22,7 @@ class Metrics:
     """Rank 0 appends JSON lines to ``output_dir/metrics.jsonl`` and feeds DeepSpeed's monitor."""
 
     def __init__(self, engine, output_dir: str, is_main: bool):
-        self.engine = engine
-        self.is_main = is_main
-        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.engine, self.is_main, self.path = engine, is_main, os.path.join(output_dir, "metrics.jsonl")
 
     def write(self, record: dict, samples: int) -> None:
         if not self.is_main:
@@ -42,11 +41,9 @@ class Metrics:
 
 def all_reduce_sum(values: list, device) -> list[float]:
     """Sum python numbers and 0-d tensors over ranks, in one float64 all-reduce on ``device``."""
-    import torch.distributed as dist
-
     t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
-    if dist.is_initialized():
-        dist.all_reduce(t)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t)
     return t.tolist()
 
 
@@ -71,13 +68,8 @@ class Window:
         """Collective: the record of this window (all ranks), logged on rank 0; then a fresh window."""
         loss_sum, micro, tokens = all_reduce_sum([self.loss, self.micro, self.tokens], self.device)
         elapsed = time.perf_counter() - self.started
-        record = {
-            "step": step,
-            "lr": lr,
-            "tokens_per_s": tokens / max(elapsed, 1e-9),
-            "epoch": epoch,
-            "skipped": self.skipped,
-        }
+        record = {"step": step, "lr": lr, "tokens_per_s": tokens / max(elapsed, 1e-9), "epoch": epoch}
+        record["skipped"] = self.skipped
         if micro:  # every step of the window may have been skipped
             record["loss"] = loss_sum / micro
         text = f"loss {record['loss']:.4f}" if "loss" in record else "all steps skipped"
@@ -118,16 +110,7 @@ def sharded_evaluation(engine, topo, num_examples: int, batch_size: int, score, 
     }
 
 
-def progress_bar(total: int, initial: int, desc: str, is_main: bool, stream=None) -> "object":
+def progress_bar(total: int, initial: int, desc: str, is_main: bool, stream=None) -> tqdm:
     """tqdm on rank 0 when stderr is a terminal; otherwise a disabled bar (plain log lines are printed)."""
-    import sys
-
-    from tqdm.auto import tqdm
-
     stream = stream or sys.stderr
     return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, disable=not is_main or not stream.isatty())
-
-
-def first_line(exc: BaseException, limit: Optional[int] = 200) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:limit] if text else type(exc).__name__

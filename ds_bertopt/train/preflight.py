@@ -1,15 +1,9 @@
-"""One pre-flight, then work: every check that needs no other rank, before data or model are built.
-
-:func:`preflight` runs identically on every rank (its error is printed once, exit status 2) and by
-``ds-bertopt config``, so a config that passes there passes here. In order: our section (strict
-dataclasses), DeepSpeed's part (batch triple, precision, feature combinations, monitors, then DeepSpeed's
-own parser, :mod:`ds_bertopt.dsconfig`: ``ds_bertopt.engine.prepare_deepspeed_config``), the run directory,
-the checkpoint to resume and its identity,
-then the task's own inputs (corpus files, labelled files, model directory). Nothing is written anywhere.
-
-Run-directory policy, as Hugging Face users know it: a non-empty ``output_dir`` is refused unless
-``--resume`` continues it or ``train.overwrite_output_dir`` replaces it (removed only once the run
-starts, after every check passed).
+"""One pre-flight, then work: every check that needs no other rank, before data or model are built and before
+anything is written. It runs identically on every rank (its error is printed once, exit status 2) and in
+``ds-bertopt config``. In order: our section (strict dataclasses), DeepSpeed's part (``engine.prepare_deepspeed_config``
+and DeepSpeed's own parser), the run directory (a non-empty ``output_dir`` is refused unless ``--resume``
+continues it or ``train.overwrite_output_dir`` replaces it, once the run starts), the checkpoint to resume
+and its identity, then the task's own inputs (corpus or labelled files, model directory).
 """
 
 from __future__ import annotations

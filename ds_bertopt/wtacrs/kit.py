@@ -45,6 +45,7 @@ from torch import nn
 from ..errors import ConfigError
 from .families import Detected, Family, detect, matches, pretrained_base, summarise
 from .linear import rebind_linear
+from .recompute import install_scope, record_outputs_of
 from .zero import autocast_dtype, gathered, no_autocast
 
 DROPOUT_MODES = ("float", "bool", "bits", "regenerate")
@@ -723,7 +724,6 @@ def _enable_checkpointing(model: nn.Module, every: int) -> str:
 def install_recompute(model: nn.Module, kit, detected: Optional[Detected] = None) -> tuple[list[str], list]:
     """``kit.recompute_qkv`` / ``kit.recompute_ffn`` (see :mod:`ds_bertopt.wtacrs.recompute`): after every other
     swap (the producers it hooks must be the final modules). Returns log lines and gaps."""
-    from .recompute import install_scope, record_outputs_of
 
     lines: list[str] = []
     gaps: list[tuple[str, str]] = []

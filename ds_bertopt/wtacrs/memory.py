@@ -31,6 +31,9 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch import nn
 
+from ..configlib import load_section
+from .config import WtaCrsConfig
+from .convert import convert, prepare_model
 from .families import detect, matches
 from .kit import Bf16InputGelu
 from .linear import SampledLinear
@@ -110,7 +113,6 @@ def estimate_saving(
     autocast_dtype: Optional[torch.dtype] = None,
 ) -> dict[str, dict[str, int]]:
     """Saved-for-backward bytes of ``model`` and of a WTA-CRS-converted copy on ``batch``."""
-    from .convert import convert
 
     converted = copy.deepcopy(model)
     convert(converted, ratio, targets, min_k)
@@ -170,10 +172,6 @@ def load_variant(
 ):
     """A sequence-classification model (see :func:`build_model`) prepared per a ``wtacrs`` config dict."""
     from transformers.utils import logging as hf_logging
-
-    from ..configlib import load_section
-    from .config import WtaCrsConfig
-    from .convert import prepare_model
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(seed)

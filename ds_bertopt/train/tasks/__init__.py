@@ -1,13 +1,13 @@
 """Tasks of the shared training loop (:mod:`ds_bertopt.train.loop`): what differs between pretraining and
 fine-tuning, and nothing else. A task is an object with:
 
-* ``name``, ``description``, ``shortcuts`` (CLI flag → dotted config key; every field also has its
-  ``--section.field`` flag), ``global_loss_normalizer`` (divide by the step's target count over all ranks);
+* ``name``, ``description``, ``shortcuts`` (CLI alias → dotted config key, on top of the loop's
+  ``COMMON_SHORTCUTS``), ``global_loss_normalizer`` (divide by the step's target count over all ranks);
 * ``preflight(cfg, topo)`` — its inputs checked on this rank alone (files, model directory, labels);
-* ``build(cfg, topo) -> model`` — data and the model, before ``deepspeed.initialize``;
-  ``batch_sampler(topo, micro, accum)`` — the plan of the epochs (``PlanBatchSampler``);
-* ``collate(indices, epoch=, step=, micro=) -> batch`` (host tensors; runs in DataLoader workers),
-  ``tokens(batch)``, ``targets(batch)``, ``loss(engine, batch, normalizer) -> (loss, mean loss)``;
+* ``build(cfg, topo) -> model`` — data and the model, before ``deepspeed.initialize``; afterwards ``lengths``
+  (one per training sample) is what the loop's ``PlanBatchSampler`` plans the epochs from;
+* ``collate(indices, epoch=, step=, micro=) -> batch`` (host tensors plus the ints ``num_tokens`` and
+  ``num_targets``; runs in DataLoader workers), ``loss(engine, batch, normalizer) -> (loss, mean loss)``;
 * ``evaluate(engine, topo, seed) -> dict``, ``eval_line``, ``describe_model``, ``save_final``, ``done_line``.
 """
 

