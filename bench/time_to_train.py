@@ -887,6 +887,14 @@ def summarise(
         f"{scenario.steps} (lower of {len(runs[baseline])} seed(s)); yardstick {prep.yardstick_sequences} sequences, "
         f"{prep.yardstick_tokens} masked tokens"
     )
+    distinct = {id(run): run for items in runs.values() for run in items if run.accuracy}  # an alias counts once
+    every_run = list(distinct.values())
+    at_first = [run for run in every_run if run.accuracy[0] >= target]
+    if 2 * len(at_first) > len(every_run):
+        say(
+            f"[{name}] warning: {len(at_first)} of {len(every_run)} runs are at the target {target:.4f} by their "
+            "first snapshot: time to target measures start-up and the first snapshot interval, not training"
+        )
     link = f", {scenario.rate} link" if scenario.rate else ""
     table = [
         f"**{name}**: {scenario.corpus}, seq {scenario.seq}, {scenario.model} model, {scenario.nodes} × "
@@ -943,6 +951,8 @@ def summarise(
     for contender in ours_names:
         if contender != "ours_off":
             compare(contender, "ours_off", f"{contender}_vs_off")
+    if len(hf_names) > 1:
+        quality_reading(name, runs, hf_names, ours_names, baseline)
     FIGURES.append(
         {
             "kind": "curves",
@@ -982,6 +992,42 @@ def summarise(
         "ratios": ratios,
         "runs": [vars(r) | {"startup_s": r.startup_s} for items in runs.values() for r in items],
     }
+
+
+def quality_reading(name: str, runs: dict[str, list[Run]], hf_names: list[str], ours: list[str], baseline: str) -> None:
+    """Printed, not judged: MLPerf's reading, a fixed high quality. The level is the final accuracy of the HF way that
+    ends highest (first seed); the judged target is the lowest level every HF way reaches, which on a wide length mix
+    sits near the unigram plateau because line-by-line examples carry few tokens per step."""
+    strongest = max(hf_names, key=lambda n: runs[n][0].final)
+    if strongest == baseline:
+        return
+    level = runs[strongest][0].final
+    reference = time_to(runs[strongest][:1], level)[0]
+    seed = runs[strongest][0].seed
+    for other in hf_names:
+        if other != strongest:
+            say(
+                f"[{name}] at {strongest}'s final accuracy {level:.4f}: {other} (seed {seed}): "
+                f"{fmt(time_to(runs[other][:1], level)[0], ' s', 1)}"
+            )
+    for contender in ours:
+        seconds = time_to(runs[contender][:1], level)[0]
+        if math.isinf(seconds[0]):
+            say(f"[{name}] at {strongest}'s final accuracy {level:.4f}: {contender} (seed {seed}): not reached")
+        else:
+            say(
+                ratio_line(
+                    f"[{name}] time to {strongest}'s final accuracy {level:.4f} (printed, not judged) {contender}",
+                    seconds,
+                    reference,
+                    strongest,
+                )
+            )
+    off = time_to(runs["ours_off"], level)[0]
+    for contender in ours:
+        seconds = time_to(runs[contender], level)[0]
+        if contender != "ours_off" and not any(math.isinf(v) for v in seconds + off):
+            say(ratio_line(f"[{name}] time to {level:.4f} (printed, not judged) {contender}", seconds, off, "ours_off"))
 
 
 def status(ok: bool) -> str:
