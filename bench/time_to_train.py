@@ -887,8 +887,8 @@ def summarise(
         f"{scenario.steps} (lower of {len(runs[baseline])} seed(s)); yardstick {prep.yardstick_sequences} sequences, "
         f"{prep.yardstick_tokens} masked tokens"
     )
-    distinct = {id(run): run for items in runs.values() for run in items if run.accuracy}  # an alias counts once
-    every_run = list(distinct.values())
+    # an alias is the same Run object as its source: count it once
+    every_run = list({id(run): run for items in runs.values() for run in items if run.accuracy}.values())
     at_first = [run for run in every_run if run.accuracy[0] >= target]
     if 2 * len(at_first) > len(every_run):
         say(
@@ -1010,22 +1010,14 @@ def quality_reading(name: str, runs: dict[str, list[Run]], hf_names: list[str], 
                 f"[{name}] at {strongest}'s final accuracy {level:.4f}: {other} (seed {seed}): "
                 f"{fmt(time_to(runs[other][:1], level)[0], ' s', 1)}"
             )
-    for contender in ours:
-        seconds = time_to(runs[contender][:1], level)[0]
-        if math.isinf(seconds[0]):
-            say(f"[{name}] at {strongest}'s final accuracy {level:.4f}: {contender} (seed {seed}): not reached")
-        else:
-            say(
-                ratio_line(
-                    f"[{name}] time to {strongest}'s final accuracy {level:.4f} (printed, not judged) {contender}",
-                    seconds,
-                    reference,
-                    strongest,
-                )
-            )
     off = time_to(runs["ours_off"], level)[0]
     for contender in ours:
         seconds = time_to(runs[contender], level)[0]
+        if math.isinf(seconds[0]):
+            say(f"[{name}] at {strongest}'s final accuracy {level:.4f}: {contender} (seed {seed}): not reached")
+            continue
+        label = f"[{name}] time to {strongest}'s final accuracy {level:.4f} (printed, not judged) {contender}"
+        say(ratio_line(label, seconds[:1], reference, strongest))
         if contender != "ours_off" and not any(math.isinf(v) for v in seconds + off):
             say(ratio_line(f"[{name}] time to {level:.4f} (printed, not judged) {contender}", seconds, off, "ours_off"))
 
