@@ -655,11 +655,14 @@ def run_one(
     key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()
     record = out / "run_record.json"
     if resume and record.exists():
-        saved_run = json.loads(record.read_text())
-        if saved_run.pop("key", None) == key:
-            run = Run(**saved_run)
-            print(f"  [{scenario.name}] {run.label}: reused from {record} (finished by an earlier invocation)")
-            return run
+        finished = load_finished(record, key)
+        if finished:
+            print(f"  [{scenario.name}] {finished.label}: reused from {record} (finished by an earlier invocation)")
+            return finished
+        print(
+            f"  [{scenario.name}] {contender} seed {seed}: {record} not reused (unreadable, or its command line, "
+            "bert.json or yardstick changed): running it again"
+        )
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     run = Run(scenario.name, contender, seed, global_batch, tokens, steps)
@@ -709,7 +712,7 @@ def run_one(
         run.accuracy.append(acc)
         run.loss.append(loss)
     shutil.rmtree(out / ("snapshots" if is_hf else "train/checkpoints"), ignore_errors=True)
-    # nothing lost: a scenario takes up to 1.5 h, and its record is written only at the end
+    # nothing lost: a scenario takes up to 1.5 h; --resume reuses this record
     partial = record.with_suffix(".partial")
     partial.write_text(json.dumps(vars(run) | {"key": key}))
     partial.replace(record)
@@ -720,6 +723,15 @@ def run_one(
         flush=True,
     )
     return run
+
+
+def load_finished(record: Path, key: str) -> Optional[Run]:
+    """The run an earlier invocation wrote to ``record``, if it was made with ``key``; None if not, or unreadable."""
+    try:
+        saved = json.loads(record.read_text())
+        return Run(**saved) if saved.pop("key", None) == key else None
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 # ------------------------------------------------------------------------------------------------
