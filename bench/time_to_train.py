@@ -95,6 +95,9 @@ MODELS = {
         "model.num_hidden_layers=4",
         "model.num_attention_heads=4",
         "model.intermediate_size=1024",
+        # every contender's AdamW (HF's too, it reads the LR from this config); at bert.json's 2e-3 this model stays
+        # on the unigram plateau for 400 steps, at 1e-3 it leaves it by step 100 (docs/time_to_train.md, LR probe)
+        "optimizer.lr=1e-3",
     ],
 }
 SUMMARY: list[str] = []
