@@ -232,15 +232,12 @@ def _preset_overrides(cfg) -> str:
     """``"; overridden by the config: targets ['auto'] (preset: ['all']), ..."``: fields given next to the preset that
     differ from what it sets (a config file that spells out a field keeps it; the log must say so)."""
     preset = PRESETS[cfg.preset]
+    top = {name: value for name, value in preset.items() if name != "kit"}
     differ = [
-        (name, getattr(cfg, name), value)
-        for name, value in preset.items()
-        if name != "kit" and name in getattr(cfg, "_given", ()) and getattr(cfg, name) != value
-    ]
-    differ += [
-        (f"kit.{name}", getattr(cfg.kit, name), value)
-        for name, value in preset.get("kit", {}).items()
-        if name in getattr(cfg.kit, "_given", ()) and getattr(cfg.kit, name) != value
+        (prefix + name, getattr(section, name), value)
+        for prefix, section, values in (("", cfg, top), ("kit.", cfg.kit, preset.get("kit", {})))
+        for name, value in values.items()
+        if name in getattr(section, "_given", ()) and getattr(section, name) != value
     ]
     if not differ:
         return ""

@@ -32,8 +32,11 @@ def _samples(dataset, indices: list[int], nsp: bool) -> list[dict]:
 
 
 FORWARD_KEYS = ("input_ids", "attention_mask", "token_type_ids", "labels", "next_sentence_label", "masked_positions")
-UNPADDED_KEYS = (*(k for k in FORWARD_KEYS if k != "attention_mask"), "position_ids", "cu_seqlens", "max_seqlen")
-UNPADDED_KEYS += ("seq_lengths",)
+UNPADDED_KEYS = (
+    *(k for k in FORWARD_KEYS if k != "attention_mask"),
+    *("position_ids", "cu_seqlens", "max_seqlen", "seq_lengths"),
+)
+"""The unpadded step drops the mask: each sequence's extent comes from ``cu_seqlens`` / ``seq_lengths``."""
 
 
 class PretrainTask:
