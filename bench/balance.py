@@ -2,8 +2,9 @@
 
     python bench/balance.py                # everything (~60 min on 2 CPU cores, after the data caches)
     python bench/balance.py --quick        # planner figures, the issue's layouts, 2-rank tokens/s (~8 min idle)
-    python bench/balance.py --part planner # one part: planner | packed | ranks | nodes | convergence
+    python bench/balance.py --part planner # one part: planner | packed | scale | ranks | nodes | convergence
     python bench/balance.py --part packed --peer-budget 0   # ~12 min: one BatchRebalanceSampler step per layout
+    python bench/balance.py --part scale   # the seed's scale: one rank's windowed plan at 10M, 30M, 100M sequences
     python bench/balance.py --lock /tmp/ds_bertopt_cpu.lock   # take this flock around every timed run
 
 **Planner** (``ds_bertopt.data.plan`` + ``cost``, no training): 1,024 ranks × 16 samples, 8 ranks per
@@ -27,6 +28,14 @@ average), ``stratified_node_balance`` and ours: ``packed_node_balance`` (kernels
 mean over steps, per global batch, relative to ``random`` on padded kernels; each target of the issue is
 printed as met / NOT met with the figures it was judged on. ``--part packed`` runs only this (minutes:
 transformers' planner takes seconds to minutes per step at 1,024 ranks).
+
+**Scale** (``--part scale``, also in the full mode; ~20 min): the seed's setting, MLPerf BERT phase 2 (1,024
+ranks, 8 per node, micro-batch 16, a 156.7M-sequence set), on synthetic MLPerf-like lengths (half at 512, the rest
+uniform 32–511) of 10M, 30M and 100M sequences: rank 0's training sampler, every strategy in a fresh process
+(``ds-bertopt balance --sequences``): time to the first step, time per window, steps that waited for planning
+behind a simulated 50 ms step, peak RSS; next to it the global plan (every rank, the whole epoch) in a fresh process
+where it fits in memory (``SCALE_GLOBAL``), with its time, peak RSS and whether the rows are bit-identical.
+The issue's targets at 100M are printed met / NOT met.
 
 **Measured** (``launch/pretrain.py`` under the ``deepspeed`` launcher, gloo, fp32, one thread per
 rank): the same model, data, seed and global batch for every contender, interleaved round by round,
@@ -63,17 +72,22 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ds_bertopt.cli.balance import corpus_lengths, format_table  # noqa: E402
-from ds_bertopt.data.peers import (
+from ds_bertopt.cli.balance import (  # noqa: E402
     PEERS,
+    SCALE_STEP_TIME,
     check_ds_token_packs,
+    corpus_lengths,
     ds_max_tokens_for,
-    evaluate,  # noqa: E402
+    evaluate,
+    format_table,
     mlperf_phase2_lengths,
     per_global_batch,
+    scale_lines,
+    scale_view,
     simulation_lengths,
+    synthetic_lengths,
 )
-from ds_bertopt.data.config import PEER_STRATEGIES, SamplerConfig  # noqa: E402
+from ds_bertopt.data.config import PEER_STRATEGIES, STRATEGIES as STRATEGIES_ALL, SamplerConfig  # noqa: E402
 from ds_bertopt.data.cost import CostModel  # noqa: E402
 from ds_bertopt.testing.measure import environment_line, median, ratio_line, record_results  # noqa: E402
 
@@ -436,6 +450,53 @@ def packed_waste(indices: np.ndarray, lengths: np.ndarray) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
+# the seed's scale: one rank's windowed plan, next to the global one where it fits
+# ------------------------------------------------------------------------------------------------
+SCALE_SIZES = (10_000_000, 30_000_000, 100_000_000)
+SCALE_GLOBAL = {10_000_000: STRATEGIES_ALL, 30_000_000: ("stratified_node_balance", "packed_node_balance")}
+"""Where the global plan runs too: every strategy at 10M; at 30M the two of the issue's table (4.0 and 6.5 GiB,
+41 and 53 s there); at 100M they would take about 13 and 21 GiB (linear), past what this shared machine spares."""
+
+
+def scale_part(lock: str | None) -> None:
+    for n in SCALE_SIZES:
+        label = f"{n // 1_000_000}M sequences, {WORLD} ranks ({WORLD // RPN} nodes × {RPN}) × {LOCAL} × 1, rank 0"
+        with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
+            path = os.path.join(tmp, "lengths.npy")
+            np.save(path, synthetic_lengths(n, 0))
+            results = []
+            for strategy in STRATEGIES_ALL:
+                with maybe_lock(lock):
+                    results += scale_view(
+                        path,
+                        strategies=(strategy,),
+                        world_size=WORLD,
+                        ranks_per_node=RPN,
+                        micro_batch=LOCAL,
+                        grad_accum=1,
+                        reference=strategy in SCALE_GLOBAL.get(n, ()),
+                    )
+                print(scale_lines(results[-1:], label, SCALE_STEP_TIME)[0], flush=True)
+                SUMMARY.append(scale_lines(results[-1:], label, SCALE_STEP_TIME)[0])
+        for line in scale_lines(results, label, SCALE_STEP_TIME)[len(results) :]:
+            headline(line)
+        FIGURES.append(
+            {
+                "kind": "bars",
+                "file": f"scale_{n // 1_000_000}M",
+                "stack": ["peak_rss_mib"],
+                "title": f"Peak RSS of one rank's planner, {label}",
+                "unit": "MiB (the process: python, numpy, torch and the planner)",
+                "reference": 1024,
+                "note": "windowed sampler in a fresh process; 1 GiB line: the issue's target",
+                "series": [
+                    {"label": r.strategy, "peak_rss_mib": r.window.get("rss_mib", float("nan"))} for r in results
+                ],
+            }
+        )
+
+
+# ------------------------------------------------------------------------------------------------
 # measured on real ranks
 # ------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
@@ -686,7 +747,7 @@ def convergence_part(seeds: list[int], steps: int, quick: bool) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--part", choices=["planner", "packed", "ranks", "nodes", "convergence"], action="append")
+    p.add_argument("--part", choices=["planner", "packed", "scale", "ranks", "nodes", "convergence"], action="append")
     p.add_argument(
         "--peer-budget",
         type=float,
@@ -698,13 +759,17 @@ def main() -> int:
     args = p.parse_args()
     print(environment_line(), flush=True)
     parts = args.part or (
-        ["planner", "packed", "ranks"] if args.quick else ["planner", "packed", "ranks", "nodes", "convergence"]
+        ["planner", "packed", "ranks"]
+        if args.quick
+        else ["planner", "packed", "scale", "ranks", "nodes", "convergence"]
     )
     started = time.perf_counter()
     if "planner" in parts:
         planner_part()
     if "packed" in parts:
         packed_part(0.0 if args.quick else args.peer_budget, quick=args.quick)
+    if "scale" in parts:
+        scale_part(args.lock)
     measured = [p for p in parts if p in ("ranks", "nodes")]
     if measured and not (SHARED / "linux_docs.jsonl.gz").exists():
         print(f"[measured] {SHARED} is absent: skipped")

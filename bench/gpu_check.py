@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("precision", "lamb_equal", "resume", "wtacrs", "memory", "syncs", "unpadded", "nccl")
+SECTIONS = ("conformance", "precision", "lamb_equal", "resume", "wtacrs", "memory", "syncs", "unpadded", "nccl")
 PREFIX = "[gpu_check]"
 TINY_MODEL = (
     "model.hidden_size=32",
@@ -310,7 +310,7 @@ def log_line(job: Job, marker: str) -> Optional[str]:
 # ------------------------------------------------------------------------------------------------------------
 DOCUMENTED_SYNCS = (
     # (file under ds_bertopt, function, text of the source line or None): the syncs the code documents
-    ("train/loop.py", "_agreed_stop", ".item()"),  # the preemption flag of the step before
+    ("train/loop.py", "result", "self.event.synchronize()"),  # the stop vote's event, a step old: waits for it alone
     ("train/loop.py", "train_step", "engine.step("),  # the non-finite verdict (DeepSpeed's overflow check)
     ("train/loop.py", "train_step", "was_step_applied"),
     ("train/nonfinite.py", None, None),  # our finite-gradient guard (fp32, ZeRO 0)
@@ -685,7 +685,75 @@ def worker_clip(argv: list) -> int:
     return 0
 
 
-WORKERS = {"loop": worker_loop, "lamb": worker_lamb, "clip": worker_clip}
+def worker_conformance(argv: list) -> int:
+    """The conformance matrix's rows (``tests/scripts/conformance_worker.py``) on this machine's accelerator, with
+    the optimizers ``ds_bertopt.optim`` really builds here (on CUDA: DeepSpeed's FusedAdam); rank 0 writes JSON."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--rows", nargs="+", required=True)
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    import deepspeed
+    import torch
+    from conformance_worker import run_rows
+    from deepspeed.accelerator import get_accelerator
+
+    from ds_bertopt.testing.gpu_paths import all_rows
+
+    accelerator = get_accelerator()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # before the first collective
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
+    rows = [row for row in all_rows() if row.id in set(args.rows)]
+    results = run_rows(rank, world, rows, args.out, device_type=accelerator.device_name())
+    if rank == 0:
+        Path(args.out, "results.json").write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+WORKERS = {"loop": worker_loop, "lamb": worker_lamb, "clip": worker_clip, "conformance": worker_conformance}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 0. conformance: the matrix of docs/gpu.md with the classes a CUDA run really gets
+# ------------------------------------------------------------------------------------------------------------
+def section_conformance(ctx: Ctx) -> Result:
+    """Every row the pre-flight accepts (fp16 included on CUDA) with the real FusedAdam: two steps with the bucket
+    clip and LAMB's ZeRO attachment, a NaN step skipped, checkpoint + resume exact (``conformance_problems``)."""
+    from ds_bertopt.testing.gpu_paths import REPRESENTATIVE, all_rows, conformance_problems, cpu_rows, cuda_choice
+
+    accepted = [row for row in all_rows() if cuda_choice(row).refusal is None]
+    rows = accepted if ctx.cuda else (list(REPRESENTATIVE) if ctx.tiny else cpu_rows())
+    out = ctx.dir("matrix")
+    out.mkdir(parents=True, exist_ok=True)
+    env = ctx.env(GPU_CHECK_WORKER="conformance", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    cmd = [sys.executable, "-u", str(ROOT / "bench" / "gpu_check.py"), "--out", str(out), "--rows"]
+    job = run_jobs(ctx, [Job("conformance", [*cmd, *(row.id for row in rows)], env, out / "worker.log", 400)])[0]
+    if not job.ok or not (out / "results.json").exists():
+        return Result("FAIL", f"worker {job.status()}: {job.tail()}")
+    results = json.loads((out / "results.json").read_text())
+    try:
+        from apex.optimizers import FusedLAMB  # noqa: F401
+
+        apex = ctx.cuda
+    except Exception:  # noqa: BLE001 - apex absent: LAMB is ours
+        apex = False
+    failed = []
+    for row in rows:
+        problems = conformance_problems(row, results.get(row.id, {"error": "no result"}), apex)
+        ctx.detail(
+            f"{'ok  ' if not problems else 'FAIL'} {row.id}: {results.get(row.id, {}).get('wrapper', '?')}"
+            + (f": {'; '.join(problems)}" if problems else "")
+        )
+        if problems:
+            failed.append(f"{row.id}: {problems[0]}")
+    where = f"{ctx.device}, 1 rank, {job.seconds:.0f} s"
+    if failed:
+        return Result("FAIL", f"{len(failed)} of {len(rows)} rows ({where}): {'; '.join(failed)}")
+    return Result("PASS", f"{len(rows)} rows of docs/gpu.md conform ({where}): classes, clip, LAMB, NaN skip, resume")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -2059,6 +2127,7 @@ def section_nccl(ctx: Ctx) -> Result:
 
 
 SECTION_FUNCTIONS: dict = {
+    "conformance": section_conformance,
     "precision": section_precision,
     "lamb_equal": section_lamb_equal,
     "resume": section_resume,

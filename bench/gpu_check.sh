@@ -18,7 +18,7 @@ limit=${GPU_CHECK_LIMIT_S:-470}
 deadline=$((started + limit))
 left() { echo $((deadline - SECONDS)); }
 
-sections="precision lamb_equal resume wtacrs memory syncs unpadded nccl"
+sections="conformance precision lamb_equal resume wtacrs memory syncs unpadded nccl"
 WHEELS="${WHEELS:-}"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -28,7 +28,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 # section -> seconds it may take at most (the sum stays under the limit; unused time flows to later sections)
-declare -A cap=([precision]=105 [lamb_equal]=45 [resume]=75 [wtacrs]=55 [memory]=90 [syncs]=60 [unpadded]=40
+declare -A cap=([conformance]=150 [precision]=105 [lamb_equal]=45 [resume]=75 [wtacrs]=55 [memory]=90 [syncs]=60 [unpadded]=40
                 [nccl]=150)
 
 PY="${PYTHON:-python3}"

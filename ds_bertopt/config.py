@@ -47,6 +47,9 @@ class TrainConfig:
     """Evaluate every this many optimizer steps, at step 0 and at the end; 0: no step-based evaluation."""
     eval_each_epoch: bool = False
     """Evaluate at the end of every epoch (fine-tuning's accuracy per epoch), and at the end."""
+    target_eval_accuracy: Optional[float] = None
+    """Stop, checkpoint and save the final model at the first evaluation whose accuracy reaches this (MLPerf's
+    quality target: 0.720 masked-LM accuracy for BERT). Empty: train for ``max_steps``/``epochs``."""
     log_every: int = 10
     """Write a metrics line (and print it) every this many steps."""
     save_every: int = 0
@@ -70,10 +73,13 @@ class TrainConfig:
     """Turn on ``torch.use_deterministic_algorithms`` (needed for bit-exact resume on GPU)."""
     log_samples: bool = False
     """Append every rank's sample indices per step to ``output_dir/samples/rank<r>.jsonl`` (audits, tests)."""
+    allow_unread_keys: bool = False
+    """Accept config keys the running task does not read (e.g. one file shared by pretraining and fine-tuning):
+    they are named in one note line. Without it such a key is refused in one line before anything starts."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """Used only when the DeepSpeed part has no ``fp16``/``bf16`` block. ``auto``: bf16 on GPUs that
-    support it (else fp16), and on CPUs with native bf16 (AVX512-BF16/AMX); fp32 on other CPUs, where
-    bf16 matmuls are emulated and measured 15× slower than fp32 (AVX2 EPYC, torch 2.13)."""
+    """Used only when the DeepSpeed part has no ``fp16``/``bf16`` block. ``auto``: bf16 on GPUs with native
+    bf16 (compute capability 8.0+; else fp16), and on CPUs with native bf16 (AVX512-BF16/AMX); fp32 on other
+    CPUs, where bf16 matmuls are emulated and measured 15× slower than fp32 (AVX2 EPYC, torch 2.13)."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "epochs"):
@@ -82,6 +88,14 @@ class TrainConfig:
         for name in ("eval_every", "save_every"):
             check(getattr(self, name) >= 0, f"{name}: must be >= 0, got {getattr(self, name)}")
         check(self.log_every > 0, f"log_every: must be positive, got {self.log_every}")
+        check(
+            self.target_eval_accuracy is None or 0.0 < self.target_eval_accuracy <= 1.0,
+            f"target_eval_accuracy: must be in (0, 1], got {self.target_eval_accuracy}",
+        )
+        check(
+            self.target_eval_accuracy is None or self.eval_every > 0 or self.eval_each_epoch,
+            "target_eval_accuracy: needs evaluations (set eval_every or eval_each_epoch)",
+        )
         check(self.keep_last >= 1, f"keep_last: must be at least 1, got {self.keep_last}")
         check(
             self.dataloader_workers is None or self.dataloader_workers >= 0,
@@ -193,6 +207,9 @@ class RunConfig:
     resolved_for: Optional[int] = None
     """World size the DeepSpeed part was resolved for (batch triple, precision, our adjustments);
     ``None`` until :func:`ds_bertopt.engine.prepare_deepspeed_config` ran."""
+    given: frozenset = frozenset()
+    """Dotted keys of our section that the file or the command line set (``"model.hidden_size"``): what the task
+    must read or refuse (see ``train.allow_unread_keys``)."""
 
     def with_deepspeed(self, ds: dict, resolved_for: Optional[int] = None) -> "RunConfig":
         return replace(self, deepspeed=ds, resolved_for=resolved_for)
@@ -236,7 +253,16 @@ def load_config(path: str, overrides: tuple[str, ...] | list[str] = ()) -> RunCo
             set_dotted(ours, key[len("bertopt.") :] if key.startswith("bertopt.") else key, value)
     _point_to_other_sections(ours)
     bertopt = load_section(BertOptConfig, ours, "bertopt")
-    return RunConfig(path=path, deepspeed=raw, bertopt=bertopt)
+    return RunConfig(path=path, deepspeed=raw, bertopt=bertopt, given=frozenset(_leaf_keys(ours, "")))
+
+
+def _leaf_keys(tree: dict, prefix: str):
+    """Dotted keys of the leaves of a nested dict (an empty section sets nothing)."""
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            yield from _leaf_keys(value, f"{prefix}{key}.")
+        elif not isinstance(value, dict):
+            yield f"{prefix}{key}"
 
 
 def _point_to_other_sections(ours: dict) -> None:
@@ -330,9 +356,13 @@ def auto_precision(device_type: str) -> tuple[str, str]:
     if device_type == "cuda":
         import torch
 
-        if torch.cuda.is_bf16_supported():
-            return "bf16", "this GPU supports bf16"
-        return "fp16", "this GPU has no bf16"
+        if not torch.cuda.is_available():  # `ds-bertopt config --device cuda` on a machine without the GPU
+            return "bf16", "no GPU visible here to ask: assuming native bf16 (compute capability 8.0+)"
+        # Native only: with emulation (the default) V100/T4 say yes and run bf16 matmuls many times slower.
+        # The answer is for the current device, so the caller binds this rank's GPU first (dist.bind_device).
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return "bf16", "this GPU has native bf16"
+        return "fp16", "this GPU has no native bf16 (compute capability < 8.0)"
     if device_type != "cpu":
         return "fp32", f"no automatic choice for accelerator {device_type!r}"
     forced = os.environ.get(CPU_BF16_ENV, "").strip() in ("0", "1")

@@ -11,7 +11,9 @@ Open MPI           OMPI_COMM_WORLD_RANK/_SIZE  OMPI_COMM_WORLD_LOCAL_RANK  OMPI_
 SLURM (srun)       SLURM_PROCID/SLURM_NTASKS   SLURM_LOCALID  SLURM_NTASKS_PER_NODE  SLURM_NODEID
 =================  =============  ==================  ==================  ============
 
-After the process group exists, :func:`verify_topology` all-gathers every rank's view once and
+Before the process group exists, :func:`rendezvous_verdict` cross-checks every rank's start-up view through
+the TCP store in O(world) store operations (rank 0 judges, the others wait for its one verdict). After it
+exists, :func:`verify_topology` all-gathers every rank's view once and
 fails with one line if nodes differ in size or ranks of a node are not contiguous, because the
 node-local data planner (``ds_bertopt.data.plan``) depends on ``node = rank // ranks_per_node``.
 """
@@ -26,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from .errors import BertOptError
+from .errors import BertOptError, JobError
 
 
 @dataclass(frozen=True)
@@ -117,10 +119,10 @@ _own_master = False
 def init_distributed(topo: Topology, timeout_s: int = 120, init_timeout_s: int = 60) -> None:
     """Create the default process group (gloo on CPU, nccl on CUDA) and hand it to DeepSpeed.
 
-    Before the group forms, every rank publishes its view of the topology in the rendezvous store
-    and checks the others', so launchers that disagree (e.g. hostfiles with different slots) fail
-    within seconds naming the disagreement, and ranks that never arrive fail after
-    ``init_timeout_s`` naming the missing ranks, instead of hanging. ``timeout_s`` bounds every
+    Before the group forms, every rank publishes its view of the topology in the rendezvous store and rank 0
+    checks them as they arrive (:func:`rendezvous_verdict`, O(world) store operations), so launchers that
+    disagree (e.g. hostfiles with different slots) fail within seconds naming the disagreement, and ranks that
+    never arrive fail after ``init_timeout_s`` naming the missing ranks, instead of hanging. ``timeout_s`` bounds every
     later collective (a peer that is alive but stuck).
     """
     import deepspeed
@@ -175,18 +177,10 @@ def bind_device(topo: Topology, accelerator) -> None:
 
 
 def _rendezvous(topo: Topology, addr: str, port: int, timeout_s: int):
-    """Connect to the TCP store and cross-check every rank's (world size, ranks per node) view."""
+    """Connect to the TCP store, then :func:`rendezvous_verdict`; the store's failures as one line."""
 
     import torch.distributed as dist
 
-    deadline = time.monotonic() + timeout_s
-    view = {
-        "rank": topo.rank,
-        "world_size": topo.world_size,
-        "ranks_per_node": topo.ranks_per_node,
-        "node_rank": topo.node_rank,
-        "host": socket.gethostname(),
-    }
     try:
         store = dist.TCPStore(
             addr,
@@ -206,42 +200,104 @@ def _rendezvous(topo: Topology, addr: str, port: int, timeout_s: int):
             f"cannot reach the rendezvous at {addr}:{port} within {timeout_s} s "
             f"({type(exc).__name__}); check MASTER_ADDR/MASTER_PORT and that rank 0 started"
         ) from None
-    store.set(f"ds_bertopt/view/{topo.rank}", json.dumps(view))
+    view = {
+        "rank": topo.rank,
+        "world_size": topo.world_size,
+        "ranks_per_node": topo.ranks_per_node,
+        "node_rank": topo.node_rank,
+        "host": socket.gethostname(),
+    }
+    try:
+        rendezvous_verdict(store, topo, view, timeout_s)
+    except BertOptError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the store timed out or died with rank 0
+        if "timeout" in str(exc).lower():
+            raise BertOptError(
+                f"rank 0 gave no start-up verdict within {timeout_s + VERDICT_GRACE_S} s "
+                f"(its rendezvous at {addr}:{port} is up but stalled); see rank 0's output"
+            ) from None
+        raise BertOptError(
+            f"lost the rendezvous store at {addr}:{port} ({type(exc).__name__}): "
+            "another rank failed during start-up; see its message"
+        ) from None
+    return store
+
+
+RENDEZVOUS_KEY = "ds_bertopt/rdzv"
+VERDICT_GRACE_S = 30
+"""Ranks other than 0 wait this much longer than ``dist_init_timeout_s`` for rank 0's verdict."""
+_AGREED = "ok"
+
+
+def rendezvous_verdict(store, topo: Topology, view: dict, timeout_s: float, clock=time.monotonic) -> None:
+    """Every rank's start-up view checked in O(world) store operations, the same verdict on every rank.
+
+    Each rank writes its view and appends its rank to one arrival list (2 operations); rank 0 alone reads the
+    new arrivals (one ``get`` per poll, polls backing off to 0.25 s, and one ``multi_get`` per poll that saw
+    any), compares every view with its own as it arrives (launchers that disagree fail within a poll, not
+    after the timeout) and publishes one verdict; every other rank waits for that key (2 operations). A
+    verdict other than agreement is raised as :class:`~ds_bertopt.errors.JobError` on every rank."""
+    store.set(f"{RENDEZVOUS_KEY}/view/{topo.rank}", json.dumps(view))
+    store.append(f"{RENDEZVOUS_KEY}/arrived", f"{topo.rank},")
+    if topo.rank == 0:
+        verdict = _judge(store, topo, view, timeout_s, clock)
+        store.set(f"{RENDEZVOUS_KEY}/verdict", verdict)
+    else:
+        store.wait([f"{RENDEZVOUS_KEY}/verdict"], datetime.timedelta(seconds=timeout_s + VERDICT_GRACE_S))
+        verdict = store.get(f"{RENDEZVOUS_KEY}/verdict").decode()
+    if verdict != _AGREED:
+        raise JobError(verdict)
+
+
+def _judge(store, topo: Topology, view: dict, timeout_s: float, clock) -> str:
+    """Rank 0: read views as ranks arrive, each once; return the verdict (:data:`_AGREED` or one line)."""
+    deadline, interval = clock() + timeout_s, 0.01
     seen: dict[int, dict] = {}
     while True:
-        try:
-            for r in range(topo.world_size):
-                if r not in seen and store.check([f"ds_bertopt/view/{r}"]):
-                    seen[r] = json.loads(store.get(f"ds_bertopt/view/{r}"))
-            extra = store.check([f"ds_bertopt/view/{topo.world_size}"])
-        except Exception as exc:  # noqa: BLE001 - the store died with rank 0
-            raise BertOptError(
-                f"lost the rendezvous store at {addr}:{port} ({type(exc).__name__}): "
-                "another rank failed during start-up; see its message"
-            ) from None
-        for r, other in sorted(seen.items()):
-            if (other["world_size"], other["ranks_per_node"]) != (topo.world_size, topo.ranks_per_node):
-                raise BertOptError(
-                    f"launchers disagree on the topology: rank {r} on {other['host']} was started with world size "
-                    f"{other['world_size']} and {other['ranks_per_node']} ranks per node, rank {topo.rank} on "
-                    f"{view['host']} with {topo.world_size} and {topo.ranks_per_node}; every node must use the "
-                    "same hostfile (same hosts, same slots)"
-                )
-        if extra:
-            raise BertOptError(
-                f"a rank beyond world size {topo.world_size} joined the rendezvous: the launchers "
-                "disagree on the world size; every node must use the same hostfile"
+        arrived = [int(r) for r in store.get(f"{RENDEZVOUS_KEY}/arrived").decode().split(",") if r]
+        twice = sorted({r for r in arrived if arrived.count(r) > 1}) if len(arrived) > len(set(arrived)) else []
+        if twice:
+            return (
+                f"rank {twice[0]} joined the rendezvous twice: two launchers were given the same node rank "
+                "(--node_rank); every node needs its own"
             )
+        new = [r for r in dict.fromkeys(arrived) if r not in seen]
+        if new:
+            values = store.multi_get([f"{RENDEZVOUS_KEY}/view/{r}" for r in new])
+            for r, value in zip(new, values):
+                seen[r] = json.loads(value)
+                problem = topology_disagreement(view, seen[r])
+                if problem:
+                    return problem
         if len(seen) == topo.world_size:
-            return store
-        if time.monotonic() > deadline:
+            return _AGREED
+        if clock() > deadline:
             missing = sorted(set(range(topo.world_size)) - set(seen))
-            raise BertOptError(
-                f"only {len(seen)} of {topo.world_size} ranks joined within {timeout_s} s "
+            return (
+                f"only {len(seen)} of {topo.world_size} ranks joined within {timeout_s:g} s "
                 f"(missing ranks {missing[:8]}{'…' if len(missing) > 8 else ''}); check that every "
                 "node was started, with the same hostfile, and can reach MASTER_ADDR"
             )
-        time.sleep(0.2)
+        interval = 0.01 if new else min(0.25, interval * 1.5)
+        time.sleep(interval)
+
+
+def topology_disagreement(mine: dict, other: dict) -> Optional[str]:
+    """One line if ``other``'s start-up view contradicts ``mine`` (rank 0's), else None."""
+    if other["rank"] >= mine["world_size"]:
+        return (
+            f"a rank beyond world size {mine['world_size']} joined the rendezvous (rank {other['rank']} on "
+            f"{other['host']}): the launchers disagree on the world size; every node must use the same hostfile"
+        )
+    if (other["world_size"], other["ranks_per_node"]) != (mine["world_size"], mine["ranks_per_node"]):
+        return (
+            f"launchers disagree on the topology: rank {other['rank']} on {other['host']} was started with world "
+            f"size {other['world_size']} and {other['ranks_per_node']} ranks per node, rank {mine['rank']} on "
+            f"{mine['host']} with {mine['world_size']} and {mine['ranks_per_node']}; every node must use the "
+            "same hostfile (same hosts, same slots)"
+        )
+    return None
 
 
 def _free_port() -> int:
@@ -283,6 +339,17 @@ def verify_topology(topo: Topology) -> None:
             )
     if problems:
         raise BertOptError(f"inconsistent topology: {problems[0]}")
+
+
+def all_views(value) -> list:
+    """Collective: every rank's ``value``, by rank (``[value]`` without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, value)
+    return views
 
 
 def release_shm_buffer(rank: int) -> None:

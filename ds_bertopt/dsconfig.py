@@ -199,3 +199,16 @@ def check_deepspeed_config(ds: dict) -> None:
         _walk(recording)  # an unknown or mistyped key is the likelier cause: name it first
         raise ConfigError(f"deepspeed: {first}") from None
     _walk(recording)
+
+
+def zero_stage(ds: dict) -> int:
+    """The ZeRO stage DeepSpeed's part asks for (0 when absent)."""
+    return int((ds.get("zero_optimization") or {}).get("stage", 0) or 0)
+
+
+def optimizer_offload(ds: dict) -> Optional[str]:
+    """``"cpu"`` / ``"nvme"`` when ZeRO-Offload moves the optimizer off the accelerator (its state and step run on
+    the host), else None (DeepSpeed's ``zero_use_cpu_optimizer`` reads the same key)."""
+    block = (ds.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    device = block.get("device", "none") if isinstance(block, dict) else "none"
+    return device if device in ("cpu", "nvme") else None

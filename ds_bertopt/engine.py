@@ -22,13 +22,16 @@ import copy
 import importlib.util
 from typing import Any
 
+import torch
+
 from .comm import install_bucket_clip
 from .config import BertOptConfig, RunConfig, apply_precision, load_config, resolve_batch
 from .configlib import load_section
-from .dsconfig import check_deepspeed_config
+from .dsconfig import check_deepspeed_config, optimizer_offload, zero_stage
 from .errors import ConfigError
 from .log import print0
 from .nonfinite import install_nonfinite_guard
+from .optim import LAMB_OFFLOAD_REFUSAL
 from .optim.lamb import Lamb
 from .optim.zero import attach_lamb
 
@@ -46,13 +49,22 @@ def _as_run_config(config: Any) -> RunConfig:
 
 
 def check_combinations(bertopt: BertOptConfig, ds: dict) -> None:
-    """Refuse, before anything starts, feature combinations that cannot work together."""
-    stage = int(ds.get("zero_optimization", {}).get("stage", 0) or 0)
+    """Refuse, before anything starts, feature combinations that cannot work together (the rows refused in the
+    GPU conformance matrix of docs/gpu.md, in its order)."""
+    stage = zero_stage(ds)
+    offload = optimizer_offload(ds)
     if bertopt.optimizer.type == "lamb" and stage >= 3:
         raise ConfigError(
             'optimizer.type: "lamb" is not supported under ZeRO stage 3 (parameters are '
             'partitioned); use zero_optimization.stage 0, 1 or 2, or type "adamw"'
         )
+    if offload and stage == 0:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer: device {offload!r} needs ZeRO stage 1, 2 or 3 (at stage 0 "
+            "the optimizer stays on the accelerator); set zero_optimization.stage, or drop offload_optimizer"
+        )
+    if offload and bertopt.optimizer.type == "lamb":
+        raise ConfigError(LAMB_OFFLOAD_REFUSAL)
     if bertopt.bucket_clip.enabled and stage >= 3:
         raise ConfigError(
             f"bucket_clip: ZeRO stage {stage} is not supported; use zero_optimization.stage "
@@ -94,11 +106,14 @@ def prepare_deepspeed_config(cfg: RunConfig, world_size: int, device_type: str) 
     check_combinations(cfg.bertopt, ds)
     check_monitor_packages(ds)
     print0(f"precision: {precision} ({why})")
-    if cfg.bertopt.bucket_clip.enabled and ds.get("gradient_clipping", 0):
-        print0(
-            f"bucket_clip is on: DeepSpeed's gradient_clipping ({ds['gradient_clipping']}) set to 0; "
-            f"each rank clips each bucket to max_norm {cfg.bertopt.bucket_clip.max_norm} before allreduce"
-        )
+    if cfg.bertopt.bucket_clip.enabled:
+        # an absent key is not "off": DeepSpeed 0.19.8 defaults it to 1.0 (GRADIENT_CLIPPING_DEFAULT)
+        clipping = ds.get("gradient_clipping", "1.0, DeepSpeed's default")
+        if clipping:
+            print0(
+                f"bucket_clip is on: DeepSpeed's gradient_clipping ({clipping}) set to 0; "
+                f"each rank clips each bucket to max_norm {cfg.bertopt.bucket_clip.max_norm} before allreduce"
+            )
         ds["gradient_clipping"] = 0.0
     return ds
 
@@ -125,18 +140,57 @@ def initialize(*, config: Any, model, **kwargs):
 
 def _allow_our_optimizer_under_zero(ds: dict, optimizer) -> None:
     """DeepSpeed's ZeRO 1/2 refuses client optimizers it has not tested unless told otherwise
-    (``zero_allow_untested_optimizer``); our LAMB is made ZeRO-aware by :func:`attach_extensions`."""
-    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    (``zero_allow_untested_optimizer``); our LAMB is made ZeRO-aware by :func:`attach_extensions`. ZeRO-Offload
+    refuses any client optimizer but ``DeepSpeedCPUAdam`` (``zero_force_ds_cpu_optimizer``, read in
+    ``DeepSpeedEngine._configure_optimizer``); ``ds_bertopt.optim`` builds torch's fused CPU AdamW for it."""
+    stage = zero_stage(ds)
     if isinstance(optimizer, Lamb) and stage in (1, 2) and not ds.get("zero_allow_untested_optimizer"):
         print0(
             f"LAMB under ZeRO {stage}: zero_allow_untested_optimizer set to true "
             "(ds_bertopt keeps the trust ratio layer-wise)"
         )
         ds["zero_allow_untested_optimizer"] = True
+    if optimizer is not None and optimizer_offload(ds) and "zero_force_ds_cpu_optimizer" not in ds:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        if not isinstance(optimizer, DeepSpeedCPUAdam):
+            print0(
+                f"ZeRO-Offload with {type(optimizer).__name__} on the host: zero_force_ds_cpu_optimizer set to false"
+            )
+            ds["zero_force_ds_cpu_optimizer"] = False
+
+
+def undo_state_initialising_step(engine) -> bool:
+    """Give back the step DeepSpeed's fp16/bf16 wrappers at ZeRO 0 take to create the optimizer state.
+
+    ``FP16_Optimizer.initialize_optimizer_states`` (what a CUDA run gets with ``FusedAdam``) and
+    ``FP16_UnfusedOptimizer.initialize_optimizer_states`` (torch's AdamW) step the optimizer once on all-zero
+    gradients: the moments stay zero, but the step counters read 1, so every later step would use the bias
+    correction of the step after it (the first real Adam update ≈ 0.74× what ZeRO 1/2 or fp32 take). Returns
+    whether there were counters to set back (our LAMB creates its state without counting)."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if not isinstance(engine.optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        return False
+    basic, reset = engine.optimizer.optimizer, False
+    for group in basic.param_groups:
+        if group.get("step"):
+            group["step"] = 0
+            reset = True
+        for param in group["params"]:
+            state = basic.state.get(param) or {}
+            step = state.get("step")
+            if step is not None and bool(step != 0):
+                state["step"] = torch.zeros_like(step) if torch.is_tensor(step) else 0
+                reset = True
+    return reset
 
 
 def attach_extensions(engine, bertopt: BertOptConfig) -> None:
     """Install what ``bertopt`` asks for into an initialised engine."""
+    if undo_state_initialising_step(engine):
+        print0(f"{type(engine.optimizer).__name__}: its state-creating zero-gradient step no longer counts")
     if bertopt.bucket_clip.enabled:
         install_bucket_clip(engine, bertopt.bucket_clip)
     client = getattr(engine, "client_optimizer", None)

@@ -4,17 +4,20 @@
 ``kill@forward:rank=1:step=3`` SIGKILLs rank 1 mid-step 3 (after its forward, before backward),
 ``kill@save:rank=1:step=4`` dies inside the step-4 checkpoint after DeepSpeed wrote its files,
 ``raise@forward:…`` raises, ``hang@forward:…`` stops responding, ``nan@loss:rank=0:step>=2`` turns
-the loss into NaN. Real jobs never set it; the cost when unset is one dictionary lookup.
+the loss into NaN, ``enospc@write:rank=0:step=4`` makes rank 0's first checkpoint file write of step 4
+fail as a full disk does (``OSError`` ENOSPC). Real jobs never set it; the cost when unset is one dictionary
+lookup.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
 import time
 
-_SPEC = re.compile(r"^(kill|raise|hang|nan)@(\w+):rank=(\d+):step(>=|=)(\d+)$")
+_SPEC = re.compile(r"^(kill|raise|hang|nan|enospc)@(\w+):rank=(\d+):step(>=|=)(\d+)$")
 
 
 def _parse():
@@ -41,6 +44,8 @@ def inject(point: str, rank: int, step: int, value=None):
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "raise":
         raise RuntimeError(f"injected failure at {point} of step {step}")
+    if action == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"injected at {point} of step {step}")
     if action == "hang":
         while True:
             time.sleep(3600)

@@ -34,6 +34,7 @@ def files(tmp_path):
         fh.write(b"text " * 1000)
     data = (tmp_path / "trunc.txt.gz").read_bytes()
     (tmp_path / "trunc.txt.gz").write_bytes(data[: len(data) // 2])
+    (tmp_path / "empty_dir").mkdir()
     (tmp_path / "prose.txt").write_text("A short document. It has two sentences.\n\nAnother one here.\n" * 20)
     from transformers import BertConfig, BertForMaskedLM
 
@@ -101,6 +102,22 @@ CASES = [
         ["--train_file", "{d}/prose.txt", "--tokenizer", MINILM, "-o", 'model.init_checkpoint="{d}/tiny_bert"'],
         "model.init_checkpoint: the model's vocabulary has 99 entries but the tokenizer has 30522",
     ),
+    (
+        "init-checkpoint-empty-dir",  # was read as BERT's defaults: "vocabulary has 30522 entries but … 8192"
+        ["--train_file", "{d}/prose.txt", "-o", 'model.init_checkpoint="{d}/empty_dir"'],
+        "model.init_checkpoint: {d}/empty_dir has no config.json (not a Hugging Face checkpoint)",
+    ),
+    (
+        "tokenizer-dir-missing",  # leaked the Hub's "Repo id must be in the form 'repo_name'…"
+        ["--train_file", "{d}/prose.txt", "--tokenizer", "{d}/no_such_tokenizer"],
+        "data.tokenizer: {d}/no_such_tokenizer does not exist",
+    ),
+    (
+        "unread-key",  # ran, and converted nothing
+        ["-o", "wtacrs.enabled=true"],
+        "bertopt.wtacrs.enabled: pretraining does not read it (WTA-CRS and the memory kit are for fine-tuning",
+    ),
+    ("skipped-fraction", ["-o", "data.max_skipped_fraction=1"], "bertopt.data.max_skipped_fraction: must be in [0, 1)"),
     ("steps-zero", ["--max_steps", "0"], "bertopt.train.max_steps: must be positive"),
     ("bad-override-form", ["-o", "train.max_steps"], "is not of the form key.path=value"),
     # DeepSpeed's own keys, checked by DeepSpeed's parser before anything starts

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 from ds_bertopt.cli import main as cli_main
-from ds_bertopt.data.peers import (
+from ds_bertopt.cli.balance import (
     PEERS,
     check_ds_token_packs,
     ds_batch_by_seqlens_plan,
-    hf_batch_rebalance_plan,
     mlperf_phase2_lengths,
 )
 from ds_bertopt.data.config import STRATEGIES
 from ds_bertopt.data.cost import CostModel, micro_batch_work, padding_fraction, plan_figures, rank_work, slot_lengths
+from ds_bertopt.data.sampler import hf_batch_rebalance_plan
 
 ROW = re.compile(
     r"^(\w+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+(\d+)\s+([\d.]+) / ([\d.]+)"
@@ -266,5 +266,45 @@ def test_cli_prints_the_peers_next_to_ours(capsys):
     assert code == 0, out
     rows = table(out)
     assert set(rows) == {"random", "packed_node_balance", "padded_node_balance", *PEERS}, out
-    assert "hf_batch_rebalance: per-rank iterators" in out
+    assert "hf_batch_rebalance: global, a peer's algorithm (every rank plans every rank's steps): per-rank" in out
     assert rows["packed_node_balance"]["step_time"] < rows["hf_batch_rebalance"]["padded_step_time"]
+
+
+def test_cli_at_scale_plans_one_rank_in_windows_identical_to_the_global_plan(capsys):
+    """``--sequences``: each strategy's training sampler in a fresh process (first step, windows, waits, peak RSS)
+    next to the global plan in another; the rows must be bit-identical, every target printed met or NOT met."""
+    strategies = ["stratified_node_sort", "padded_node_balance"]
+    code = cli_main(
+        [
+            "balance",
+            "--sequences",
+            "12k",
+            "--world-size",
+            "16",
+            "--ranks-per-node",
+            "4",
+            "--micro-batch",
+            "4",
+            "--grad-accum",
+            "2",
+            "--rank",
+            "6",
+            "--strategies",
+            *strategies,
+            "--windows",
+            "2",
+            "--step-time",
+            "0",
+            "--global-plan",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "12000 synthetic MLPerf-like lengths" in out
+    for strategy in strategies:
+        line = next(x for x in out.splitlines() if f"rank 6: {strategy}: first step" in x)
+        assert re.search(r"a window of 32 steps [\d.]+ s mean", line) and "bit-identical: yes" in line, line
+        assert re.search(r"peak RSS \d+ MiB", line), line
+    for target in ("≤ 1 GiB peak RSS", "≤ 10 s before the first step", "no step waits for planning"):
+        assert re.search(f"target {target}[^:]*: (met|NOT met): ", out), target
+    assert "target bit-identical to the global plan where both run: met: 2 of 2 strategies" in out

@@ -227,3 +227,15 @@ def test_random_sections_only_raise_config_error(section):
         assert str(exc).startswith("bertopt") and "\n" not in str(exc)
     else:
         assert isinstance(cfg, BertOptConfig)
+
+
+def test_the_keys_a_config_sets_are_recorded(tmp_path):
+    """What the pre-flight checks against the task's ``reads``: file keys and overrides, leaves only."""
+    path = tmp_path / "c.json"
+    path.write_text(
+        json.dumps({"train_micro_batch_size_per_gpu": 2, "bertopt": {"model": {"hidden_size": 64}, "wtacrs": {}}})
+    )
+    cfg = load_config(
+        str(path), ["bertopt.train.max_steps=3", "wtacrs.kit.sdpa_attention=true", "deepspeed.steps_per_print=9"]
+    )
+    assert cfg.given == {"model.hidden_size", "train.max_steps", "wtacrs.kit.sdpa_attention"}

@@ -10,6 +10,7 @@ import pytest
 
 from ds_bertopt.config import DataConfig
 from ds_bertopt.data.corpus import expand_train_files, load_documents
+from ds_bertopt.data.skipped import Skipped
 from ds_bertopt.errors import DataError
 
 TEXT = "The cat sat on the mat. It was warm.\n\nA second paragraph follows here.\n\n\n\nAnd a third one."
@@ -37,10 +38,56 @@ def test_jsonl_gz_and_globs(tmp_path):
             for j in range(3):
                 fh.write(json.dumps({"body": f"document {i}-{j} text.", "id": j}) + "\n")
             fh.write(json.dumps({"body": "   ", "id": 9}) + "\n")
-    docs = load_documents(
-        DataConfig(train_files=(str(tmp_path / "part*.jsonl.gz"),), text_field="body"), str(tmp_path / "cache")
-    )
+    skipped = Skipped()
+    cfg = DataConfig(train_files=(str(tmp_path / "part*.jsonl.gz"),), text_field="body", max_skipped_fraction=0.3)
+    docs = load_documents(cfg, str(tmp_path / "cache"), skipped)
     assert len(docs) == 6 and docs.column_names == ["text"]
+    assert skipped.line() == "2 of 8 records skipped: empty text (part0.jsonl.gz line 4, part1.jsonl.gz line 4)"
+
+
+DIRTY = [
+    {"text": "The first document. It is fine."},
+    {"text": "A second document, also fine."},
+    {"title": "a record without its text"},
+    {"text": 42},
+    {"text": "   "},
+    {"text": "The last document of the file."},
+]
+
+
+def test_records_without_usable_text_are_counted_and_named(tmp_path):
+    """Silently wrong before: records without a text field, or with text that is not a string, vanished."""
+    path = tmp_path / "dirty.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in DIRTY))
+    skipped = Skipped()
+    docs = load_documents(DataConfig(train_files=(str(path),), max_skipped_fraction=0.5), str(tmp_path / "c"), skipped)
+    assert docs["text"] == [DIRTY[0]["text"], DIRTY[1]["text"], DIRTY[5]["text"]]
+    assert skipped.line() == (
+        "3 of 6 records skipped: 1 × no text field (line 3); 1 × text not a string (line 4); 1 × empty text (line 5)"
+    )
+    with pytest.raises(DataError) as info:  # the default cap: 1 %
+        load_documents(DataConfig(train_files=(str(path),)), str(tmp_path / "c"))
+    assert str(info.value) == (
+        f"corpus {path}: 3 of 6 records skipped: 1 × no text field (line 3); 1 × text not a string (line 4); "
+        "1 × empty text (line 5); that is 50%, more than data.max_skipped_fraction 0.01: fix the data or raise "
+        "data.max_skipped_fraction"
+    )
+    # blank lines are layout, not records: the lines named are still the file's
+    lines = [json.dumps(r) for r in DIRTY if r.get("text") != 42]
+    path.write_text("\n".join(lines[:2] + ["", ""] + lines[2:]) + "\n")
+    skipped = Skipped()
+    load_documents(DataConfig(train_files=(str(path),), max_skipped_fraction=0.5), str(tmp_path / "c"), skipped)
+    assert skipped.line() == "2 of 5 records skipped: 1 × no text field (line 5); 1 × empty text (line 6)"
+
+
+def test_skipped_names_a_few_places_and_counts_the_rest():
+    skipped = Skipped("rows", total=500)
+    for line in range(10, 16):
+        skipped.add("empty text", f"line {line}")
+    assert skipped.line() == "6 of 500 rows skipped: empty text (line 10, line 11, line 12, …)"
+    skipped.check("x.csv", 0.02)  # 1.2 % is under the cap
+    with pytest.raises(DataError, match="x.csv: 6 of 500 rows skipped: .* more than data.max_skipped_fraction 0.01"):
+        skipped.check("x.csv", 0.01)
 
 
 def bad(tmp_path, name, content):

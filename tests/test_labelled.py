@@ -63,8 +63,11 @@ def test_jsonl_errors(tmp_path):
     path = write(tmp_path, "b.jsonl", '{"text": "x", "label": 1}\n{"text": "y"}\n')
     with pytest.raises(DataError, match=r"b\.jsonl line 2: no 'label' field \(fields: text\)"):
         load_labelled(path)
-    path = write(tmp_path, "c.jsonl", '{"text": null, "label": 1}\n')
-    with pytest.raises(DataError, match=r"line 1: text is empty"):
+    path = write(tmp_path, "c.jsonl", '{"text": "x", "label": null}\n')
+    with pytest.raises(DataError, match=r"line 1: label is empty"):
+        load_labelled(path)
+    path = write(tmp_path, "e.jsonl", '{"text": null, "label": 1}\n')  # no usable row at all: over the cap
+    with pytest.raises(DataError, match=r"e\.jsonl: 1 of 1 rows skipped: empty text \(line 1\); that is 100%"):
         load_labelled(path)
     path = write(tmp_path, "d.jsonl", '{"text": "x", "label": true}\n')
     with pytest.raises(DataError, match=r"label True is not an integer"):
@@ -104,3 +107,29 @@ def test_rt_polarity_loads():
     dev = load_labelled(str(SHARED / "rt_polarity" / "dev.csv"))
     assert len(train) == 10451 and len(dev) == 981
     assert set(train.labels) == {0, 1}
+
+
+def test_rows_with_empty_text_are_skipped_and_counted(tmp_path):
+    """Silently wrong before: "32 training examples", 7 of them empty strings."""
+    rows = [f"review {i} is {'good' if i % 2 else 'bad'},{i % 2}" for i in range(32)]
+    for line in (3, 9, 20):
+        rows[line] = f'"  ",{line % 2}'
+    path = write(tmp_path, "a.csv", "text,label\n" + "\n".join(rows) + "\n")
+    data = load_labelled(path, max_skipped_fraction=0.2)
+    assert len(data) == 29 and all(t.strip() for t in data.texts)
+    assert data.skipped == "3 of 32 rows skipped: empty text (line 5, line 11, line 22)"
+    assert data.subset(10, seed=0, shuffle=True).skipped == data.skipped  # the count stays with the data line
+    with pytest.raises(DataError, match=r"a\.csv: 3 of 32 rows skipped: .*that is 9%, more than"):
+        load_labelled(path)  # the default cap, 1 %
+
+
+def test_labels_written_as_floats(tmp_path):
+    """``1.0`` is the integer class 1 (a spreadsheet's export); ``1.5`` is not a class, and label_names would not
+    fix it, so the message does not suggest them."""
+    path = write(tmp_path, "a.csv", "text,label\nx,1.0\ny,0.0\nz, 2 \n")
+    assert load_labelled(path).labels == (1, 0, 2)
+    path = write(tmp_path, "b.csv", "text,label\nx,1.0\ny,0.5\n")
+    with pytest.raises(DataError) as info:
+        load_labelled(path)
+    assert "line 3: label '0.5' is not an integer class label (a number with a fraction" in str(info.value)
+    assert "label_names" not in str(info.value)

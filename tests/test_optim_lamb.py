@@ -1,4 +1,5 @@
-"""LAMB math against an independent float64 formula, per-layer trust ratio, groups, state."""
+"""LAMB math against an independent float64 formula, per-layer trust ratio, groups, state; the fused CPU kernel
+against the foreach path; no host reads in the step."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from ds_bertopt.optim import param_groups
+from ds_bertopt.optim import lamb_kernel, param_groups
 from ds_bertopt.optim.lamb import Fragment, Lamb, Layout, lamb_update, trust_ratios
 
 SHAPES = [(7,), (3, 5), (4, 3, 2), (1,), (16, 9)]
@@ -74,9 +75,11 @@ def _grads(params, gen, scale=1.0):
     return [torch.randn(p.shape, generator=gen) * scale for p in params]
 
 
-def _run_both(params, steps=4, grad_scale=1.0, **kw):
+def _run_both(params, steps=4, grad_scale=1.0, kernel="auto", **kw):
     ours_kw = {k: v for k, v in kw.items() if k not in ("min_ratio", "max_ratio")}
-    lamb = Lamb(params, min_trust_ratio=kw.get("min_ratio"), max_trust_ratio=kw.get("max_ratio"), **ours_kw)
+    lamb = Lamb(
+        params, min_trust_ratio=kw.get("min_ratio"), max_trust_ratio=kw.get("max_ratio"), kernel=kernel, **ours_kw
+    )
     ref = Reference(params, **kw)
     gen = torch.Generator().manual_seed(123)
     for _ in range(steps):
@@ -88,12 +91,28 @@ def _run_both(params, steps=4, grad_scale=1.0, **kw):
     return lamb, ref
 
 
+def _kernel_or_skip(kernel: str) -> str:
+    if kernel == "fused" and lamb_kernel.library() is None:
+        pytest.skip(f"no fused CPU kernel here: {lamb_kernel.unavailable_reason()}")
+    return kernel
+
+
+KERNELS = ["fused", "foreach"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 @pytest.mark.parametrize("bias_correction", [True, False])
-def test_lamb_step_matches_formula_reference(weight_decay, bias_correction):
+def test_lamb_step_matches_formula_reference(weight_decay, bias_correction, kernel):
     params = _params()
     lamb, ref = _run_both(
-        params, lr=0.02, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay, bias_correction=bias_correction
+        params,
+        kernel=_kernel_or_skip(kernel),
+        lr=0.02,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction,
     )
     for p, w in zip(params, ref.w):
         torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-7)
@@ -148,10 +167,12 @@ def test_trust_ratio_function_handles_zeros_and_clamps():
     assert clamped.tolist() == pytest.approx([1.5, 1.0, 1.0, 0.05, 0.05])
 
 
-def test_clamped_ratios_match_reference():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_clamped_ratios_match_reference(kernel):
     params = _params(2)
     _, ref = _run_both(
         params,
+        kernel=_kernel_or_skip(kernel),
         lr=0.05,
         betas=(0.9, 0.99),
         eps=1e-6,
@@ -165,11 +186,13 @@ def test_clamped_ratios_match_reference():
         torch.testing.assert_close(p.detach().double(), w, rtol=2e-6, atol=2e-7)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("grad_scale", [0.01, 10.0])
-def test_global_norm_clipping_matches_reference(grad_scale):
+def test_global_norm_clipping_matches_reference(grad_scale, kernel):
     params = _params(3)
     _, ref = _run_both(
         params,
+        kernel=_kernel_or_skip(kernel),
         grad_scale=grad_scale,
         lr=0.02,
         betas=(0.9, 0.999),
@@ -203,8 +226,10 @@ def test_group_without_trust_ratio_takes_torch_adamw_steps():
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
 
 
-def test_fragment_layout_equals_whole_layers():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fragment_layout_equals_whole_layers(kernel):
     """Layers split across two held tensors (as over two ranks' shards) step like whole layers."""
+    _kernel_or_skip(kernel)
     shapes = [(5, 4), (9,), (3, 7)]
     whole = _params(6, shapes)
     flat = torch.cat([p.detach().reshape(-1) for p in whole])
@@ -220,7 +245,7 @@ def test_fragment_layout_equals_whole_layers():
         offset = end
     layout = Layout(tuple(fragments), len(shapes))
     moments = [[torch.zeros_like(s) for s in shards] for _ in range(2)]
-    lamb = Lamb(whole, lr=0.05, weight_decay=0.01)
+    lamb = Lamb(whole, lr=0.05, weight_decay=0.01, kernel=kernel)
     gen = torch.Generator().manual_seed(7)
     for step in range(1, 4):
         grads = _grads(whole, gen)
@@ -242,6 +267,7 @@ def test_fragment_layout_equals_whole_layers():
             weight_decay=0.01,
             bias_correction=True,
             layout=layout,
+            kernel=kernel,
         )
     torch.testing.assert_close(
         torch.cat([shards[0], shards[1][:-3]]), torch.cat([p.detach().reshape(-1) for p in whole]), rtol=1e-6, atol=1e-7
@@ -318,3 +344,186 @@ def test_state_dict_resume_is_bit_exact():
         opt.step()
     for a, b in zip(straight, resumed):
         assert torch.equal(a, b)
+
+
+# --- the fused CPU kernel ---------------------------------------------------------------------------------------
+
+
+def _twin_runs(groups_of, steps=5, **kw):
+    """The same LAMB, fused and foreach, over the same parameters and gradients; returns both optimizers."""
+    runs = {}
+    for kernel in KERNELS:
+        groups = groups_of()
+        lamb = Lamb(groups, kernel=kernel, **kw)
+        gen = torch.Generator().manual_seed(21)
+        for _ in range(steps):
+            for group in groups:
+                for p in group["params"]:
+                    p.grad = torch.randn(p.shape, generator=gen) * 3.0
+            lamb.step()
+        runs[kernel] = lamb
+    return runs["fused"], runs["foreach"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"bias_correction": False},
+        {"max_grad_norm": 1.0},
+        {"min_trust_ratio": 0.5, "max_trust_ratio": 2.0},
+        {"adapt_no_decay": True},
+    ],
+    ids=["plain", "no-bias-correction", "clipped", "clamped", "nvlamb"],
+)
+def test_fused_kernel_equals_foreach(options):
+    """Several steps, a decayed group with the trust ratio and a no-decay group (adapt per ``adapt_no_decay``):
+    parameters, moments and ratios equal the foreach path's in fp32. Tolerance rtol 2e-6, atol 1e-7: both round
+    every step; the kernel computes u = λw + f·m/(√v + e) in the foreach path's order, but its sums are fp32
+    blocks added in double (foreach: fp32 norms squared in double) and its moments b·m + (1−b)·g (foreach:
+    lerp), so values differ by an ulp or two per step (observed ≤ 4.8e-7 on weights of magnitude ≤ 4; atol 1e-7
+    also for the moments, where m cancels near 0 with terms of the gradients' size, 3)."""
+    _kernel_or_skip("fused")
+    adapt_no_decay = options.pop("adapt_no_decay", False)
+    shapes = [(7,), (3, 5), (4, 3, 2), (1,), (16, 9), (130, 33), (0,)]
+
+    def groups_of():
+        params = _params(12, shapes)
+        return [
+            {"params": params[:5], "weight_decay": 0.01, "adapt": True},
+            {"params": params[5:], "weight_decay": 0.0, "adapt": adapt_no_decay},
+        ]
+
+    fused, foreach = _twin_runs(groups_of, lr=0.02, **options)
+    for a, b in zip(
+        [p for g in fused.param_groups for p in g["params"]], [p for g in foreach.param_groups for p in g["params"]]
+    ):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=2e-6, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(fused.state[a][key], foreach.state[b][key], rtol=2e-6, atol=1e-7)
+    for r_fused, r_foreach in zip(fused.last_trust_ratios, foreach.last_trust_ratios):
+        torch.testing.assert_close(r_fused, r_foreach, rtol=1e-5, atol=0)
+    if "max_grad_norm" in options:
+        assert float(fused.last_grad_scale) < 1.0
+        torch.testing.assert_close(fused.last_grad_scale, foreach.last_grad_scale, rtol=1e-6, atol=0)
+
+
+def test_fused_kernel_split_over_threads_equals_one_thread(monkeypatch):
+    """With several threads the fragments are cut into pieces (a layer across pieces and threads); the per-layer
+    sums and the step are those of one thread."""
+    _kernel_or_skip("fused")
+    shapes = [(37, 29), (300,), (9, 8, 7)]
+    fragments = [(0, 0, 1073, 0), (1, 0, 300, 1), (2, 0, 504, 2)]
+    monkeypatch.setattr(lamb_kernel, "MIN_PER_THREAD", 64)
+    split = lamb_kernel.plan(fragments, 3)
+    assert len(split.bounds) == 4 and len(split.tensor) > 3, split.bounds
+    covered = sorted(zip(split.tensor, split.offset, split.numel))
+    assert sum(n for _, _, n in covered) == 1877 and covered[0][1] == 0  # the pieces tile the tensors
+    results = []
+    for threads in (1, 3):
+        monkeypatch.setattr(lamb_kernel, "threads", lambda threads=threads: threads)
+        params = _params(13, shapes)
+        lamb = Lamb(params, lr=0.05, kernel="fused")
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            lamb.step()
+        results.append((torch.cat([p.detach().reshape(-1) for p in params]), lamb.last_trust_ratios[0]))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-6, atol=0)
+
+
+def test_kernel_choice_and_fallback(monkeypatch):
+    """auto: the kernel for contiguous fp32 CPU tensors, foreach for others (here a transposed weight) and when the
+    kernel cannot be built; "fused" then refuses, naming why; a layout past a tensor's end is refused."""
+    _kernel_or_skip("fused")
+    strided = torch.nn.Parameter(torch.randn(6, 4).t())
+    lamb = Lamb([strided], kernel="auto")
+    strided.grad = torch.randn(4, 6)
+    lamb.step()  # foreach: the kernel would read a strided tensor as if it were contiguous
+    twin = torch.nn.Parameter(strided.detach().clone())
+    twin.grad = strided.grad.clone()
+    assert torch.isfinite(strided).all()
+    with pytest.raises(RuntimeError, match="contiguous fp32 CPU"):
+        Lamb([strided], kernel="fused").step()
+    with pytest.raises(ValueError, match="past|ends at element"):
+        lamb_update(
+            [torch.zeros(4)],
+            [torch.ones(4)],
+            [torch.zeros(4)],
+            [torch.zeros(4)],
+            [1],
+            lr=0.1,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-6,
+            weight_decay=0.0,
+            bias_correction=True,
+            layout=Layout((Fragment(0, 2, 3, 0),), 1),
+            kernel="fused",
+        )
+    monkeypatch.setattr(lamb_kernel, "library", lambda: None)
+    monkeypatch.setattr(lamb_kernel, "unavailable_reason", lambda: "no C compiler (test)")
+    params = _params(14, [(3, 4)])
+    params[0].grad = torch.ones(3, 4)
+    before = params[0].detach().clone()
+    Lamb(params, kernel="auto").step()
+    assert not torch.equal(params[0].detach(), before)
+    with pytest.raises(RuntimeError, match=r"unavailable \(no C compiler \(test\)\)"):
+        Lamb(params, kernel="fused").step()
+    with pytest.raises(ValueError, match="kernel"):
+        Lamb(params, kernel="apex")
+
+
+HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_step_reads_nothing_back_on_the_host(monkeypatch, kernel):
+    """A CPU proxy for "no host sync": during steps with clipping, clamps and a split layer all-reduced (a stand-in
+    reduction), no tensor value is read into Python (``item``/``tolist``/``float``/``bool``/… are counted). On CUDA
+    these are exactly the calls that would wait for the device."""
+    _kernel_or_skip(kernel)
+    shapes = [(5, 4), (9,), (3, 7)]
+    params = _params(15, shapes)
+    groups = [{"params": params[:2]}, {"params": params[2:], "adapt": False, "weight_decay": 0.0}]
+    lamb = Lamb(groups, lr=0.05, max_grad_norm=0.5, min_trust_ratio=0.1, max_trust_ratio=5.0, kernel=kernel)
+    shards = [torch.randn(23), torch.randn(9)]
+    layout = Layout((Fragment(0, 0, 20, 0), Fragment(0, 20, 3, 1), Fragment(1, 0, 6, 1)), 2)
+    moments = [[torch.zeros_like(t) for t in shards] for _ in range(2)]
+    reduced = []
+    reads = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(1, 4):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        lamb.step()
+        lamb_update(
+            shards,
+            [torch.randn(t.shape, generator=gen) for t in shards],
+            *moments,
+            [step, step],
+            lr=0.05,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-6,
+            weight_decay=0.01,
+            bias_correction=True,
+            grad_scale=torch.tensor(0.5),
+            layout=layout,
+            allreduce=reduced.append,
+            kernel=kernel,
+        )
+    monkeypatch.undo()
+    assert reads == [], f"the step read tensor values on the host: {sorted(set(reads))}"
+    assert isinstance(lamb.last_grad_scale, torch.Tensor) and float(lamb.last_grad_scale) < 1.0  # clipping acted
+    assert len(reduced) == 3 and reduced[0].shape == (2, 2)

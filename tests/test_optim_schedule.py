@@ -173,16 +173,22 @@ def test_build_adamw_uses_torch_fused_on_cpu():
 CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
 
 
-@pytest.mark.parametrize("name", ["bert_lamb.json", "bert_adam.json", "bert_large_lamb.json", "bert_large_adam.json"])
+@pytest.mark.parametrize(
+    "name",
+    ["bert_lamb.json", "bert_adam.json", "bert_large_lamb.json", "bert_large_adam.json", "mlperf_bert_large.json"],
+)
 def test_shipped_configs_load_and_fit_their_optimizer(name):
+    """What DeepSpeed gets never clips twice: with the bucket clip or LAMB's own clip, its gradient_clipping is 0
+    (also where the key is absent: DeepSpeed's default is 1.0); AdamW alone keeps DeepSpeed's."""
+    from ds_bertopt.engine import prepare_deepspeed_config
+
     cfg = load_config(str(CONFIGS / name))
     ocfg = cfg.bertopt.optimizer
-    assert ocfg.type == ("lamb" if "lamb" in name else "adamw")
-    if ocfg.type == "lamb":
-        # LAMB clips by itself; DeepSpeed must accept a client optimizer under ZeRO.
-        assert cfg.deepspeed["gradient_clipping"] == 0.0 and cfg.deepspeed["zero_allow_untested_optimizer"]
-    else:
-        assert cfg.deepspeed["gradient_clipping"] == 1.0
+    assert ocfg.type == ("lamb" if "lamb" in name or "mlperf" in name else "adamw")
+    world = 1024 if "train_batch_size" in cfg.deepspeed else 2
+    ds = prepare_deepspeed_config(cfg, world, "cpu")
+    clips_itself = cfg.bertopt.bucket_clip.enabled or ocfg.type == "lamb"
+    assert ds.get("gradient_clipping", 1.0) == (0.0 if clips_itself else 1.0), ds.get("gradient_clipping")
 
 
 def test_large_lamb_config_reproduces_mlperf_schedule():

@@ -7,14 +7,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ds_bertopt.data.peers import mlperf_phase2_lengths
+from ds_bertopt.cli.balance import mlperf_phase2_lengths
 from ds_bertopt.data.config import PACKED_STRATEGIES, STRATEGIES, SamplerConfig
 from ds_bertopt.data.cost import CostModel, padded_lengths, plan_figures, rank_work, slot_lengths
 from ds_bertopt.data.plan import (
+    BinMembers,
+    Planner,
     balance_order,
     bin_index,
+    compact_lengths,
     contiguous_groups,
     deal,
+    keyed_permutation,
     pack_by_cost,
     plan_epoch,
     quantile_bin_edges,
@@ -658,3 +662,81 @@ def test_packed_bad_budgets_are_one_clear_line():
     ]:
         with pytest.raises(ConfigError, match=message):
             load_section(SamplerConfig, cfg, "sampler")
+
+
+# ------------------------------------------------------------------------------------------------
+# windows: the same plan, a window of steps and one node at a time, in memory of the window's size
+# ------------------------------------------------------------------------------------------------
+def padded_to(a: np.ndarray, width: int) -> np.ndarray:
+    return np.pad(a, ((0, 0),) * (a.ndim - 1) + ((0, width - a.shape[-1]),), constant_values=-1)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(setup=setups(), window=st.integers(1, 7), each=st.booleans(), padded=st.booleans())
+def test_windows_of_one_node_are_the_global_plans_rows(strategy, setup, window, each, padded):
+    """Every node's windows, planned from the order evaluated only where they need it and dealt only for that
+    node, are bit-identical to the whole-epoch plan of every rank (the packed plans' slot axes may differ in
+    width: -1 padding)."""
+    cfg = SamplerConfig(balance_each_micro_batch=each, padded=padded)
+    reference = make_plan(setup, strategy, cfg)
+    kw = {k: setup[k] for k in ("world_size", "ranks_per_node", "micro_batch", "grad_accum", "seed")}
+    planner = Planner(setup["lengths"], strategy=strategy, cfg=cfg, **kw)
+    assert (planner.steps, planner.dropped) == (reference.steps, reference.dropped)
+    rpn = setup["ranks_per_node"]
+    for node in range(setup["world_size"] // rpn):
+        rows = [planner.window(setup["epoch"], w, window, node) for w in range(-(-planner.steps // window))]
+        width = max(reference.indices.shape[3], *(r.shape[3] for r in rows))
+        ours = np.concatenate([padded_to(r, width) for r in rows])
+        np.testing.assert_array_equal(ours, padded_to(reference.indices[:, node * rpn : (node + 1) * rpn], width))
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(1, 3000), seed=st.integers(0, 2**32), take=st.integers(1, 50))
+def test_keyed_permutation_is_a_permutation_at_any_positions(size, seed, take):
+    keys = np.random.default_rng(seed).integers(0, 2**63, size=(2, 4), dtype=np.uint64)
+    whole = keyed_permutation(np.arange(size), size, keys[0])
+    np.testing.assert_array_equal(np.sort(whole), np.arange(size))
+    positions = np.random.default_rng(seed + 1).integers(0, size, size=(take, 2))  # any shape, any order
+    np.testing.assert_array_equal(keyed_permutation(positions, size, keys[0]), whole[positions])
+    if size >= 8:  # another key, another order
+        assert not np.array_equal(keyed_permutation(np.arange(size), size, keys[1]), whole)
+
+
+def test_keyed_permutation_mixes_like_a_shuffle():
+    """Consecutive positions land anywhere: the first tenth of the order fills every tenth of the corpus
+    about evenly, and the order is uncorrelated with the corpus order."""
+    n = 200_000
+    keys = np.random.default_rng(0).integers(0, 2**63, size=4, dtype=np.uint64)
+    order = keyed_permutation(np.arange(n), n, keys)
+    deciles = np.bincount(order[: n // 10] * 10 // n, minlength=10)
+    assert np.abs(deciles - n // 100).max() < 0.06 * n // 100  # binomial sd ≈ 1 %
+    assert abs(np.corrcoef(np.arange(n), order)[0, 1]) < 0.01
+    assert np.abs(np.diff(order)).mean() == pytest.approx(n / 3, rel=0.02)  # uniform pairs: |x - y| averages n/3
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=300),
+    num_bins=st.sampled_from([1, 2, 4, 8]),
+    block=st.integers(1, 64),
+)
+def test_bins_from_the_histogram_and_members_by_rank(lengths, num_bins, block):
+    """Quantile edges from the length histogram are numpy's inverted-CDF quantiles; every bin's members, kept as
+    16-bit offsets in blocks, come back in corpus order, bin after bin."""
+    lengths = np.asarray(lengths)
+    edges = quantile_bin_edges(lengths, num_bins)
+    quantiles = np.quantile(lengths, np.arange(1, num_bins + 1) / num_bins, method="inverted_cdf")
+    np.testing.assert_array_equal(edges, np.unique(quantiles.astype(np.int64)))
+    which = bin_index(lengths, edges)
+    members = BinMembers(lengths, edges, np.bincount(which, minlength=len(edges)), block=block)
+    np.testing.assert_array_equal(members[np.arange(len(lengths))], np.argsort(which, kind="stable"))
+
+
+def test_compact_lengths_take_two_bytes_a_sequence_up_to_32k():
+    assert compact_lengths(np.array([1, 512, 32767])).dtype == np.int16
+    assert compact_lengths(np.array([1, 32768])).dtype == np.int32
+    kept = np.array([3, 4], dtype=np.int16)
+    assert compact_lengths(kept) is kept  # no copy
+    with pytest.raises(DataError, match="positive sequence lengths"):
+        compact_lengths(np.array([[3, 4]]))

@@ -1,6 +1,7 @@
 """Preemption under the real ``deepspeed`` launcher: SIGTERM to the job's process group (what SLURM and
 Kubernetes send before they kill) makes every rank finish its step, write a complete checkpoint and exit
-with the documented status; ``--resume`` then continues exactly as if nothing had happened."""
+with the documented status; ``--resume`` then continues exactly as if nothing had happened. Ctrl-C (SIGINT)
+does the same, with one summary line and no traceback."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -89,7 +91,10 @@ def test_sigterm_checkpoints_every_rank_and_resume_is_exact(tmp_path, cache_dir)
         (cut / "checkpoints" / (cut / "checkpoints" / "latest").read_text() / "COMPLETE.json").read_text()
     )["step"]
     assert 4 <= stopped < 12, stopped
-    assert f"preempted: stopped after step {stopped} of 12" in output
+    tag = f"step{stopped:08d}"
+    assert (
+        f"preempted (SIGTERM): stopped after step {stopped} of 12; checkpoint {cut / 'checkpoints' / tag} is " in output
+    )
     assert not (cut / "final").exists()
 
     resumed = run(
@@ -101,3 +106,24 @@ def test_sigterm_checkpoints_every_rank_and_resume_is_exact(tmp_path, cache_dir)
     ref_loss = {m["step"]: m["loss"] for m in metrics(ref)[0]}
     cut_loss = {m["step"]: m["loss"] for m in metrics(cut)[0]}
     assert [cut_loss[s] for s in range(1, 13)] == [ref_loss[s] for s in range(1, 13)]
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_checkpoints_like_sigterm_without_a_traceback(tmp_path, cache_dir):
+    """Ctrl-C was ~85 lines of KeyboardInterrupt tracebacks (from inside zero0.on_grad_ready) and no summary."""
+    out = tmp_path / "interrupted"
+    code, output = _signal_after(  # with a DataLoader worker: Ctrl-C reaches it too
+        [sys.executable, *pretrain_args(out, cache_dir, *EXTRA, "-o", "train.dataloader_workers=1")],
+        marker="step 3/12",
+        signum=signal.SIGINT,
+        timeout=200,
+    )
+    assert code == PREEMPTED_EXIT, output[-3000:]
+    latest = (out / "checkpoints" / "latest").read_text()
+    stopped = int(latest[len("step") :])
+    assert 3 <= stopped < 12
+    assert (
+        f"preempted (SIGINT): stopped after step {stopped} of 12; checkpoint {out / 'checkpoints' / latest} is "
+        f"complete, continue with --resume (exit status {PREEMPTED_EXIT})"
+    ) in output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]

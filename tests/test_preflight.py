@@ -1,5 +1,6 @@
 """The pre-flight is the whole gate: any config it accepts gets through ``deepspeed.initialize`` and trains
-a step; ``ds-bertopt config`` runs exactly the same pre-flight and answers bad input in one line."""
+a step; ``ds-bertopt config`` runs exactly the same pre-flight and answers bad input in one line, including
+a key the task does not read."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from ds_bertopt.cli import main as cli_main
 from ds_bertopt.dist import Topology
 from ds_bertopt.errors import BertOptError
 from ds_bertopt.testing.distributed import spawn_ranks
+from ds_bertopt.train.preflight import unread_keys
+from ds_bertopt.train.tasks import FinetuneTask
 
 CONFIG = "ds_configs/bert.json"
 WORLD = 2
@@ -155,3 +158,40 @@ def test_config_command_checks_the_task_inputs(capsys, tmp_path):
         ]
     )
     assert code == 2 and "missing.csv does not exist" in capsys.readouterr().err
+
+
+def test_unread_keys_are_refused_in_one_line(capsys, tmp_path):
+    """Silently wrong before: pretraining with wtacrs.enabled, fine-tuning with model.* and data.* keys ran, and
+    ignored them."""
+    cases = [
+        (
+            ["ds_configs/bert.json", "-o", "wtacrs.enabled=true"],
+            "bertopt.wtacrs.enabled: pretraining does not read it (WTA-CRS and the memory kit are for fine-tuning, "
+            "launch/finetune.py); remove it, or set train.allow_unread_keys=true to accept keys this task ignores",
+        ),
+        (
+            ["--task", "finetune", "ds_configs/finetune_zero0.json", "-o", "model.unpadded=true"]
+            + ["-o", "model.hidden_size=64", "-o", "data.max_seq_length=512"],
+            "bertopt.data.max_seq_length: fine-tuning does not read it (its data settings are finetune.*, e.g. "
+            "finetune.train_file, finetune.max_seq_length) (and 2 more: model.hidden_size, model.unpadded)",
+        ),
+    ]
+    for argv, fragment in cases:
+        code = cli_main(["config", *argv, "--output_dir", str(tmp_path / "new")])
+        lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert code == 2 and len(lines) == 1 and fragment in lines[0], lines
+    # the escape hatch: accepted, and named
+    code = cli_main(["config", CONFIG, "-o", "wtacrs.enabled=true", "--train.allow_unread_keys", "--max_steps", "3"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "note: pretraining does not read bertopt.wtacrs.enabled (train.allow_unread_keys)" in captured.err
+    # fine-tuning reads data.max_skipped_fraction (its labelled rows are capped the same way)
+    assert unread_keys({"data.max_skipped_fraction", "finetune.train_file"}, FinetuneTask.reads) == []
+
+
+def test_packed_planning_for_a_padded_model_gets_a_note(capsys):
+    assert cli_main(["config", CONFIG, "-o", "model.unpadded=false"]) == 0
+    err = capsys.readouterr().err
+    assert "note: sampler.strategy packed_node_balance balances real tokens, for kernels that skip padding" in err
+    assert cli_main(["config", CONFIG]) == 0  # bert.json: unpadded, no note
+    assert "packed_node_balance balances" not in capsys.readouterr().err

@@ -4,7 +4,7 @@
   optimizer step unscales them, so the clip threshold must be multiplied by the same scale. Every
   DeepSpeed 0.19.8 wrapper that scales (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``,
   ``DeepSpeedZeroOptimizer``) exposes it as ``loss_scale``; under fp16 a wrapper without it is refused
-  instead of clipping ~65,536× too hard. bf16/fp32 wrappers may have none: the scale is then 1.
+  instead of clipping ~65,536× too hard. bf16/fp32 wrappers may have none, or say ``None``: the scale is then 1.
 * DeepSpeed averages over ``world`` ranks as ``allreduce_bucket`` (engine, ZeRO 0) and
   ``gradient_reduction_w_predivide`` (ZeRO 1/2) do: with ``postscale_gradients`` and a
   ``gradient_predivide_factor`` f it multiplies by ``1/f`` before the allreduce and by ``f/world``
@@ -21,16 +21,27 @@ from ..errors import ConfigError
 
 
 def loss_scale_reader(optimizer, fp16: bool) -> Callable[[], float]:
-    """A function returning the current loss scale of DeepSpeed's optimizer wrapper (no host sync)."""
-    if hasattr(optimizer, "loss_scale"):
-        return lambda: optimizer.loss_scale
+    """A function returning the current loss scale of DeepSpeed's optimizer wrapper (no host sync).
+
+    Outside fp16 nothing scales the gradients, whatever the wrapper says: the fused ``FP16_Optimizer`` that a
+    CUDA run gets for DeepSpeed's ``FusedAdam`` answers ``None`` under bf16 (``fused_optimizer.py``,
+    ``_get_loss_scale``: no grad scaling, no scale), which means 1."""
+    if not hasattr(optimizer, "loss_scale"):
+        if fp16:
+            raise ConfigError(
+                f"bucket_clip: fp16 is on, but DeepSpeed's optimizer {type(optimizer).__name__} exposes no "
+                "loss_scale, so the clip threshold cannot follow the loss scale; use bf16, or set "
+                "bucket_clip.enabled false"
+            )
+        return lambda: 1.0
     if fp16:
-        raise ConfigError(
-            f"bucket_clip: fp16 is on, but DeepSpeed's optimizer {type(optimizer).__name__} exposes no "
-            "loss_scale, so the clip threshold cannot follow the loss scale; use bf16, or set "
-            "bucket_clip.enabled false"
-        )
-    return lambda: 1.0
+        return lambda: optimizer.loss_scale
+
+    def read() -> float:
+        scale = optimizer.loss_scale
+        return 1.0 if scale is None else scale
+
+    return read
 
 
 def averaging_factors(world: int, *, average: bool, postscale: bool, predivide: float) -> tuple[float, float]:

@@ -17,9 +17,10 @@ the bucket is scaled once instead of twice. With a ``gradient_predivide_factor``
 
 Streams (CUDA): the bucket may have been filled by copies on several streams; DeepSpeed records
 them in ``bucket.copy_streams`` and makes its reduction stream wait on each (``average_tensor``,
-DeepSpeed issue #8061). The clip reads and writes the bucket, so it first makes the current stream
-wait on those producers, and then registers the current stream as a producer itself, so that the
-reduction waits for the clip.
+DeepSpeed issue #8061), or, with ZeRO-Offload, records an event per producer in ``bucket.ready_events``
+and waits on those alone. The clip reads and writes the bucket, so it first makes the current stream
+wait on those producers, and then registers itself in both, so that the reduction waits for the clip
+(:func:`wait_for_bucket_producers`, :func:`register_clip_as_producer`).
 
 The buckets are DeepSpeed's: filled in the order the gradients become ready, closed when the next
 one would overflow ``reduce_bucket_size``, which we set to ``bucket_clip.bucket_size``.
@@ -46,6 +47,37 @@ from ..log import print0
 from .clip import assign_buckets, clip_bucket_, clip_tensors_
 from .config import BucketClipConfig
 from .scaling import averaging_factors, loss_scale_reader
+
+
+def wait_for_bucket_producers(bucket, accelerator, offload_safety: bool):
+    """Make the current stream wait for every copy into ``bucket``; returns that stream (None where the accelerator
+    orders all work itself, e.g. the CPU). Producers are recorded by DeepSpeed in ``bucket.copy_streams``
+    (overlap_comm) and, with ZeRO-Offload, as events in ``bucket.ready_events`` (``_record_bucket_producer``)."""
+    if accelerator.resolves_data_dependency():
+        return None
+    current = accelerator.current_stream()
+    for producer in bucket.copy_streams:
+        current.wait_stream(producer)
+    if offload_safety:
+        for event in bucket.ready_events.values():
+            current.wait_event(event)
+    return current
+
+
+def register_clip_as_producer(bucket, accelerator, current, offload_safety: bool) -> None:
+    """Make DeepSpeed's reduction of ``bucket`` wait for the clip that just ran on ``current``.
+
+    ``DeepSpeedZeroOptimizer.average_tensor`` orders its reduction after ``bucket.copy_streams`` with overlap_comm,
+    but with ZeRO-Offload (``_offload_gradient_safety_enabled``) after ``bucket.ready_events`` only, recorded when
+    the copies were made, before the clip: without an event of ours there, the reduction may read the bucket
+    before the clip has written it."""
+    if current is None:
+        return
+    bucket.copy_streams.add(current)
+    if offload_safety:
+        event = accelerator.Event()
+        event.record(current)
+        bucket.ready_events[current] = event  # the newest on this stream: later than the copy's
 
 
 class ZeroStage12BucketClip:
@@ -119,15 +151,8 @@ class ZeroStage12BucketClip:
         bucket = opt.ipg_buckets[comm_dtype]
         if not bucket.params:
             return
-        accelerator = get_accelerator()
-        streams = not accelerator.resolves_data_dependency()  # CUDA-like: kernels on other streams may still run
-        if streams:
-            current = accelerator.current_stream()
-            for producer in bucket.copy_streams:
-                current.wait_stream(producer)
-            if opt._offload_gradient_safety_enabled:
-                for event in bucket.ready_events.values():
-                    current.wait_event(event)
+        accelerator, offload = get_accelerator(), opt._offload_gradient_safety_enabled
+        current = wait_for_bucket_producers(bucket, accelerator, offload)
         if opt.contiguous_gradients and comm_dtype not in opt.extra_large_param_to_reduce:
             flat = bucket.buffer[bucket.index].narrow(0, 0, bucket.elements)
             coef = clip_bucket_(flat, self.threshold(bucket.elements), eps=self.cfg.eps, post_scale=self.post_scale)
@@ -138,8 +163,7 @@ class ZeroStage12BucketClip:
                 eps=self.cfg.eps,
                 post_scale=self.post_scale,
             )
-        if streams:
-            bucket.copy_streams.add(current)  # average_tensor's reduction stream waits on the clip too
+        register_clip_as_producer(bucket, accelerator, current, offload)
         self._coefficients.append(coef)
         self._current.append([opt.bit16_groups[g][i] for g, i, _ in bucket.params])
 

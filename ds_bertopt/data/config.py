@@ -145,7 +145,9 @@ class DataConfig:
     txt_format: Literal["paragraph", "line"] = "paragraph"
     """How ``.txt`` files are split into documents: blank-line-separated blocks, or one per line."""
     tokenizer: Optional[str] = None
-    """Tokenizer directory or name. Empty: a WordPiece tokenizer trained on the corpus and cached."""
+    """Tokenizer directory (or the name of one in the local Hugging Face cache; runs are offline). Empty: a
+    WordPiece tokenizer trained on the corpus, deterministically (the same corpus and settings give the same
+    vocabulary on any node), and cached."""
     tokenizer_vocab_size: int = 8192
     """Vocabulary size of the trained default tokenizer."""
     max_seq_length: int = 128
@@ -161,9 +163,18 @@ class DataConfig:
     max_documents: Optional[int] = None
     """Read at most this many documents (quick experiments)."""
     cache_dir: str = "~/.cache/ds_bertopt"
-    """Where the tokenizer, the extracted default corpus and the ``datasets`` caches go."""
+    """Where the tokenizer, the extracted default corpus and the ``datasets`` caches go. Node-local disks are
+    fine: the default tokenizer is trained deterministically, and at start-up every node's vocabulary and
+    sequences are compared (a node that differs stops the job, naming both nodes and their cache
+    directories). Not part of a run's identity: a moved or deleted cache is rebuilt, and resume compares the
+    vocabulary and sequences themselves."""
     seed: int = 1234
     """Seed for sequence building (fixed per corpus so every rank builds the same samples)."""
+    max_skipped_fraction: float = 0.01
+    """Records without usable text (jsonl or dataset records with no text field, text that is not a string or
+    is empty; fine-tuning rows with empty text) are skipped and counted in the data line; when more than this
+    fraction of them is skipped the run refuses to start (the data is probably read wrongly: another
+    ``text_field``?). Fine-tuning reads this key too."""
 
     def __post_init__(self) -> None:
         check(self.max_seq_length >= 8, f"max_seq_length: must be at least 8, got {self.max_seq_length}")
@@ -180,3 +191,7 @@ class DataConfig:
             f"max_documents: must be at least 2, got {self.max_documents}",
         )
         check(not (self.train_files and self.dataset), "train_files: give either train_files or dataset, not both")
+        check(
+            0.0 <= self.max_skipped_fraction < 1.0,
+            f"max_skipped_fraction: must be in [0, 1), got {self.max_skipped_fraction}",
+        )

@@ -23,9 +23,11 @@ import json
 import os
 import sys
 import sysconfig
-from typing import Iterator
+from collections import Counter
+from typing import Iterator, Optional
 
 from ..errors import DataError
+from .skipped import NAMED, Skipped
 
 TEXT_SUFFIXES = (".txt", ".text")
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -161,11 +163,18 @@ def embedded_corpus_path(cache_dir: str) -> str:
     return path
 
 
-def load_documents(data_cfg, cache_dir: str):
-    """A ``datasets.Dataset`` with one ``text`` row per document (empty documents dropped)."""
+def load_documents(data_cfg, cache_dir: str, skipped: Optional[Skipped] = None):
+    """A ``datasets.Dataset`` with one ``text`` row per document.
+
+    Records of jsonl files and datasets without usable text (no text field, text that is not a string, empty
+    text) are skipped and tallied in ``skipped`` (a :class:`~ds_bertopt.data.skipped.Skipped`), which refuses
+    the corpus past ``data.max_skipped_fraction``; blank lines and blocks of ``.txt`` files are layout, not
+    records, and are dropped without a count."""
     import datasets
 
+    skipped = skipped if skipped is not None else Skipped()
     hf_cache = os.path.join(cache_dir, "hf_datasets")
+    files: list[str] = []
     if data_cfg.dataset:
         ds = _load_named_dataset(data_cfg, hf_cache)
         source = data_cfg.dataset
@@ -190,13 +199,8 @@ def load_documents(data_cfg, cache_dir: str):
                 ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir=hf_cache)
         except Exception as exc:  # datasets wraps parse errors in several types; name the file
             raise DataError(f"corpus {source} cannot be parsed: {str(exc).splitlines()[0][:300]}") from None
-    field = (
-        "text"
-        if (not data_cfg.dataset and data_cfg.train_files and file_kind(data_cfg.train_files[0]) == "text")
-        else data_cfg.text_field
-    )
-    if not data_cfg.train_files and not data_cfg.dataset:
-        field = "text"
+    text_files = bool(files) and file_kind(files[0]) == "text"
+    field = "text" if text_files or not (data_cfg.train_files or data_cfg.dataset) else data_cfg.text_field
     if field not in ds.column_names:
         raise DataError(
             f"corpus {source} has no field {field!r} (fields: {', '.join(ds.column_names)}); set data.text_field"
@@ -204,11 +208,11 @@ def load_documents(data_cfg, cache_dir: str):
     ds = ds.select_columns([field])
     if field != "text":
         ds = ds.rename_column(field, "text")
-    ds = ds.filter(
-        lambda batch: [isinstance(t, str) and bool(t.strip()) for t in batch["text"]],
-        batched=True,
-        desc="dropping empty documents",
-    )
+    if text_files:
+        ds = ds.filter(lambda batch: [bool(t.strip()) for t in batch["text"]], batched=True, desc="dropping blank text")
+    else:
+        ds = _skip_unusable(ds, files, field, skipped)
+        skipped.check(f"corpus {source}", data_cfg.max_skipped_fraction)
     if data_cfg.max_documents is not None:
         ds = ds.select(range(min(len(ds), data_cfg.max_documents)))
     if len(ds) < 2:
@@ -216,6 +220,56 @@ def load_documents(data_cfg, cache_dir: str):
             f"corpus {source} has {len(ds)} non-empty document(s); need at least 2 (one is held out for evaluation)"
         )
     return ds
+
+
+def _unusable(text) -> Optional[str]:
+    """Why a record's text cannot be trained on, or None."""
+    if text is None:
+        return "no text field"
+    if not isinstance(text, str):
+        return "text not a string"
+    return None if text.strip() else "empty text"
+
+
+def _skip_unusable(ds, files: list[str], field: str, skipped: Skipped):
+    """``ds`` without its unusable records, each tallied in ``skipped`` by reason and place."""
+    bad: dict[int, str] = {}
+    batch_size = 10_000
+    for start in range(0, len(ds), batch_size):
+        for offset, text in enumerate(ds[start : start + batch_size]["text"]):
+            reason = _unusable(text)
+            if reason:
+                bad[start + offset] = reason
+    skipped.total += len(ds)
+    if not bad:
+        return ds
+    shown, per_reason = set(), Counter()
+    for index, reason in bad.items():  # the first few of each reason are named
+        if per_reason[reason] < NAMED:
+            shown.add(index)
+            per_reason[reason] += 1
+    places = _json_places(files, shown) if files else {i: f"row {i}" for i in shown}
+    for index, reason in bad.items():
+        skipped.add(reason, places.get(index, f"record {index + 1}"))
+    return ds.select([i for i in range(len(ds)) if i not in bad])
+
+
+def _json_places(files: list[str], indices: set[int]) -> dict[int, str]:
+    """Record index (over all files, blank lines skipped as the json reader skips them) → ``"line N"`` (with the
+    file's name when there are several); reads only as far as the last index asked for."""
+    places: dict[int, str] = {}
+    record = 0
+    for path in files:
+        with _open_bytes(path) as fh:
+            for number, raw in enumerate(fh, 1):
+                if not raw.strip():
+                    continue
+                if record in indices:
+                    places[record] = f"line {number}" if len(files) == 1 else f"{os.path.basename(path)} line {number}"
+                    if len(places) == len(indices):
+                        return places
+                record += 1
+    return places
 
 
 def _load_named_dataset(data_cfg, hf_cache: str):

@@ -3,8 +3,9 @@
 ``load_labelled(path, text_column, label_column)`` returns texts and integer labels, or raises
 :class:`~ds_bertopt.errors.DataError` with one line naming the file and, where it applies, the line,
 the column or the value: a missing or empty file, a missing text/label column, a label that is not
-an integer (``"1"`` and ``1.0`` are accepted, ``"pos"`` and ``1.5`` are not), a negative label, a
-missing value, or bytes that are not UTF-8.
+an integer (``"1"``, ``"1.0"`` and ``1.0`` are accepted, ``"pos"`` and ``1.5`` are not), a negative label, a
+missing label, or bytes that are not UTF-8. Rows whose text is missing or empty are skipped and counted
+(:class:`~ds_bertopt.data.skipped.Skipped`, in the data line), and refused past ``max_skipped_fraction``.
 
 A directory is read with ``datasets.load_from_disk``; a ``DatasetDict`` needs ``split``. String labels are
 mapped to ``0..K-1`` when ``label_names`` lists them (in class order). :func:`check_labels` then refuses label
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 from ..errors import DataError
+from .skipped import Skipped
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,8 @@ class LabelledData:
     """Integer class labels, ``>= 0``."""
     source: str
     """Where they came from (for log lines)."""
+    skipped: str = ""
+    """Rows skipped for empty text, as the data line says it (``Skipped.line``); empty when none was."""
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -54,6 +59,7 @@ class LabelledData:
             tuple(self.texts[i] for i in picks),
             tuple(self.labels[i] for i in picks),
             f"{self.source} ({limit} of {len(self)})",
+            self.skipped,
         )
 
 
@@ -72,8 +78,14 @@ def _as_label(value: Any, where: str, column: str, names: tuple[str, ...] = ()) 
         label = value
     elif isinstance(value, float) and value.is_integer():
         label = int(value)
-    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        label = int(value.strip())
+    elif isinstance(value, str) and _number(value) is not None:
+        number = _number(value)
+        if not number.is_integer():
+            raise DataError(
+                f"{where}: {column} {value!r} is not an integer class label (a number with a fraction: classes "
+                "are 0, 1, 2, …; a continuous target is not a classification task)"
+            )
+        label = int(number)
     elif isinstance(value, str):
         raise DataError(
             f"{where}: {column} {value!r} is not an integer class label; map string labels with "
@@ -86,6 +98,15 @@ def _as_label(value: Any, where: str, column: str, names: tuple[str, ...] = ()) 
     return label
 
 
+def _number(text: str) -> Optional[float]:
+    """A finite number written as text (``"1"``, ``"1.0"``, ``" 2 "``), or None."""
+    try:
+        number = float(text.strip())
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _collect(
     rows: Iterable[tuple[str, dict]],
     path: str,
@@ -93,28 +114,37 @@ def _collect(
     label_column: str,
     columns: Optional[Iterable[str]] = None,
     names: tuple[str, ...] = (),
+    max_skipped_fraction: float = 0.01,
 ) -> LabelledData:
-    """``rows`` yields ``(where, record)``; ``columns`` (when known up front) are checked first."""
+    """``rows`` yields ``(place, record)`` (``"line 4"``); ``columns`` (when known up front) are checked first."""
     if columns is not None:
         columns = list(columns)
         for column in (text_column, label_column):
             if column not in columns:
                 raise DataError(f"{path} has no column {column!r} (columns: {', '.join(map(str, columns)) or 'none'})")
     texts, labels = [], []
-    for where, record in rows:
+    skipped = Skipped("rows")
+    for place, record in rows:
+        where = f"{path} {place}"
+        skipped.total += 1
         for column in (text_column, label_column):
             if column not in record:
                 raise DataError(f"{where}: no {column!r} field (fields: {', '.join(map(str, record)) or 'none'})")
-            if record[column] is None:
-                raise DataError(f"{where}: {column} is empty")
+        label = record[label_column]
+        if label is None or (isinstance(label, str) and not label.strip()):
+            raise DataError(f"{where}: {label_column} is empty")
         text = record[text_column]
+        if text is None or (isinstance(text, str) and not text.strip()):
+            skipped.add("empty text", place)
+            continue
         if not isinstance(text, str):
             raise DataError(f"{where}: {text_column} must be a string, got {type(text).__name__}")
         texts.append(text)
-        labels.append(_as_label(record[label_column], where, label_column, names))
+        labels.append(_as_label(label, where, label_column, names))
+    skipped.check(path, max_skipped_fraction)
     if not texts:
         raise DataError(f"{path} has no examples")
-    return LabelledData(tuple(texts), tuple(labels), path)
+    return LabelledData(tuple(texts), tuple(labels), path, skipped.line())
 
 
 def _read_text(path: str) -> str:
@@ -138,7 +168,7 @@ def _csv_rows(path: str, text: str) -> tuple[list[str], Iterator[tuple[str, dict
         try:
             for record in reader:
                 # reader.line_num counts physical lines, so quoted newlines keep line numbers right
-                yield f"{path} line {reader.line_num}", record
+                yield f"line {reader.line_num}", record
         except csv.Error as exc:
             raise DataError(f"{path} line {reader.line_num}: malformed CSV: {exc}") from None
 
@@ -155,7 +185,7 @@ def _jsonl_rows(path: str, text: str) -> Iterator[tuple[str, dict]]:
             raise DataError(f"{path} line {number} is not valid JSON: {exc.msg}") from None
         if not isinstance(record, dict):
             raise DataError(f"{path} line {number}: expected a JSON object, got {type(record).__name__}")
-        yield f"{path} line {number}", record
+        yield f"line {number}", record
 
 
 def load_labelled(
@@ -164,6 +194,7 @@ def load_labelled(
     label_column: str = "label",
     split: Optional[str] = None,
     label_names: tuple[str, ...] = (),
+    max_skipped_fraction: float = 0.01,
 ) -> LabelledData:
     """Read labelled examples from ``path`` (see the module docstring)."""
     if not path:
@@ -171,20 +202,26 @@ def load_labelled(
     if not os.path.exists(path):
         raise DataError(f"{path} does not exist")
     if os.path.isdir(path):
-        return _load_dataset_dir(path, text_column, label_column, split, tuple(label_names))
+        return _load_dataset_dir(path, text_column, label_column, split, tuple(label_names), max_skipped_fraction)
     if os.path.getsize(path) == 0:
         raise DataError(f"{path} is empty")
     lower = path.lower()
     if lower.endswith(".csv"):
         columns, rows = _csv_rows(path, _read_text(path))
-        return _collect(rows, path, text_column, label_column, columns, tuple(label_names))
+        return _collect(rows, path, text_column, label_column, columns, tuple(label_names), max_skipped_fraction)
     if lower.endswith((".jsonl", ".json")):
-        return _collect(_jsonl_rows(path, _read_text(path)), path, text_column, label_column, names=tuple(label_names))
+        rows = _jsonl_rows(path, _read_text(path))
+        return _collect(rows, path, text_column, label_column, None, tuple(label_names), max_skipped_fraction)
     raise DataError(f"{path}: unsupported format; use .csv, .jsonl or a directory saved by datasets")
 
 
 def _load_dataset_dir(
-    path: str, text_column: str, label_column: str, split: Optional[str], names: tuple[str, ...] = ()
+    path: str,
+    text_column: str,
+    label_column: str,
+    split: Optional[str],
+    names: tuple[str, ...] = (),
+    max_skipped_fraction: float = 0.01,
 ) -> LabelledData:
     import datasets
 
@@ -199,8 +236,8 @@ def _load_dataset_dir(
                 + (f" (not {split!r})" if split else "")
             )
         data = data[split]
-    rows = ((f"{path} row {i}", record) for i, record in enumerate(data))
-    return _collect(rows, path, text_column, label_column, data.column_names, names)
+    rows = ((f"row {i}", record) for i, record in enumerate(data))
+    return _collect(rows, path, text_column, label_column, data.column_names, names, max_skipped_fraction)
 
 
 def check_labels(

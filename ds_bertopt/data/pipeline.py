@@ -3,6 +3,8 @@
 All heavy steps are ``datasets.map`` calls with explicit fingerprints, so their results are cached
 under ``cache_dir`` and a second run (or another rank) reuses them. On every node the local rank 0
 builds first under a file lock while the other ranks wait at a barrier, then they read the cache.
+The result carries its :class:`~ds_bertopt.data.identity.DataFingerprint` (compared across nodes at
+start-up and kept in checkpoints), the records skipped as unusable, and :func:`length_warnings`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from ..dist import barrier
 from ..errors import DataError
 from . import sequences
 from .corpus import load_documents
+from .identity import DataFingerprint, columns_digest, vocabulary_digest
+from .skipped import Skipped
 from .tokenizer import get_tokenizer
 
 PIPELINE_VERSION = "1"  # bump when the sequence-building code changes what it produces
@@ -39,18 +43,14 @@ class PretrainData:
     """Token count of every training sequence (specials included), aligned with ``train``."""
     source: str
     """Human-readable description of the corpus."""
+    skipped: Skipped
+    """Corpus records skipped as unusable (counted, named)."""
+    fingerprint: DataFingerprint
+    """Digests of the vocabulary and the sequences, and where they came from."""
 
 
 def _fingerprint(*parts) -> str:
     return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _tokenizer_id(tokenizer) -> str:
-    vocab = tokenizer.get_vocab()
-    return (
-        hashlib.sha1(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
-        + f"-lc{int(bool(getattr(tokenizer, 'do_lower_case', False)))}"
-    )
 
 
 def _tokenize_batch(batch, tokenizer):
@@ -113,7 +113,7 @@ def build_sequences(
     split: str,
 ):
     """Tokenize documents into sentences, then pack them into BERT sequences (both steps cached)."""
-    tok_id = _tokenizer_id(tokenizer)
+    tok_id = vocabulary_digest(tokenizer)
     cache = os.path.join(cache_dir, "sequences")
     os.makedirs(cache, exist_ok=True)
     fp_tok = _fingerprint("tok", PIPELINE_VERSION, documents._fingerprint, tok_id)
@@ -159,9 +159,9 @@ def split_documents(documents, eval_fraction: float, seed: int):
 
 
 def _build(cfg, cache_dir: str) -> PretrainData:
-
     data_cfg, model_cfg = cfg.data, cfg.model
-    documents = load_documents(data_cfg, cache_dir)
+    skipped = Skipped("records")
+    documents = load_documents(data_cfg, cache_dir, skipped)
     source = data_cfg.dataset or (
         ", ".join(data_cfg.train_files) if data_cfg.train_files else "embedded corpus (Python stdlib docstrings)"
     )
@@ -181,7 +181,39 @@ def _build(cfg, cache_dir: str) -> PretrainData:
     if len(evaluation) > data_cfg.max_eval_samples:
         evaluation = evaluation.select(range(data_cfg.max_eval_samples))
     lengths = np.asarray(train["length"], dtype=np.int32)
-    return PretrainData(train=train, eval=evaluation, tokenizer=tokenizer, lengths=lengths, source=source)
+    where = f"data.cache_dir {cache_dir}" + (f", data.tokenizer {data_cfg.tokenizer}" if data_cfg.tokenizer else "")
+    samples = columns_digest(train, ("input_ids", "token_type_ids", "next_sentence_label"))
+    samples += "-" + columns_digest(evaluation, ("input_ids", "token_type_ids", "next_sentence_label"))
+    fingerprint = DataFingerprint(vocabulary_digest(tokenizer), samples, where)
+    return PretrainData(train, evaluation, tokenizer, lengths, source, skipped, fingerprint)
+
+
+SHORT_SEQUENCES = 1 / 8
+"""Training sequences averaging less than this fraction of ``max_seq_length`` are warned about."""
+MIN_EVAL_TARGETS = 100
+"""An evaluation scoring fewer masked tokens than this is warned about: its accuracy moves in steps of 1 %."""
+
+
+def length_warnings(
+    lengths: np.ndarray, eval_lengths: np.ndarray, max_seq_length: int, mlm_probability: float, specials: int
+) -> list[str]:
+    """Warnings for a corpus too short for its sequence length, and for an evaluation too small to mean much."""
+    out = []
+    mean = float(lengths.mean())
+    if mean < SHORT_SEQUENCES * max_seq_length:
+        out.append(
+            f"warning: the training sequences average {mean:.1f} tokens, for data.max_seq_length {max_seq_length}: "
+            "the documents are very short (one line or a few words each?), and BERT learns little from them; "
+            'check data.txt_format ("line" makes every line a document) and data.text_field'
+        )
+    targets = float(np.clip(eval_lengths - specials, 0, None).sum()) * mlm_probability
+    if targets < MIN_EVAL_TARGETS:
+        out.append(
+            f"warning: an evaluation scores about {targets:.0f} masked tokens ({len(eval_lengths)} held-out "
+            "sequences): its accuracy is mostly noise; hold out more documents (data.eval_fraction) or use a "
+            "longer corpus"
+        )
+    return out
 
 
 def build_pretrain_data(cfg, local_rank: int = 0, distributed: bool = False) -> PretrainData:

@@ -1,22 +1,37 @@
 """Batch planning: which samples each rank processes in each step (pure numpy, no communication).
 
-``plan_epoch`` returns ``Plan.indices``, an int64 array ``[steps, world_size, grad_accum, slots]``
-of sample indices. Every rank computes the same plan from (seed, epoch), so ranks agree without
-talking, and every rank gets exactly ``steps × grad_accum`` micro-batches. Each sample appears at most
-once per epoch; the samples that do not fill a whole global batch are left out and counted
-(``Plan.dropped``), different ones each epoch.
+A plan is ``[steps, ranks, grad_accum, slots]`` sample indices. Every rank computes the same plan from
+(seed, epoch), so ranks agree without talking, and every rank gets exactly ``steps × grad_accum``
+micro-batches. Each sample appears at most once per epoch; the samples that do not fill a whole global
+batch are left out and counted (``Plan.dropped``), different ones each epoch.
+
+**Windows.** A step's plan depends only on the step: its global batch is drawn from the epoch's random
+order at the step's positions, and the draw's per-step bin counts are a small ``[steps, bins]`` table. So
+a rank plans a window of steps at a time, and only its own node's share of each step
+(:meth:`Planner.window`): besides the lengths (and 2 bytes a sample of every bin's members), its memory
+grows with the window, not with the epoch's plan for every rank. :func:`plan_epoch`
+plans the whole epoch for every rank (the global reference: the balance tool, the tests), and the windows
+are bit-identical to its rows (tested for every strategy). What makes that possible at any position:
+
+* the epoch's random order is a keyed permutation (:func:`keyed_permutation`, a Feistel network keyed
+  from (seed, epoch)), evaluated at the positions a step needs, not a shuffled array of every sample
+  (since issue 32: the same seed draws other samples than numpy's shuffle did before);
+* the stratified draw takes every bin's samples in such an order; a bin's samples are found by rank
+  through :class:`BinMembers` (2 bytes a sample), the bins and counts from a length histogram;
+* every dealing step below works on each pool on its own (the result for a pool never depends on the
+  other pools planned with it), so one node's pools give the rows the whole-world plan gives that node.
 
 For the fixed-size strategies ``slots`` is the micro-batch and every slot holds a sample. The packed
 strategies (``packed_node_balance``, ``padded_node_balance``) make micro-batches of varying size: a
 step still holds the same ``G`` samples (the global batch keeps its meaning), every rank still gets
-``grad_accum`` non-empty micro-batches, but ``slots`` is the largest micro-batch of the epoch and the
+``grad_accum`` non-empty micro-batches, but ``slots`` is the largest micro-batch of the plan and the
 unused slots of smaller ones hold ``-1`` (always after the used ones; :func:`ds_bertopt.data.cost.slot_lengths`
 turns them into length 0 for the figures). Micro-batch sizes: ``(Plan.indices >= 0).sum(-1)``.
 
 Strategies (``G`` = global batch, ``B = grad_accum × micro_batch`` = a rank's local batch):
 
-* ``random`` — a random permutation cut into global batches: DistributedSampler's behaviour.
-* ``sorted_megabatch`` — Hugging Face ``group_by_length`` under Accelerate: random permutation,
+* ``random`` — the epoch's random order cut into global batches: DistributedSampler's behaviour.
+* ``sorted_megabatch`` — Hugging Face ``group_by_length`` under Accelerate: the random order,
   mega-batches of ``megabatch_mult × B`` sorted by length descending
   (``transformers.trainer_pt_utils.get_length_grouped_indices``), cut into micro-batches that
   are dealt round-robin, micro-batch ``j`` to rank ``j % world`` (``accelerate.data_loader.
@@ -65,7 +80,7 @@ bins cannot split evenly) are dropped and counted.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -74,6 +89,9 @@ from .config import PACKED_STRATEGIES, PEER_STRATEGIES, STRATEGIES, SamplerConfi
 from .cost import CostModel, padded_lengths
 
 SWAP_ROUNDS = 4  # per rank of a pool: rounds of busiest/least-loaded swaps after the greedy dealing
+STRATIFIED = ("stratified", "stratified_node_sort", "stratified_node_balance", *PACKED_STRATEGIES)
+NODE_POOLED = ("stratified_node_balance", *PACKED_STRATEGIES)  # node pools of split_across_nodes
+CHUNK = 1 << 22  # samples per pass over the corpus: a chunk's int64 temporaries stay at 32 MiB
 
 
 @dataclass(frozen=True)
@@ -112,23 +130,115 @@ class Plan:
         return row[row >= 0]
 
 
+def ragged_indices(steps: list) -> np.ndarray:
+    """``steps[s][rank][slot]`` lists of sample indices → ``[steps, world, accum, slots]``, ``-1`` unused."""
+    width = max(len(mb) for step in steps for rank in step for mb in rank)
+    out = np.full((len(steps), len(steps[0]), len(steps[0][0]), width), -1, dtype=np.int64)
+    for s, step in enumerate(steps):
+        for r, rank in enumerate(step):
+            for a, mb in enumerate(rank):
+                out[s, r, a, : len(mb)] = mb
+    return out
+
+
 def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch])
+
+
+def compact_lengths(lengths) -> np.ndarray:
+    """The lengths as the planner keeps them: int16 where they fit (sequences up to 32,767 tokens), else int32
+    (no copy when they already are). Checked: a non-empty 1-D array of positive lengths."""
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or len(lengths) == 0 or not np.issubdtype(lengths.dtype, np.integer) or lengths.min() < 1:
+        raise DataError("sampler: lengths must be a non-empty 1-D array of positive sequence lengths")
+    if len(lengths) >= 2**31 or lengths.max() >= 2**31:
+        raise DataError(f"sampler: {len(lengths)} sequences up to {lengths.max()} tokens: beyond 32-bit indices")
+    dtype = np.int16 if lengths.max() <= np.iinfo(np.int16).max else np.int32
+    return np.ascontiguousarray(lengths, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# the epoch's random order, at any position
+# ------------------------------------------------------------------------------------------------
+FEISTEL_ROUNDS = 4  # Luby-Rackoff: four rounds of a pseudo-random function give a pseudo-random permutation
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijective 64-bit mix, the Feistel rounds' function (uint64 wraps)."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def permutation_keys(rng: np.random.Generator, streams: int) -> np.ndarray:
+    """``[streams, FEISTEL_ROUNDS]`` round keys, one permutation per stream."""
+    return rng.integers(np.iinfo(np.uint64).max, size=(streams, FEISTEL_ROUNDS), dtype=np.uint64, endpoint=True)
+
+
+def keyed_permutation(positions, size: int, keys: np.ndarray) -> np.ndarray:
+    """The values at ``positions`` of a pseudo-random permutation of ``range(size)`` chosen by ``keys``.
+
+    A Feistel network on the ``b``-bit integers (``2^b`` the smallest power of two ≥ ``size``; the halves
+    may differ by a bit) is a bijection whatever its round function; a value at or above ``size`` is sent
+    through it again until it lands in range (cycle walking: it stays a bijection of ``range(size)``, and
+    ``2^b < 2·size`` keeps the walks short). Any position costs the same, so a window of a permutation of
+    10⁸ samples costs what the window holds, where a shuffled array would cost the whole epoch (numpy's
+    permutation fixes its first positions last). Returns int64, the shape of ``positions``.
+    """
+    shape = np.shape(positions)
+    x = np.array(positions, dtype=np.uint64).ravel()
+    if size <= 1:
+        return x.astype(np.int64).reshape(shape)
+    bits = int(size - 1).bit_length()
+
+    def encrypt(v: np.ndarray) -> np.ndarray:
+        lw, rw = bits // 2, bits - bits // 2  # widths of the left and right halves; they swap every round
+        left, right = v >> np.uint64(rw), v & np.uint64((1 << rw) - 1)
+        for key in keys:
+            left, right = right, left ^ (_mix(right + key) & np.uint64((1 << lw) - 1))
+            lw, rw = rw, lw
+        return (left << np.uint64(rw)) | right
+
+    x = encrypt(x)
+    walking = np.flatnonzero(x >= size)
+    while walking.size:
+        x[walking] = encrypt(x[walking])
+        walking = walking[x[walking] >= size]
+    return x.astype(np.int64).reshape(shape)
 
 
 # ------------------------------------------------------------------------------------------------
 # bins
 # ------------------------------------------------------------------------------------------------
-def quantile_bin_edges(lengths: np.ndarray, num_bins: int) -> np.ndarray:
-    """Upper edges at the length quantiles ``k/num_bins`` (ascending, unique, the last = the longest)."""
-    qs = np.quantile(lengths, np.arange(1, num_bins + 1) / num_bins, method="inverted_cdf")
-    return np.unique(qs.astype(np.int64))
+def length_histogram(lengths: np.ndarray) -> np.ndarray:
+    """``counts[L]``: sequences of length ``L`` (chunked: ``bincount`` copies its input to int64)."""
+    top = int(lengths.max()) + 1
+    counts = np.zeros(top, dtype=np.int64)
+    for start in range(0, len(lengths), CHUNK):
+        counts += np.bincount(lengths[start : start + CHUNK], minlength=top)
+    return counts
 
 
-def resolve_bin_edges(lengths: np.ndarray, cfg: SamplerConfig, default_bins: int) -> np.ndarray:
+def quantile_bin_edges(lengths: np.ndarray, num_bins: int, histogram: Optional[np.ndarray] = None) -> np.ndarray:
+    """Upper edges at the length quantiles ``k/num_bins`` (ascending, unique, the last = the longest).
+
+    The inverted-CDF quantile (numpy's ``method="inverted_cdf"``): the shortest length ``L`` with at least
+    ``k/num_bins`` of the corpus at or below it, in exact integer arithmetic on the length histogram.
+    """
+    counts = length_histogram(lengths) if histogram is None else histogram
+    below = np.cumsum(counts)  # sequences of length <= L
+    n = int(below[-1])
+    targets = n * np.arange(1, num_bins + 1)  # num_bins × the quantile's share of n
+    return np.unique(np.searchsorted(below * num_bins, targets, side="left")).astype(np.int64)
+
+
+def resolve_bin_edges(
+    lengths: np.ndarray, cfg: SamplerConfig, default_bins: int, histogram: Optional[np.ndarray] = None
+) -> np.ndarray:
     """``cfg.bins``, or ``default_bins`` quantile bins of the corpus when they are not given."""
     if not cfg.bins:
-        return quantile_bin_edges(lengths, default_bins)
+        return quantile_bin_edges(lengths, default_bins, histogram)
     edges = np.asarray(cfg.bins, dtype=np.int64)
     if lengths.max() > edges[-1]:
         raise ConfigError(f"sampler.bins: the last edge {edges[-1]} is below the longest sequence {lengths.max()}")
@@ -170,45 +280,38 @@ def step_bin_counts(totals: np.ndarray, steps: int, rng: np.random.Generator) ->
     return counts
 
 
-def stratified_draw(lengths, edges, explicit_counts, units: int, unit_size: int, rng):
-    """``[steps, units, unit_size]`` indices; every unit of a step holds the same number from each bin.
+class BinMembers:
+    """Every bin's samples in corpus order, found by rank without an index array per sample.
 
-    A unit is a rank's local batch. Returns ``(indices, counts [steps, bins], dropped)``.
+    Position ``p`` of the bin-major order (bin 0's samples, then bin 1's, …, each in corpus order) is kept as
+    the sample's 16-bit offset within its block of ``block`` samples; the block comes from the segment table
+    (a bin's samples of one block are one segment). 2 bytes a sample, where an index array takes 4 or 8.
     """
-    n = len(lengths)
-    which = bin_index(lengths, edges)
-    per_bin = np.bincount(which, minlength=len(edges))
-    capacity = per_bin // units  # what a bin can give every unit over the epoch
-    if explicit_counts is not None:
-        counts_row = np.asarray(explicit_counts, dtype=np.int64)
-        used = counts_row > 0
-        steps = int(np.min(capacity[used] // counts_row[used]))
-        counts = np.repeat(counts_row[None, :], steps, axis=0)
-    else:
-        steps = min(n // (units * unit_size), int(capacity.sum()) // unit_size)
-        if steps > 0:
-            totals = _apportion(steps * unit_size, per_bin.astype(np.float64), capacity)
-            counts = step_bin_counts(totals, steps, rng)
-    if steps == 0:
-        raise DataError(
-            f"sampler: the length bins {edges.tolist()} hold {per_bin.tolist()} sequences, too few for "
-            f"one step of {units} × {unit_size} with the bin counts"
-        )
-    # every bin's samples in a random order, bins one after another
-    perm = rng.permutation(n)
-    by_bin = perm[np.argsort(which[perm], kind="stable")]
-    bin_start = np.concatenate([[0], np.cumsum(per_bin)[:-1]])
-    # step s: bin b hands out its next units × c[s, b] unused samples, unit u the u-th run of c[s, b]
-    used_before = units * (np.cumsum(counts, axis=0) - counts)  # [steps, bins]
-    col_end = np.cumsum(counts, axis=1)
-    slot = np.arange(unit_size)
-    col_bin = (slot[None, :, None] >= col_end[:, None, :]).sum(axis=2)  # [steps, unit_size]
-    rows = np.arange(steps)[:, None]
-    count = counts[rows, col_bin]
-    col_in_bin = slot[None, :] - (col_end - counts)[rows, col_bin]
-    base = bin_start[col_bin] + used_before[rows, col_bin] + col_in_bin
-    positions = base[:, None, :] + np.arange(units)[None, :, None] * count[:, None, :]
-    return by_bin[positions], counts, n - steps * units * unit_size
+
+    def __init__(self, lengths: np.ndarray, edges: np.ndarray, per_bin: np.ndarray, block: int = 1 << 16):
+        if not 1 <= block <= 1 << 16:
+            raise ValueError(f"block {block}: offsets are 16-bit")
+        self.block = block
+        lookup = bin_index(np.arange(int(lengths.max()) + 1), edges).astype(np.uint8 if len(edges) < 256 else np.int32)
+        blocks, bins = -(-len(lengths) // block), len(edges)
+        cursor = np.concatenate([[0], np.cumsum(per_bin)[:-1]]).astype(np.int64)  # next free position of each bin
+        starts = np.empty((bins, blocks), dtype=np.int64)
+        self.offsets = np.empty(len(lengths), dtype=np.uint16)
+        for b in range(blocks):
+            which = lookup[lengths[b * block : (b + 1) * block]]
+            order = np.argsort(which, kind="stable")  # radix sort: by bin, corpus order within
+            count = np.bincount(which, minlength=bins)
+            starts[:, b] = cursor
+            within = np.arange(len(order)) - np.repeat(np.cumsum(count) - count, count)  # rank within its bin
+            self.offsets[np.repeat(cursor, count) + within] = order
+            cursor += count
+        self._segments = starts.ravel()  # bin-major, non-decreasing
+        self._blocks = blocks
+
+    def __getitem__(self, positions: np.ndarray) -> np.ndarray:
+        """Sample indices at ``positions`` of the bin-major order."""
+        segment = np.searchsorted(self._segments, positions, side="right") - 1  # the last segment starting at or before
+        return (segment % self._blocks) * self.block + self.offsets[positions]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -433,6 +536,7 @@ def refine_packing(
     rounds: int,
     min_samples: int = 1,
     tolerance: float = 1e-3,
+    room: Optional[np.ndarray] = None,
 ) -> np.ndarray:
     """Lower the busiest bin's cost by moving or swapping items with the least-loaded bin.
 
@@ -441,11 +545,12 @@ def refine_packing(
     to half their gap (and below it, so the pair's larger load strictly drops; the busiest keeps at least
     ``min_samples``) or, where no item can move, the two swap the pair whose cost difference is closest to
     half the gap (and below it), all within the bins' budgets. A pool whose gap is within ``tolerance`` of
-    its mean load, or that has no such move, is done. Returns a new array, each bin's positions ascending.
+    its mean load, or that has no such move, is done. ``room`` (per pool, at most ``max_samples`` and the
+    slots) caps a bin's items below ``max_samples``. Returns a new array, each bin's positions ascending.
     """
     members = members.copy()
     pools, bins, slots = members.shape
-    room = min(max_samples, slots)  # a move needs a free slot in the array as well
+    room = np.broadcast_to(min(max_samples, slots) if room is None else room, (pools,))
     cost, tok = _gather(costs, members), _gather(tokens, members)  # kept in step with members
     load, held, count = cost.sum(axis=2), tok.sum(axis=2), (members >= 0).sum(axis=2)
     active = np.arange(pools)  # pools where the last round found a move or a swap
@@ -462,7 +567,7 @@ def refine_packing(
         move_ok = (
             (members[active, hi] >= 0)
             & (count[active, hi] > min_samples)[:, None]
-            & (count[active, lo] < room)[:, None]
+            & (count[active, lo] < room[active])[:, None]
             & (held[active, lo][:, None] + hi_tok <= max_tokens)
             & (hi_cost < gap[:, None])
         )
@@ -470,7 +575,7 @@ def refine_packing(
         best_move = move_score.argmin(axis=1)
         moving = np.isfinite(move_score[np.arange(active.size), best_move])
         p, h, lw, j = active[moving], hi[moving], lo[moving], best_move[moving]
-        free = np.argmax(members[p, lw] < 0, axis=1)  # the least-loaded bin has a free slot: count < room
+        free = np.argmax(members[p, lw] < 0, axis=1)  # count < room: a free slot (slots fill lowest first)
         c, t = cost[p, h, j], tok[p, h, j]
         members[p, lw, free], cost[p, lw, free], tok[p, lw, free] = members[p, h, j], c, t
         members[p, h, j], cost[p, h, j], tok[p, h, j] = -1, 0, 0
@@ -546,11 +651,12 @@ def contiguous_groups(
     lo_ok = cut(lo)[1]
     hi = np.where(lo_ok, lo, hi)
     for _ in range(iterations):
-        if (hi - lo <= 1e-9 * hi).all():
+        open_ = hi - lo > 1e-9 * hi  # a converged pool stops: its cut never depends on the other pools
+        if not open_.any():
             break
         mid = (lo + hi) / 2
         ok = cut(mid)[1]
-        hi, lo = np.where(ok, mid, hi), np.where(ok, lo, mid)
+        hi, lo = np.where(open_ & ok, mid, hi), np.where(open_ & ~ok, mid, lo)
     starts, reached = cut(hi)
     feasible &= reached
     counts = np.diff(np.concatenate([starts, np.full((pools, 1), size)], axis=1), axis=1)
@@ -639,7 +745,7 @@ def pack_pools(
     count, size = pools.shape
     order = np.argsort(-lengths[pools], axis=1, kind="stable")
     ranked = np.take_along_axis(pools, order, axis=1)  # longest first
-    pool_lengths = lengths[ranked]
+    pool_lengths = lengths[ranked].astype(np.int64)
     if padded:
         padded_len = padded_lengths(pool_lengths, pad_multiple)
         unit = cost.sample(padded_len)
@@ -669,9 +775,18 @@ def pack_pools(
             members, feasible = pack_by_cost(
                 item_cost, pool_lengths, ranks, accum * max_samples, accum * max_tokens, min_samples=accum
             )
-            members = members[:, :, : min(accum * max_samples, int((members >= 0).sum(axis=2).max()) + 4)]
+            # a rank may grow by a few samples past the greedy packing's fullest: fewer slots to search; per pool,
+            # so that a pool's packing does not depend on the pools planned with it
+            room = np.minimum(accum * max_samples, (members >= 0).sum(axis=2).max(axis=1) + 4)
             members = refine_packing(
-                members, item_cost, pool_lengths, accum * max_samples, accum * max_tokens, rounds, min_samples=accum
+                members[:, :, : int(room.max())],
+                item_cost,
+                pool_lengths,
+                accum * max_samples,
+                accum * max_tokens,
+                rounds,
+                min_samples=accum,
+                room=room,
             )
             # each rank's samples (pool positions, longest first, -1 last) into its accum micro-batches
             local = members.reshape(count * ranks, -1)
@@ -693,17 +808,8 @@ def pack_pools(
 
 
 # ------------------------------------------------------------------------------------------------
-# the planner
+# the planner: the whole epoch for every rank (the reference), or a window of steps for one node
 # ------------------------------------------------------------------------------------------------
-def _megabatch_order(lengths: np.ndarray, local: int, mult: Optional[int], rng) -> np.ndarray:
-    n = len(lengths)
-    if mult is None:  # transformers' default in get_length_grouped_indices
-        mult = max(1, min(n // (local * 4), 50))
-    perm = rng.permutation(n)
-    megabatch = np.arange(n) // (mult * local)
-    return perm[np.lexsort((-lengths[perm], megabatch))]  # sorted descending within each mega-batch
-
-
 def packing_budget(lengths: np.ndarray, cfg: SamplerConfig, micro_batch: int, padded: bool) -> tuple[int, int]:
     """``(max samples, max tokens)`` of one packed micro-batch (``SamplerConfig`` defaults resolved), checked
     against the micro-batch and the longest sample."""
@@ -725,39 +831,278 @@ def packing_budget(lengths: np.ndarray, cfg: SamplerConfig, micro_batch: int, pa
     return max_samples, max_tokens
 
 
-def _pack_epoch(
-    pools: np.ndarray,
-    lengths: np.ndarray,
-    cfg: SamplerConfig,
-    *,
-    padded: bool,
-    ranks_per_node: int,
-    micro_batch: int,
-    grad_accum: int,
-) -> np.ndarray:
-    """Node pools ``[steps, nodes, P]`` → ``[steps, world, accum, slots]`` by :func:`pack_pools`."""
-    steps, nodes, size = pools.shape
-    max_samples, max_tokens = packing_budget(lengths, cfg, micro_batch, padded)
-    packed, feasible = pack_pools(
-        pools.reshape(steps * nodes, size),
+@dataclass(frozen=True)
+class EpochDraw:
+    """What one epoch's plan draws from besides the corpus: small, ``[steps, bins]`` at most."""
+
+    keys: np.ndarray
+    """``[streams, FEISTEL_ROUNDS]`` keys of the epoch's random orders: one over all samples, or one per bin."""
+    counts: Optional[np.ndarray] = None
+    """Stratified strategies: ``[steps, bins]`` samples per bin in every local batch of the step."""
+    taken: Optional[np.ndarray] = None
+    """… ``[steps, bins]``: samples each bin gave the steps before (``units ×`` the counts so far)."""
+
+
+Order = Callable[[np.ndarray], np.ndarray]  # positions of the epoch's random order -> sample indices
+
+
+class Planner:
+    """Plans of one corpus, world and batch shape: any window of steps of any epoch, for one node or all.
+
+    Built once (the bins, the steps per epoch, and for windows every bin's members); each epoch adds only its
+    :class:`EpochDraw`. :meth:`plan` is the whole epoch for every rank, by arrays of the whole epoch's order
+    (the reference); :meth:`window` plans a window of steps for one node from the order evaluated at the
+    positions the window needs. Both give the same rows. Thread-safe for concurrent windows (nothing is
+    written after construction but a cache of the last epochs' draws).
+    """
+
+    def __init__(
+        self,
         lengths,
-        ranks=ranks_per_node,
-        accum=grad_accum,
-        cost=cfg.cost_model,
-        padded=padded,
-        pad_multiple=cfg.pad_multiple,
-        max_samples=max_samples,
-        max_tokens=max_tokens,
-        each_micro_batch=cfg.balance_each_micro_batch,
-    )
-    if not feasible.all():
-        step, node = divmod(int(np.argmin(feasible)), nodes)
-        raise DataError(
-            f"sampler: step {step}, node {node}: its {size} samples do not fit {ranks_per_node} ranks × "
-            f"{grad_accum} micro-batches of at most {max_samples} samples and {max_tokens} tokens; raise "
-            "sampler.micro_batch_tokens or sampler.max_micro_batch_samples"
+        *,
+        world_size: int,
+        ranks_per_node: int,
+        micro_batch: int,
+        grad_accum: int,
+        strategy: Optional[str] = None,
+        cfg: Optional[SamplerConfig] = None,
+        seed: int = 0,
+        bin_edges: Optional[np.ndarray] = None,
+        windows: bool = True,
+    ):
+        cfg = cfg or SamplerConfig()
+        strategy = strategy or cfg.strategy
+        if strategy in PEER_STRATEGIES:
+            raise ConfigError(
+                f"sampler.strategy: {strategy!r} is another library's planner; "
+                "ds_bertopt.data.sampler.PlanBatchSampler runs it (a whole epoch at a time)"
+            )
+        if strategy not in STRATEGIES:
+            raise ConfigError(f"sampler.strategy: {strategy!r} is not one of {', '.join(STRATEGIES + PEER_STRATEGIES)}")
+        self.lengths = compact_lengths(lengths)
+        if world_size % ranks_per_node:
+            raise ConfigError(f"world size {world_size} is not a multiple of ranks per node {ranks_per_node}")
+        self.strategy, self.cfg, self.seed = strategy, cfg, seed
+        self.world_size, self.ranks_per_node = world_size, ranks_per_node
+        self.micro_batch, self.grad_accum = micro_batch, grad_accum
+        self.nodes = world_size // ranks_per_node
+        self.local = micro_batch * grad_accum
+        self.global_batch = world_size * self.local
+        n = len(self.lengths)
+        steps = n // self.global_batch
+        if steps == 0:
+            raise ConfigError(
+                f"the corpus has {n} training sequences, fewer than one global batch of {self.global_batch} "
+                f"(world {world_size} × accumulation {grad_accum} × micro-batch {micro_batch})"
+            )
+        self.edges = self.per_bin = self.totals = self.members = None
+        if strategy in STRATIFIED:
+            steps = self._resolve_bins(bin_edges, windows)
+        self.steps = steps
+        self.dropped = n - steps * self.global_batch
+        if strategy == "sorted_megabatch":  # transformers' default in get_length_grouped_indices
+            self.megabatch = self.local * (cfg.megabatch_mult or max(1, min(n // (self.local * 4), 50)))
+        if strategy in PACKED_STRATEGIES:
+            self.budget = packing_budget(self.lengths, cfg, micro_batch, strategy == "padded_node_balance")
+        self._draws: dict[int, EpochDraw] = {}
+
+    def _resolve_bins(self, bin_edges: Optional[np.ndarray], windows: bool) -> int:
+        """Bins, per-bin counts and (for windows) every bin's members; returns the steps per epoch."""
+        cfg, n = self.cfg, len(self.lengths)
+        histogram = length_histogram(self.lengths)
+        if bin_edges is not None:
+            edges = np.asarray(bin_edges, dtype=np.int64)
+        else:  # a bin loses up to world - 1 samples to rounding: on a corpus that small, fewer bins
+            default = max(1, min(cfg.num_bins, (n - self.global_batch) // self.world_size))
+            edges = resolve_bin_edges(self.lengths, cfg, default, histogram)
+        if cfg.bin_counts and sum(cfg.bin_counts) != self.local:
+            raise ConfigError(
+                f"sampler.bin_counts: they sum to {sum(cfg.bin_counts)}, but a local batch holds "
+                f"{self.local} samples (micro-batch {self.micro_batch} × accumulation {self.grad_accum})"
+            )
+        at_most = np.concatenate([[0], np.cumsum(histogram)])  # at_most[L + 1]: sequences of length <= L
+        below = lambda e: at_most[np.minimum(e, len(histogram) - 1) + 1]
+        per_bin = below(edges) - np.concatenate([[0], below(edges[:-1])])
+        units = self.world_size
+        capacity = per_bin // units  # what a bin can give every unit over the epoch
+        if cfg.bin_counts:
+            counts_row = np.asarray(cfg.bin_counts, dtype=np.int64)
+            used = counts_row > 0
+            steps = int(np.min(capacity[used] // counts_row[used]))
+        else:
+            steps = min(n // self.global_batch, int(capacity.sum()) // self.local)
+            if steps > 0:
+                self.totals = _apportion(steps * self.local, per_bin.astype(np.float64), capacity)
+        if steps == 0:
+            raise DataError(
+                f"sampler: the length bins {edges.tolist()} hold {per_bin.tolist()} sequences, too few for "
+                f"one step of {units} × {self.local} with the bin counts"
+            )
+        self.edges, self.per_bin = edges, per_bin
+        self.bin_start = np.concatenate([[0], np.cumsum(per_bin)[:-1]])
+        if windows:
+            self.members = BinMembers(self.lengths, edges, per_bin)
+        return steps
+
+    # --- one epoch's draw ---------------------------------------------------------------------------
+    def draw(self, epoch: int) -> EpochDraw:
+        """The epoch's bin counts and permutation keys (cached for the last two epochs)."""
+        cached = self._draws.get(epoch)
+        if cached is not None:
+            return cached
+        rng = epoch_rng(self.seed, epoch)
+        if self.edges is None:
+            out = EpochDraw(permutation_keys(rng, 1))
+        else:
+            if self.cfg.bin_counts:
+                counts = np.repeat(np.asarray(self.cfg.bin_counts, dtype=np.int64)[None, :], self.steps, axis=0)
+            else:
+                counts = step_bin_counts(self.totals, self.steps, rng)
+            keys = permutation_keys(rng, len(self.edges))
+            out = EpochDraw(keys, counts, self.world_size * (np.cumsum(counts, axis=0) - counts))
+        self._draws[epoch] = out
+        for old in [e for e in list(self._draws) if e < epoch - 1]:
+            self._draws.pop(old, None)
+        return out
+
+    def _lazy_order(self, draw: EpochDraw) -> Order:
+        """The epoch's order evaluated where asked (windows)."""
+        if self.edges is None:
+            return lambda positions: keyed_permutation(positions, len(self.lengths), draw.keys[0])
+
+        def order(positions: np.ndarray) -> np.ndarray:
+            flat = positions.ravel()
+            which = np.searchsorted(self.bin_start, flat, side="right") - 1  # empty bins share the next one's start
+            rank = flat - self.bin_start[which]
+            for b in np.unique(which):
+                here = which == b
+                rank[here] = keyed_permutation(rank[here], int(self.per_bin[b]), draw.keys[b])
+            return self.members[self.bin_start[which] + rank].reshape(positions.shape)
+
+        return order
+
+    def _full_order(self, draw: EpochDraw) -> Order:
+        """The epoch's order as one array of every sample (the reference)."""
+        n = len(self.lengths)
+        if self.edges is None:
+            return keyed_permutation(np.arange(n), n, draw.keys[0]).__getitem__
+        members = np.argsort(bin_index(self.lengths, self.edges), kind="stable")  # bin-major, corpus order within
+        for b, (start, size) in enumerate(zip(self.bin_start, self.per_bin)):
+            segment = members[start : start + size]
+            segment[:] = segment[keyed_permutation(np.arange(size), int(size), draw.keys[b])]
+        return members.__getitem__
+
+    def _positions(self, draw: EpochDraw, steps: np.ndarray, units: np.ndarray) -> np.ndarray:
+        """``[steps, units, local]`` positions of the stratified draw in the bin-major order: step ``s``, bin ``b``
+        hands out its next ``world × c[s, b]`` samples, unit ``u`` the ``u``-th run of ``c[s, b]``."""
+        counts = draw.counts[steps]
+        col_end = np.cumsum(counts, axis=1)
+        slot = np.arange(self.local)
+        col_bin = (slot[None, :, None] >= col_end[:, None, :]).sum(axis=2)  # [steps, local]
+        rows = np.arange(len(steps))[:, None]
+        count = counts[rows, col_bin]
+        col_in_bin = slot[None, :] - (col_end - counts)[rows, col_bin]
+        base = self.bin_start[col_bin] + draw.taken[steps][rows, col_bin] + col_in_bin
+        return base[:, None, :] + units[None, :, None] * count[:, None, :]
+
+    # --- rows of steps ------------------------------------------------------------------------------
+    def rows(self, epoch: int, start: int, stop: int, node: Optional[int], order: Order) -> np.ndarray:
+        """Steps ``[start, stop)`` of ``epoch``: ``[steps, ranks, grad_accum, slots]`` for ``node``'s ranks
+        (``None``: every rank), from the epoch's order ``order``."""
+        draw = self.draw(epoch)
+        lengths, cfg, G, local = self.lengths, self.cfg, self.global_batch, self.local
+        micro, accum, rpn, world = self.micro_batch, self.grad_accum, self.ranks_per_node, self.world_size
+        steps = np.arange(start, stop)
+        first, ranks = (0, world) if node is None else (node * rpn, rpn)
+        shape = (len(steps), ranks, accum, micro)
+        strategy = self.strategy
+        if strategy == "random":
+            return order(steps[:, None] * G + first * local + np.arange(ranks * local)).reshape(shape)
+        if strategy == "sorted_megabatch":
+            size = self.megabatch  # whole mega-batches around the steps: each is sorted as a whole
+            lo, hi = start * G // size * size, min(len(lengths), -(-stop * G // size) * size)
+            span = np.arange(lo, hi)
+            samples = order(span)
+            ordered = samples[np.lexsort((-lengths[samples], span // size))]  # descending within each mega-batch
+            # micro-batch j goes to rank j % world; a rank's consecutive micro-batches fill its accumulation slots
+            taken = ordered[start * G - lo : stop * G - lo].reshape(len(steps), accum, world, micro)
+            return np.ascontiguousarray(taken.transpose(0, 2, 1, 3)[:, first : first + ranks])
+        if strategy == "global_sort":
+            pools = order(steps[:, None] * G + np.arange(G))
+            dealt = deal(pools, lengths, ranks=world, micro=micro, accum=accum, method="snake", cost=cfg.cost_model)
+            return dealt[:, first : first + ranks]
+        if strategy in ("stratified", "stratified_node_sort"):  # the node's own units of the per-rank draw
+            drawn = order(self._positions(draw, steps, np.arange(first, first + ranks)))
+            if strategy == "stratified":
+                return sort_within_rank(drawn, lengths, accum, micro)
+            pools = drawn.reshape(len(steps), ranks // rpn, rpn * local)
+            snake = deal(pools, lengths, ranks=rpn, micro=micro, accum=accum, method="snake", cost=cfg.cost_model)
+            return snake.reshape(shape)
+        # node pools: every node's share of the whole step (split_across_nodes sorts the step's global batch)
+        drawn = order(self._positions(draw, steps, np.arange(world))).reshape(len(steps), G)
+        pools = split_across_nodes(drawn, lengths, self.nodes, cfg.cost_model)
+        pools = pools if node is None else pools[:, node : node + 1]
+        if strategy in PACKED_STRATEGIES:
+            return self._pack(pools, start, node)
+        dealt = deal(
+            pools,
+            lengths,
+            ranks=rpn,
+            micro=micro,
+            accum=accum,
+            method="balance",
+            cost=cfg.cost_model,
+            padded=cfg.padded,
+            pad_multiple=cfg.pad_multiple,
+            each_micro_batch=cfg.balance_each_micro_batch,
         )
-    return packed.reshape(steps, nodes * ranks_per_node, grad_accum, -1)
+        return dealt.reshape(shape)
+
+    def _pack(self, pools: np.ndarray, start: int, node: Optional[int]) -> np.ndarray:
+        """Node pools ``[steps, nodes, P]`` → ``[steps, nodes × ranks, accum, slots]`` by :func:`pack_pools`."""
+        steps, nodes, size = pools.shape
+        max_samples, max_tokens = self.budget
+        packed, feasible = pack_pools(
+            pools.reshape(steps * nodes, size),
+            self.lengths,
+            ranks=self.ranks_per_node,
+            accum=self.grad_accum,
+            cost=self.cfg.cost_model,
+            padded=self.strategy == "padded_node_balance",
+            pad_multiple=self.cfg.pad_multiple,
+            max_samples=max_samples,
+            max_tokens=max_tokens,
+            each_micro_batch=self.cfg.balance_each_micro_batch,
+        )
+        if not feasible.all():
+            step, index = divmod(int(np.argmin(feasible)), nodes)
+            raise DataError(
+                f"sampler: step {start + step}, node {index if node is None else node}: its {size} samples do not "
+                f"fit {self.ranks_per_node} ranks × {self.grad_accum} micro-batches of at most {max_samples} samples "
+                f"and {max_tokens} tokens; raise sampler.micro_batch_tokens or sampler.max_micro_batch_samples"
+            )
+        return packed.reshape(steps, nodes * self.ranks_per_node, self.grad_accum, -1)
+
+    def window(self, epoch: int, index: int, size: int, node: int) -> np.ndarray:
+        """Window ``index`` (steps ``[index × size, (index + 1) × size)``, the last one shorter) of ``epoch``
+        for ``node``'s ranks: ``[steps, ranks_per_node, grad_accum, slots]``."""
+        start = index * size
+        if not 0 <= start < self.steps:
+            raise ValueError(f"window {index} of {size} steps is outside the epoch's {self.steps} steps")
+        if self.edges is not None and self.members is None:
+            raise ValueError("this planner was built without windows (windows=False)")
+        return self.rows(epoch, start, min(self.steps, start + size), node, self._lazy_order(self.draw(epoch)))
+
+    def plan(self, epoch: int) -> Plan:
+        """The whole epoch for every rank, by arrays of the epoch's whole order: the global reference."""
+        draw = self.draw(epoch)
+        indices = self.rows(epoch, 0, self.steps, None, self._full_order(draw))
+        if self.edges is None:
+            return Plan(indices, self.dropped, self.strategy)
+        by_node = self.strategy in NODE_POOLED
+        counts = draw.counts * (self.ranks_per_node if by_node else 1)
+        stratum = "node" if by_node else "rank"
+        return Plan(indices, self.dropped, self.strategy, bin_edges=self.edges, bin_counts=counts, stratum=stratum)
 
 
 def plan_epoch(
@@ -773,110 +1118,21 @@ def plan_epoch(
     epoch: int = 0,
     bin_edges: Optional[np.ndarray] = None,
 ) -> Plan:
-    """The plan of one epoch (see the module docstring). ``strategy`` overrides ``cfg.strategy``.
+    """The plan of one epoch for every rank (see the module docstring). ``strategy`` overrides ``cfg.strategy``.
 
-    ``bin_edges`` lets a caller that plans many epochs resolve quantile bins once.
+    ``bin_edges`` lets a caller that plans many epochs resolve quantile bins once. Every rank would build
+    the whole epoch here: training plans windows instead (:meth:`Planner.window`, the same rows).
     """
-    cfg = cfg or SamplerConfig()
-    strategy = strategy or cfg.strategy
-    if strategy in PEER_STRATEGIES:  # the peers module drives other libraries' planners (and imports this one)
-        from .peers import hf_batch_rebalance_plan
-
-        return hf_batch_rebalance_plan(
-            np.asarray(lengths, dtype=np.int64),
-            world_size=world_size,
-            micro_batch=micro_batch,
-            grad_accum=grad_accum,
-            seed=seed,
-            epoch=epoch,
-        )[0]
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"sampler.strategy: {strategy!r} is not one of {', '.join(STRATEGIES + PEER_STRATEGIES)}")
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.ndim != 1 or len(lengths) == 0 or lengths.min() < 1:
-        raise DataError("sampler: lengths must be a non-empty 1-D array of positive sequence lengths")
-    if world_size % ranks_per_node:
-        raise ConfigError(f"world size {world_size} is not a multiple of ranks per node {ranks_per_node}")
-    n = len(lengths)
-    local = micro_batch * grad_accum
-    global_batch = world_size * local
-    steps = n // global_batch
-    if steps == 0:
-        raise ConfigError(
-            f"the corpus has {n} training sequences, fewer than one global batch of {global_batch} "
-            f"(world {world_size} × accumulation {grad_accum} × micro-batch {micro_batch})"
-        )
-    rng = epoch_rng(seed, epoch)
-    used = steps * global_batch
-    shape = (steps, world_size, grad_accum, micro_batch)
-
-    if strategy == "random":
-        return Plan(rng.permutation(n)[:used].reshape(shape), n - used, strategy)
-    if strategy == "sorted_megabatch":
-        order = _megabatch_order(lengths, local, cfg.megabatch_mult, rng)[:used]
-        # micro-batch j goes to rank j % world; a rank's consecutive micro-batches fill its accumulation slots
-        dealt = order.reshape(steps, grad_accum, world_size, micro_batch).transpose(0, 2, 1, 3)
-        return Plan(np.ascontiguousarray(dealt), n - used, strategy)
-    if strategy == "global_sort":
-        pools = rng.permutation(n)[:used].reshape(steps, global_batch)
-        dealt = deal(
-            pools, lengths, ranks=world_size, micro=micro_batch, accum=grad_accum, method="snake", cost=cfg.cost_model
-        )
-        return Plan(dealt.reshape(shape), n - used, strategy)
-
-    nodes = world_size // ranks_per_node
-    by_node = strategy == "stratified_node_balance" or strategy in PACKED_STRATEGIES
-    if bin_edges is not None:
-        edges = np.asarray(bin_edges, dtype=np.int64)
-    else:  # a bin loses up to world - 1 samples to rounding: on a corpus that small, fewer bins
-        edges = resolve_bin_edges(
-            lengths, cfg, default_bins=max(1, min(cfg.num_bins, (n - global_batch) // world_size))
-        )
-    if cfg.bin_counts and sum(cfg.bin_counts) != local:
-        raise ConfigError(
-            f"sampler.bin_counts: they sum to {sum(cfg.bin_counts)}, but a local batch holds "
-            f"{local} samples (micro-batch {micro_batch} × accumulation {grad_accum})"
-        )
-    # per-rank draw: the global batch of a step does not depend on the node size
-    drawn, counts, dropped = stratified_draw(lengths, edges, cfg.bin_counts or None, world_size, local, rng)
-    if strategy == "stratified":
-        indices = sort_within_rank(drawn, lengths, grad_accum, micro_batch)
-    elif strategy == "stratified_node_sort":
-        pools = drawn.reshape(len(drawn), nodes, ranks_per_node * local)
-        indices = deal(
-            pools,
-            lengths,
-            ranks=ranks_per_node,
-            micro=micro_batch,
-            accum=grad_accum,
-            method="snake",
-            cost=cfg.cost_model,
-        ).reshape(len(drawn), *shape[1:])
-    elif strategy in PACKED_STRATEGIES:
-        pools = split_across_nodes(drawn.reshape(len(drawn), global_batch), lengths, nodes, cfg.cost_model)
-        indices = _pack_epoch(
-            pools,
-            lengths,
-            cfg,
-            padded=strategy == "padded_node_balance",
-            ranks_per_node=ranks_per_node,
-            micro_batch=micro_batch,
-            grad_accum=grad_accum,
-        )
-        counts = counts * ranks_per_node
-    else:
-        pools = split_across_nodes(drawn.reshape(len(drawn), global_batch), lengths, nodes, cfg.cost_model)
-        indices = deal(
-            pools,
-            lengths,
-            ranks=ranks_per_node,
-            micro=micro_batch,
-            accum=grad_accum,
-            method="balance",
-            cost=cfg.cost_model,
-            padded=cfg.padded,
-            pad_multiple=cfg.pad_multiple,
-            each_micro_batch=cfg.balance_each_micro_batch,
-        ).reshape(len(drawn), *shape[1:])
-        counts = counts * ranks_per_node
-    return Plan(indices, dropped, strategy, bin_edges=edges, bin_counts=counts, stratum="node" if by_node else "rank")
+    planner = Planner(
+        lengths,
+        world_size=world_size,
+        ranks_per_node=ranks_per_node,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        strategy=strategy,
+        cfg=cfg,
+        seed=seed,
+        bin_edges=bin_edges,
+        windows=False,
+    )
+    return planner.plan(epoch)

@@ -11,6 +11,7 @@ from transformers.utils import ModelOutput
 
 from ..errors import ConfigError
 from ..log import print0
+from .local import check_model_dir
 
 
 def build_pretraining_model(model_cfg, tokenizer, max_seq_length: int):
@@ -24,9 +25,8 @@ def build_pretraining_model(model_cfg, tokenizer, max_seq_length: int):
     cls = BertForPreTraining if model_cfg.objective == "mlm_nsp" else BertForMaskedLM
     vocab = len(tokenizer)
     if model_cfg.init_checkpoint:
-        path = os.path.expanduser(model_cfg.init_checkpoint)
-        if not os.path.isdir(path):
-            raise ConfigError(f"model.init_checkpoint: {path} is not a directory")
+        path = os.path.abspath(os.path.expanduser(model_cfg.init_checkpoint))
+        check_model_dir(path, "model.init_checkpoint")  # an empty directory is not read as BERT's defaults
         config = BertConfig.from_pretrained(path)
         if config.vocab_size != vocab:
             raise ConfigError(

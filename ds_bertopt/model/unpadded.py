@@ -15,7 +15,9 @@ Attention backends (``packed_attention``):
   dropout active (training, ``attention_probs_dropout_prob > 0``) we call the op it wraps,
   ``torch.ops.aten._flash_attention_forward``, with ``dropout_p`` (private, but differentiable through
   its ``derivatives.yaml`` entry). Each variant is probed once per (device, dtype, head_dim) with a tiny
-  forward + backward (one host sync, once); a failure warns once and falls back to ``sdpa_loop``.
+  forward + backward (one host sync, once); a failure warns once and falls back to ``sdpa_loop``. ``UnpaddedBert``
+  probes eagerly in ``choose_attention`` (the training loop calls it once the engine placed the model, and rank 0
+  logs the choice), never inside a forward that may be checkpointed.
 * ``sdpa_loop`` (CPU, and any CUDA case flash cannot take, e.g. fp32): one exact
   ``scaled_dot_product_attention`` call per sequence on ``split`` views of the packed tensors (no
   copies in, one ``cat`` out, no mask, no padding). On CPU this measured fastest among the exact
@@ -133,10 +135,15 @@ def varlen_flash_attention(
 _VARLEN_PROBES: dict = {}
 
 
+def varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether flash varlen can take this case at all: CUDA, fp16/bf16, a head size flash takes."""
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+
+
 def varlen_usable(device: torch.device, dtype: torch.dtype, head_dim: int, with_dropout: bool) -> bool:
-    """Whether ``varlen_flash_attention`` runs here: CUDA, fp16/bf16, a head size flash takes, and a
-    tiny forward + backward that succeeds (probed once per combination; one host sync, once)."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256:
+    """Whether ``varlen_flash_attention`` runs here: :func:`varlen_supported`, and a tiny forward + backward that
+    succeeds (probed once per combination; one host sync, once)."""
+    if not varlen_supported(device, dtype, head_dim):
         return False
     probe_key = (str(device), dtype, head_dim, with_dropout)
     if probe_key not in _VARLEN_PROBES:
@@ -242,6 +249,39 @@ class UnpaddedBert(torch.nn.Module):
         self.nsp = isinstance(model, BertForPreTraining)
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
+        self._backends: dict[tuple, str] = {}  # (device, dtype, with dropout) -> "varlen" | "sdpa_loop"
+
+    def choose_attention(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> str:
+        """Decide the attention kernel for ``device``/``dtype`` (default: the parameters'), probing flash varlen
+        now, eagerly and outside any autograd graph, never inside a (checkpointed) forward; returns one line for
+        the log. Called once after the engine has placed the model; a forward in another dtype (autocast)
+        decides for that dtype before its first layer."""
+        param = next(self.model.parameters())
+        device, dtype = device or param.device, dtype or param.dtype
+        variants = (False, True) if self.model.config.attention_probs_dropout_prob > 0 else (False,)
+        chosen = [self._backend(device, dtype, with_dropout) for with_dropout in variants]
+        names = {"varlen": "flash varlen", "sdpa_loop": "exact per-sequence SDPA loop"}
+        what = " / ".join(dict.fromkeys(names[c] for c in chosen))
+        return (
+            f"unpadded attention: {what} ({device.type}, {str(dtype).replace('torch.', '')}, head_dim {self.head_dim})"
+        )
+
+    def _backend(self, device: torch.device, dtype: torch.dtype, with_dropout: bool) -> str:
+        key = (str(device), dtype, with_dropout)
+        if key not in self._backends:
+            if self.attention == "sdpa_loop":
+                backend = "sdpa_loop"
+            elif varlen_usable(device, dtype, self.head_dim, with_dropout):
+                backend = "varlen"
+            elif self.attention == "varlen":
+                raise RuntimeError(
+                    f"UnpaddedBert: attention 'varlen' is unusable for {dtype} on {device} (needs CUDA, fp16/bf16, "
+                    f"head_dim a multiple of 8 up to 256; see the warning above for a failed probe)"
+                )
+            else:
+                backend = "sdpa_loop"
+            self._backends[key] = backend
+        return self._backends[key]
 
     def forward(
         self,
@@ -283,6 +323,10 @@ class UnpaddedBert(torch.nn.Module):
         hidden = bert.embeddings(
             input_ids=input_ids[None], token_type_ids=token_type_ids[None], position_ids=position_ids[None]
         )[0]
+        dropout = self.training and self.model.config.attention_probs_dropout_prob > 0
+        device_type = hidden.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+        backend = self._backend(hidden.device, dtype, dropout)  # decided here, before any checkpointed layer
         for layer in bert.encoder.layer:
             if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
                 # the function activation_checkpointing_enable() set (its kwargs, offload, every_n_layers), as
@@ -290,9 +334,11 @@ class UnpaddedBert(torch.nn.Module):
                 checkpoint = getattr(layer, "_gradient_checkpointing_func", None) or functools.partial(
                     torch.utils.checkpoint.checkpoint, use_reentrant=False
                 )
-                hidden = checkpoint(self._layer_forward, layer, hidden, cu_seqlens, max_seqlen, tuple(seq_lengths))
+                hidden = checkpoint(
+                    self._layer_forward, layer, hidden, cu_seqlens, max_seqlen, tuple(seq_lengths), backend
+                )
             else:
-                hidden = self._layer_forward(layer, hidden, cu_seqlens, max_seqlen, seq_lengths)
+                hidden = self._layer_forward(layer, hidden, cu_seqlens, max_seqlen, seq_lengths, backend)
 
         target = labels.index_select(0, masked_positions)
         mlm_logits = self.model.cls.predictions(hidden.index_select(0, masked_positions))
@@ -313,7 +359,13 @@ class UnpaddedBert(torch.nn.Module):
         )
 
     def _layer_forward(
-        self, layer, hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, seq_lengths: Sequence[int]
+        self,
+        layer,
+        hidden: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        seq_lengths: Sequence[int],
+        backend: str,
     ) -> torch.Tensor:
         """``BertLayer.forward`` on ``[T, hidden]``: ``BertSelfAttention``'s projections (heads split as
         its ``view(*input_shape, -1, head_size)``), packed attention with its ``scaling`` and, in
@@ -335,7 +387,7 @@ class UnpaddedBert(torch.nn.Module):
             seq_lengths,
             dropout_p=dropout_p,
             scale=self_attn.scaling,
-            backend=self.attention,
+            backend=backend,
         )
         attention_output = layer.attention.output(context.reshape(tokens, -1), hidden)
         return layer.feed_forward_chunk(attention_output)
@@ -351,5 +403,6 @@ __all__ = [
     "sequence_lengths",
     "token_counts",
     "varlen_flash_attention",
+    "varlen_supported",
     "varlen_usable",
 ]

@@ -157,8 +157,36 @@ def _deepspeed_fused_adam(groups: list[dict], cfg: OptimizerConfig, lr: float):
     return FusedAdam(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, adam_w_mode=True)
 
 
-def _build_adamw(model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float) -> torch.optim.Optimizer:
+def _deepspeed_cpu_adam(groups: list[dict], cfg: OptimizerConfig, lr: float):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, adamw_mode=True)
+
+
+def _build_offloaded_adamw(groups: list[dict], cfg: OptimizerConfig, *, lr: float) -> torch.optim.Optimizer:
+    """ZeRO-Offload steps the fp32 partitions on the host: a GPU kernel (FusedAdam) cannot run there, and DeepSpeed
+    refuses any client optimizer but its ``DeepSpeedCPUAdam`` unless told otherwise
+    (``DeepSpeedEngine._configure_optimizer``: ``zero_force_ds_cpu_optimizer``, which ``engine.initialize`` turns
+    off for torch's). ``auto``/``torch``: torch's fused CPU AdamW (no JIT build on the nodes); ``deepspeed``:
+    ``DeepSpeedCPUAdam`` (JIT-built once per node)."""
+    if cfg.implementation == "deepspeed":
+        try:
+            optimizer = _deepspeed_cpu_adam(groups, cfg, lr)
+        except Exception as exc:  # noqa: BLE001 - the op is JIT-built; any build failure lands here
+            raise ConfigError(
+                f"optimizer.implementation: DeepSpeedCPUAdam (for ZeRO-Offload) could not be built: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from None
+        print0("AdamW: DeepSpeedCPUAdam on the host (ZeRO-Offload)")
+        return optimizer
+    print0("AdamW: torch fused, on the host (ZeRO-Offload steps the fp32 partitions there)")
+    return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, fused=True)
+
+
+def _build_adamw(model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float, offload: bool) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
+    if offload:
+        return _build_offloaded_adamw(groups, cfg, lr=lr)
     device_type = _target_device_type(model)
     want_deepspeed = cfg.implementation == "deepspeed" or (cfg.implementation == "auto" and device_type == "cuda")
     if want_deepspeed:
@@ -183,27 +211,45 @@ def _build_adamw(model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float) -> 
 
 
 def build_optimizer(
-    model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float, zero_stage: int = 0, bucket_clip: bool = False
+    model: torch.nn.Module,
+    cfg: OptimizerConfig,
+    *,
+    lr: float,
+    zero_stage: int = 0,
+    bucket_clip: bool = False,
+    offload: bool = False,
 ) -> torch.optim.Optimizer:
-    """The optimizer ``cfg`` asks for over ``model``'s decay / no-decay groups, at peak ``lr``."""
+    """The optimizer ``cfg`` asks for over ``model``'s decay / no-decay groups, at peak ``lr``; ``offload``:
+    ZeRO-Offload steps it on the host."""
     if cfg.type == "lamb":
+        if offload:  # also refused by the pre-flight (engine.check_combinations), for callers that skip it
+            raise ConfigError(LAMB_OFFLOAD_REFUSAL)
         return _build_lamb(model, cfg, lr=lr, zero_stage=zero_stage, bucket_clip=bucket_clip)
-    return _build_adamw(model, cfg, lr=lr)
+    return _build_adamw(model, cfg, lr=lr, offload=offload)
 
 
-def build(model: torch.nn.Module, bertopt, *, global_batch: int, zero_stage: int):
+LAMB_OFFLOAD_REFUSAL = (
+    'optimizer.type: "lamb" is not supported with zero_optimization.offload_optimizer (its per-layer norms are '
+    'all-reduced from host memory, which NCCL cannot do); drop offload_optimizer, or use type "adamw"'
+)
+
+
+def build(model: torch.nn.Module, bertopt, *, global_batch: int, zero_stage: int, offload: bool = False):
     """Optimizer and LR scheduler for ``model`` from the ``"bertopt"`` section.
 
     The single entry point the training loops call; returns ``(optimizer, lr_scheduler)`` to pass
     to ``ds_bertopt.engine.initialize(optimizer=..., lr_scheduler=...)``. ``global_batch`` is the
-    number of sequences per optimizer step (DeepSpeed's ``train_batch_size``).
+    number of sequences per optimizer step (DeepSpeed's ``train_batch_size``); ``offload``: DeepSpeed's part has
+    ZeRO-Offload of the optimizer (``ds_bertopt.dsconfig.optimizer_offload``).
     """
     if global_batch <= 0:
         raise ConfigError(f"train_batch_size: must be positive, got {global_batch}")
     ocfg, scfg = bertopt.optimizer, bertopt.schedule
     lr = scale_lr(ocfg.lr, global_batch, scfg)
     print0(f"optimizer {ocfg.type}: {describe_lr(ocfg.lr, global_batch, scfg)}")
-    optimizer = build_optimizer(model, ocfg, lr=lr, zero_stage=zero_stage, bucket_clip=bertopt.bucket_clip.enabled)
+    optimizer = build_optimizer(
+        model, ocfg, lr=lr, zero_stage=zero_stage, bucket_clip=bertopt.bucket_clip.enabled, offload=offload
+    )
     if bertopt.train.max_steps is None:
         raise ConfigError(
             "train.max_steps: the learning-rate schedule needs the run's length in steps (the training "

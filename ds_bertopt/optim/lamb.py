@@ -7,6 +7,11 @@ The math is a set of pure functions over lists of tensors (vectorised with ``tor
 * :func:`trust_ratios` — ``‖w‖/‖u‖`` per layer, 1 where either norm is 0, optionally clamped;
 * :func:`lamb_update` — the whole step, with an optional ``allreduce`` of the per-layer sums.
 
+Two implementations of the same step (``kernel``): on contiguous fp32 CPU tensors ``"fused"`` runs
+:mod:`.lamb_kernel`'s two passes over memory (moments + per-piece sums, then the scaled update); elsewhere (CUDA,
+other dtypes, no C compiler) ``"foreach"`` runs the ``torch._foreach_*`` functions below. ``"auto"`` picks the
+first that applies. Neither reads a value back on the host: the clip factor and the ratios stay tensors.
+
 A *layer* is one model parameter. Normally each tensor the optimizer holds is a whole layer. Under
 DeepSpeed ZeRO 1/2 it holds one flat fp32 shard per param group instead, and each layer is a
 fragment of some rank's shard: :class:`Layout` says where, the per-layer sums are all-reduced over
@@ -17,14 +22,19 @@ from :func:`ds_bertopt.optim.zero.attach_lamb`, which ``ds_bertopt.engine.attach
 
 from __future__ import annotations
 
+import array
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from . import lamb_kernel
+
 Tensors = Sequence[torch.Tensor]
+Scale = Union[float, torch.Tensor]
+KERNELS = ("auto", "fused", "foreach")
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,7 @@ class Layout:
     group: object = None
     """Process group over which the per-layer sums are all-reduced; None: no reduction."""
     _index: dict = field(default_factory=dict, repr=False)
+    _plans: dict = field(default_factory=dict, repr=False)
 
     @staticmethod
     def whole(tensors: Tensors) -> "Layout":
@@ -62,6 +73,43 @@ class Layout:
         if key not in self._index:
             self._index[key] = torch.tensor([f.layer for f in self.fragments], dtype=torch.long, device=device)
         return self._index[key]
+
+    def plan(self, threads: int) -> lamb_kernel.Plan:
+        """The fragments as the fused kernel's piece table for ``threads`` (cached)."""
+        if threads not in self._plans:
+            self._plans[threads] = lamb_kernel.plan(
+                [(f.tensor, f.start, f.numel, f.layer) for f in self.fragments], threads
+            )
+        return self._plans[threads]
+
+
+def _fused_step(kernel: str, layout: Layout, tensors: tuple, coefficients: list) -> Optional[lamb_kernel.Step]:
+    """The fused kernel's step over ``tensors`` (params, grads, moments), or None for the foreach path:
+    ``"auto"`` takes the kernel where it applies and builds, ``"fused"`` insists on it, ``"foreach"`` never."""
+    if kernel not in KERNELS:
+        raise ValueError(f"LAMB kernel {kernel!r}: use one of {', '.join(KERNELS)}")
+    found = lamb_kernel.addresses(*tensors) if kernel != "foreach" else None
+    if found is not None and lamb_kernel.library() is not None:
+        return lamb_kernel.Step(layout.plan(lamb_kernel.threads()), tensors, found, coefficients)
+    if kernel == "fused":
+        problem = lamb_kernel.unavailable_reason()
+        raise RuntimeError(
+            'LAMB kernel "fused" requested but '
+            + (
+                f"the fused CPU kernel is unavailable ({problem})"
+                if problem
+                else "it steps contiguous fp32 CPU tensors only"
+            )
+        )
+    return None
+
+
+def _bias_terms(steps: Sequence[int], beta1: float, beta2: float, bias_correction: bool):
+    """Per tensor ``√(1−β₂ᵗ)`` and ``√(1−β₂ᵗ)/(1−β₁ᵗ)``: m̂/(√v̂ + ε) = factor · m/(√v + ε√(1−β₂ᵗ))."""
+    if not bias_correction:
+        return [1.0] * len(steps), [1.0] * len(steps)
+    terms = {t: (math.sqrt(1.0 - beta2**t), math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)) for t in set(steps)}
+    return [terms[t][0] for t in steps], [terms[t][1] for t in steps]
 
 
 def adam_directions(
@@ -76,17 +124,27 @@ def adam_directions(
     eps: float,
     weight_decay: float,
     bias_correction: bool,
-    grad_scale: float = 1.0,
+    grad_scale: Scale = 1.0,
     scratch: Optional[tuple[Tensors, Tensors]] = None,
 ) -> list[torch.Tensor]:
     """Advance the moments in place with ``grad_scale × grad``; return ``m̂/(√v̂ + ε) + λw``.
 
     ``steps`` are the step numbers (1-based, after this step) used for bias correction.
+    ``grad_scale``: a number, or a 0-d tensor (the clip factor, never read on the host).
     ``scratch``: two buffer lists shaped like ``params`` to compute into (the result is the
     second); without it the temporaries are allocated.
     """
     # Few passes over memory (CPU steps are bandwidth-bound): m by lerp, bias corrections folded
     # into ε and one per-tensor factor, u = λw + factor·m/(√v + ε') by one addcdiv.
+    if isinstance(grad_scale, torch.Tensor):  # scaled gradients (into the √v buffer, free until the moments are done)
+        grad_scale = grad_scale.to(grads[0].device) if grads else grad_scale
+        if scratch is None:
+            grads = torch._foreach_mul(list(grads), grad_scale)
+        else:
+            for g, d in zip(grads, scratch[0]):
+                torch.mul(g, grad_scale, out=d)
+            grads = scratch[0]
+        grad_scale = 1.0
     if grad_scale == 1.0:
         torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     else:
@@ -94,9 +152,7 @@ def adam_directions(
         torch._foreach_add_(exp_avgs, grads, alpha=(1.0 - beta1) * grad_scale)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=(1.0 - beta2) * grad_scale * grad_scale)
-    # m̂/(√v̂ + ε) = (√(1−β₂ᵗ)/(1−β₁ᵗ)) · m/(√v + ε√(1−β₂ᵗ))
-    bc2_sqrt = [math.sqrt(1.0 - beta2**t) if bias_correction else 1.0 for t in steps]
-    factors = [b / (1.0 - beta1**t) if bias_correction else 1.0 for b, t in zip(bc2_sqrt, steps)]
+    bc2_sqrt, factors = _bias_terms(steps, beta1, beta2, bias_correction)
     if scratch is None:
         denom = torch._foreach_sqrt(exp_avg_sqs)
         updates = torch._foreach_mul(params, weight_decay)
@@ -141,12 +197,10 @@ def trust_ratios(
     1 where either norm is 0 (a zero layer, e.g. a fresh bias, or a zero update: nothing to scale
     against); only computed ratios are clamped to ``[min_ratio, max_ratio]``.
     """
-    weight_norm, update_norm = weight_sq.sqrt(), update_sq.sqrt()
-    usable = (weight_norm > 0) & (update_norm > 0)
-    ratio = weight_norm / torch.where(usable, update_norm, torch.ones_like(update_norm))
+    ratio = (weight_sq / update_sq).sqrt()  # inf/nan where a norm is 0: replaced below
     if min_ratio is not None or max_ratio is not None:
         ratio = ratio.clamp(min=min_ratio, max=max_ratio)
-    return torch.where(usable, ratio, torch.ones_like(ratio))
+    return torch.where((weight_sq > 0) & (update_sq > 0), ratio, 1.0)
 
 
 def lamb_update(
@@ -162,22 +216,40 @@ def lamb_update(
     eps: float,
     weight_decay: float,
     bias_correction: bool,
-    grad_scale: float = 1.0,
+    grad_scale: Scale = 1.0,
     adapt: bool = True,
     min_trust_ratio: Optional[float] = None,
     max_trust_ratio: Optional[float] = None,
     layout: Optional[Layout] = None,
     allreduce: Optional[Callable[[torch.Tensor], None]] = None,
-    scratch: Optional[tuple[Tensors, Tensors]] = None,
+    scratch=None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
-    """One LAMB step on ``params`` in place; returns the per-layer trust ratios used.
+    """One LAMB step on ``params`` in place; returns the per-layer trust ratios used (float64, on the device).
 
     ``layout`` (default: each tensor a whole layer) says which layer each fragment belongs to;
     ``allreduce`` sums the ``[2, num_layers]`` float64 norm tensor in place across the ranks that
-    hold the other fragments. With ``adapt=False`` the ratio is 1 (plain AdamW step). ``scratch``
-    as in :func:`adam_directions`.
+    hold the other fragments. With ``adapt=False`` the ratio is 1 (plain AdamW step). ``grad_scale``: a number or
+    a 0-d tensor. ``kernel``: ``"auto"`` (the fused CPU kernel where it applies and builds, else foreach),
+    ``"fused"`` (insist) or ``"foreach"``. ``scratch``: as in :func:`adam_directions`, or a function returning it
+    (called only on the foreach path).
     """
     layout = layout or Layout.whole(params)
+    bc2_sqrt, factors = _bias_terms(steps, beta1, beta2, bias_correction)
+    tensors = (params, grads, exp_avgs, exp_avg_sqs)
+    step = _fused_step(kernel, layout, tensors, [(f, eps * b) for f, b in zip(factors, bc2_sqrt)])
+    if step is not None:
+        return _fused_update(
+            step,
+            lr=lr,
+            betas=(beta1, beta2),
+            weight_decay=weight_decay,
+            grad_scale=grad_scale,
+            adapt=adapt,
+            clamps=(min_trust_ratio, max_trust_ratio),
+            num_layers=layout.num_layers,
+            allreduce=allreduce,
+        )
     updates = adam_directions(
         params,
         grads,
@@ -190,38 +262,69 @@ def lamb_update(
         weight_decay=weight_decay,
         bias_correction=bias_correction,
         grad_scale=grad_scale,
-        scratch=scratch,
+        scratch=scratch() if callable(scratch) else scratch,
     )
-    device = params[0].device
     if adapt:
         sums = layer_sq_norms(params, updates, layout)
-        if allreduce is not None:
-            allreduce(sums)
-        ratios = trust_ratios(sums[0], sums[1], min_ratio=min_trust_ratio, max_ratio=max_trust_ratio)
+        ratios = _reduced_ratios(sums, allreduce, (min_trust_ratio, max_trust_ratio))
     else:
-        ratios = torch.ones(layout.num_layers, dtype=torch.float64, device=device)
-    # One host sync for the per-fragment scalars.
-    scales = (ratios * -lr).index_select(0, layout.layer_index(ratios.device)).tolist()
+        ratios = torch.ones(layout.num_layers, dtype=torch.float64, device=params[0].device)
+    # p += (−lr·ratio)·u per fragment, the scale a 0-d tensor (no host sync); on CPU one pass per tensor.
+    scales = (ratios * -lr).to(params[0].dtype).index_select(0, layout.layer_index(ratios.device))
     param_views, update_views = _fragment_views(params, layout.fragments), _fragment_views(updates, layout.fragments)
-    if device.type == "cpu":  # bandwidth-bound: one pass per tensor beats foreach's scale-then-add
-        for p, u, scale in zip(param_views, update_views, scales):
-            p.add_(u, alpha=scale)
-    else:  # launch-bound: two fused multi-tensor kernels
-        torch._foreach_mul_(update_views, scales)
-        torch._foreach_add_(param_views, update_views)
+    torch._foreach_addcmul_(param_views, update_views, list(scales.unbind()))
     return ratios
 
 
-def global_grad_norm(grads: Tensors) -> float:
-    """L2 norm of all ``grads`` together."""
+def _reduced_ratios(sums: torch.Tensor, allreduce, clamps: tuple) -> torch.Tensor:
+    """Per-layer ratios from this rank's ``[2, num_layers]`` sums, all-reduced first when layers are split."""
+    if allreduce is not None:
+        allreduce(sums)
+    return trust_ratios(sums[0], sums[1], min_ratio=clamps[0], max_ratio=clamps[1])
+
+
+def _fused_update(
+    step: lamb_kernel.Step,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    grad_scale: Scale,
+    adapt: bool,
+    clamps: tuple,
+    num_layers: int,
+    allreduce,
+) -> torch.Tensor:
+    """:func:`lamb_update` through :mod:`.lamb_kernel`: pass 1 (moments, per-piece sums), the ratios, pass 2."""
+    if isinstance(grad_scale, torch.Tensor):
+        gscale = grad_scale.detach().to(torch.float32).reshape(()).contiguous()
+    else:
+        gscale = array.array("f", [grad_scale])
+    if not adapt:  # ratio 1: pass 1 knows the update and applies it (AdamW's single pass)
+        step.moments(*betas, weight_decay, gscale, scale=array.array("f", [-lr]) * step.k)
+        return torch.ones(num_layers, dtype=torch.float64)
+    per_piece = step.moments(*betas, weight_decay, gscale).t()
+    if step.plan.whole and allreduce is None:  # the pieces are the layers
+        ratios = _reduced_ratios(per_piece, allreduce, clamps)
+        step.apply(weight_decay, (ratios * -lr).to(torch.float32))
+        return ratios
+    sums = torch.zeros(2, num_layers, dtype=torch.float64).index_add_(1, step.plan.layer, per_piece)
+    ratios = _reduced_ratios(sums, allreduce, clamps)
+    step.apply(weight_decay, (ratios * -lr).to(torch.float32).index_select(0, step.plan.layer))
+    return ratios
+
+
+def global_grad_norm(grads: Tensors) -> torch.Tensor:
+    """L2 norm of all ``grads`` together, a 0-d tensor on their device."""
     if not grads:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(grads)))))
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(grads))))
 
 
-def clip_factor(norm: float, max_norm: float) -> float:
-    """Scale that brings a gradient of global norm ``norm`` down to ``max_norm`` (1 if already below)."""
-    return max_norm / max(norm, max_norm)
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale that brings a gradient of global norm ``norm`` down to ``max_norm`` (1 if already below); a tensor
+    like ``norm``, computed on its device."""
+    return max_norm / torch.as_tensor(norm).clamp(min=max_norm)
 
 
 class Lamb(torch.optim.Optimizer):
@@ -230,7 +333,8 @@ class Lamb(torch.optim.Optimizer):
     Param-group keys: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``, ``adapt``
     (apply the trust ratio; False gives plain AdamW steps, used for biases and LayerNorm weights),
     ``min_trust_ratio``, ``max_trust_ratio``. ``max_grad_norm`` (0: off) clips the global
-    gradient norm before the moments, as NVIDIA's and MLPerf's LAMB do.
+    gradient norm before the moments, as NVIDIA's and MLPerf's LAMB do. ``kernel``: ``"auto"`` (the fused CPU
+    kernel where it applies, else foreach), ``"fused"`` or ``"foreach"`` (see :func:`lamb_update`).
 
     Under DeepSpeed, call ``ds_bertopt.optim.zero.attach_lamb(optimizer, engine)`` after
     ``deepspeed.initialize`` (``ds_bertopt.engine.initialize`` does): with ZeRO 1/2 the held tensors are flat
@@ -249,7 +353,10 @@ class Lamb(torch.optim.Optimizer):
         min_trust_ratio: Optional[float] = None,
         max_trust_ratio: Optional[float] = None,
         max_grad_norm: float = 0.0,
+        kernel: str = "auto",
     ):
+        if kernel not in KERNELS:
+            raise ValueError(f"LAMB kernel {kernel!r}: use one of {', '.join(KERNELS)}")
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -262,17 +369,19 @@ class Lamb(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.max_grad_norm = float(max_grad_norm)
+        self.kernel = kernel
         # Tensors known to be whole layers, and flat shards with their layouts (keyed by id: ZeRO
         # hands us its param groups one at a time, so group indices are not stable).
         self._whole_layers: set[int] = {id(p) for g in self.param_groups for p in g["params"]}
         self._layouts: dict[int, Layout] = {}
-        self._grad_norm_source: Optional[Callable[[], float]] = None
-        # CPU only: reused buffers for √v and the update (fresh allocations page-fault every step);
+        self._whole_layouts: dict[tuple, Layout] = {}  # per group of whole layers (caches the kernel's piece table)
+        self._grad_norm_source: Optional[Callable[[], Scale]] = None
+        # CPU foreach path only: reused buffers for √v and the update (fresh allocations page-fault every step);
         # not optimizer state, so not checkpointed. GPU allocators cache, so there we allocate.
         self._scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Per-layer ratios of the last step, one tensor per group stepped (diagnostics and tests).
         self.last_trust_ratios: list[torch.Tensor] = []
-        self.last_grad_scale = 1.0  # the clipping factor of the last step
+        self.last_grad_scale: Scale = 1.0  # the clipping factor of the last step (a 0-d tensor when clipping)
 
     # --- wiring ------------------------------------------------------------------------------
     def set_layout(self, tensor: torch.Tensor, layout: Layout) -> None:
@@ -284,12 +393,13 @@ class Lamb(torch.optim.Optimizer):
         """Declare that each of ``tensors`` is one whole layer (e.g. DeepSpeed's fp32 copies)."""
         self._whole_layers.update(id(t) for t in tensors)
 
-    def set_grad_norm_source(self, source: Optional[Callable[[], float]]) -> None:
-        """Where the global gradient norm comes from when this optimizer sees only a shard of it."""
+    def set_grad_norm_source(self, source: Optional[Callable[[], Scale]]) -> None:
+        """Where the global gradient norm comes from when this optimizer sees only a shard of it (a 0-d tensor, so
+        that it is never read on the host)."""
         self._grad_norm_source = source
 
     # --- the step ----------------------------------------------------------------------------
-    def _clip_scale(self) -> float:
+    def _clip_scale(self) -> Scale:
         if self.max_grad_norm <= 0:
             return 1.0
         if self._grad_norm_source is not None:
@@ -298,7 +408,7 @@ class Lamb(torch.optim.Optimizer):
             norm = global_grad_norm([p.grad for g in self.param_groups for p in g["params"] if p.grad is not None])
         return clip_factor(norm, self.max_grad_norm)
 
-    def _layout_for(self, params: list[torch.Tensor]) -> Optional[Layout]:
+    def _layout_for(self, params: list[torch.Tensor]) -> Layout:
         flat = [p for p in params if id(p) in self._layouts]
         if flat:
             if len(params) != 1:
@@ -316,7 +426,10 @@ class Lamb(torch.optim.Optimizer):
                 "ds_bertopt.optim.zero.attach_lamb(optimizer, engine) after "
                 "deepspeed.initialize"
             )
-        return None
+        key = tuple((id(p), p.numel()) for p in params)
+        if key not in self._whole_layouts:
+            self._whole_layouts[key] = Layout.whole(params)
+        return self._whole_layouts[key]
 
     def _initialise_state_only(self) -> bool:
         """DeepSpeed's fp16/bf16 wrappers create optimizer state by stepping once with all-zero gradients
@@ -341,6 +454,16 @@ class Lamb(torch.optim.Optimizer):
                 )
         return True
 
+    def _scratch_for(self, params: list[torch.Tensor]) -> Optional[tuple[Tensors, Tensors]]:
+        """The foreach path's two reused buffers per tensor, on CPU."""
+        if params[0].device.type != "cpu":
+            return None
+        for p in params:
+            if id(p) not in self._scratch or self._scratch[id(p)][0].shape != p.shape:
+                self._scratch[id(p)] = (torch.empty_like(p), torch.empty_like(p))
+        buffers = [self._scratch[id(p)] for p in params]
+        return [b[0] for b in buffers], [b[1] for b in buffers]
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -364,16 +487,9 @@ class Lamb(torch.optim.Optimizer):
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["step"] += 1
             reduce = None
-            if layout is not None and layout.group is not None:
+            if layout.group is not None:
                 reduce = functools.partial(torch.distributed.all_reduce, group=layout.group)
             beta1, beta2 = group["betas"]
-            scratch = None
-            if params[0].device.type == "cpu":
-                for p in params:
-                    if id(p) not in self._scratch or self._scratch[id(p)][0].shape != p.shape:
-                        self._scratch[id(p)] = (torch.empty_like(p), torch.empty_like(p))
-                buffers = [self._scratch[id(p)] for p in params]
-                scratch = ([b[0] for b in buffers], [b[1] for b in buffers])
             ratios = lamb_update(
                 params,
                 [p.grad for p in params],
@@ -392,17 +508,23 @@ class Lamb(torch.optim.Optimizer):
                 max_trust_ratio=group["max_trust_ratio"],
                 layout=layout,
                 allreduce=reduce,
-                scratch=scratch,
+                scratch=functools.partial(self._scratch_for, params),
+                kernel=self.kernel,
             )
             self.last_trust_ratios.append(ratios)
         return loss
 
 
 def describe_lamb(optimizer: Lamb) -> str:
-    """One line: groups, which take the trust ratio, clipping."""
+    """One line: groups, which take the trust ratio, clipping, kernel."""
     groups = ", ".join(
         f"{len(g['params'])} tensors wd {g['weight_decay']:g} {'with' if g['adapt'] else 'without'} trust ratio"
         for g in optimizer.param_groups
     )
     clip = f"global-norm clip {optimizer.max_grad_norm:g}" if optimizer.max_grad_norm > 0 else "no LAMB clipping"
-    return f"LAMB (ds_bertopt): {groups}; {clip}"
+    kernel = {
+        "auto": "fused CPU kernel where it applies, else foreach",
+        "fused": "fused CPU kernel",
+        "foreach": "foreach",
+    }[optimizer.kernel]
+    return f"LAMB (ds_bertopt): {groups}; {clip}; {kernel}"

@@ -101,14 +101,15 @@ def layouts_from_hp_mapping(optimizer: Lamb, wrapper) -> list[Layout]:
     return layouts
 
 
-def _wrapper_grad_norm(wrapper) -> float:
+def _wrapper_grad_norm(wrapper) -> torch.Tensor:
+    """DeepSpeed's global norm as it is (a device tensor after a normal step): reading it on the host would sync."""
     norm = getattr(wrapper, "_global_grad_norm", None)
     if norm is None:
         raise RuntimeError(
             "LAMB max_grad_norm needs DeepSpeed's global gradient norm, which it did not compute "
             "(zero_optimization.compute_grad_norm false?); set bertopt.optimizer.max_grad_norm to 0"
         )
-    return float(norm)
+    return torch.as_tensor(norm)
 
 
 def _mark_unflattened(optimizer: Lamb, wrapper) -> None:

@@ -63,12 +63,14 @@ def run_local_multinode(
     echo: bool = False,
     cwd: Optional[str] = None,
     node_prefix: Optional[Sequence[Sequence[str]]] = None,
+    node_args: Optional[Sequence[Sequence[str]]] = None,
 ) -> list[NodeResult]:
     """Run ``script_args`` as a ``nodes`` × ``ranks_per_node`` job; return one result per node.
 
     ``slots`` overrides the hostfile's slot counts (e.g. to test a mis-declared topology);
     ``per_node_slots`` gives each launcher its own hostfile (a cluster whose nodes disagree).
-    ``node_prefix[i]`` is prepended to node i's command (e.g. ``ip netns exec NS``).
+    ``node_prefix[i]`` is prepended to node i's command (e.g. ``ip netns exec NS``); ``node_args[i]`` is appended
+    to node i's script arguments (nodes that differ, e.g. each its own ``-o data.cache_dir=...``).
     """
     if nodes < 1 or ranks_per_node < 1:
         raise ValueError("nodes and ranks_per_node must be positive")
@@ -99,6 +101,7 @@ def run_local_multinode(
             "--master_port",
             str(port),
             *script_args,
+            *(node_args[i] if node_args else ()),
         ]
         if node_prefix:
             cmd = [*node_prefix[i], *cmd]

@@ -7,23 +7,35 @@ has saved does local rank 0 of each node mark, rename and switch ``latest``, so 
 previous checkpoint complete. Resume loads only checkpoints of the same run whose identity matches the config
 given now (:func:`identity_mismatch` names the first difference), falls back to the newest older complete one
 when ``latest`` is stale or loading fails on any rank, and says so. The last ``keep_last`` are kept.
+
+A save that fails (a full disk, anywhere: DeepSpeed's files, ours, the marker) is agreed on by all ranks, its
+``.partial`` removed, and every rank raises one line (``no space left on DEVICE while writing checkpoint N``,
+naming the last good checkpoint); DeepSpeed's writes record their failure instead of raising mid-save, so no
+rank is left waiting in one of DeepSpeed's barriers. The run directory belongs to one run at a time
+(:class:`RunLock`, an OS lock that dies with its process).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import random
 import re
 import shutil
+import socket
+import time
+import uuid
 from typing import Optional
 
 import numpy as np
 import torch
 
 from .. import faults
-from ..dist import Topology, barrier
-from ..errors import BertOptError
+from ..dist import Topology, all_views, barrier
+from ..errors import BertOptError, JobError
 from ..log import print0
 
 MARKER = "COMPLETE.json"
@@ -79,11 +91,16 @@ def load_rng_state(path: str) -> dict:
 
 def _write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def complete_tags(root: str) -> list[str]:
@@ -95,32 +112,151 @@ def complete_tags(root: str) -> list[str]:
 
 
 def save(engine, output_dir: str, step: int, client_state: dict, topo: Topology, keep_last: int) -> str:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    """Collective: every rank calls it. Returns the final checkpoint directory; a failed write raises one line
+    (:class:`~ds_bertopt.errors.JobError`) on every rank after the ``.partial`` is removed."""
     rank, local_rank = topo.rank, topo.local_rank
     root = checkpoint_root(output_dir)
     tag = tag_for(step)
     partial = f"{tag}.partial"
+    failures: list = []
     if local_rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(os.path.join(root, partial), ignore_errors=True)  # a dead earlier attempt
-    barrier()
-    engine.save_checkpoint(root, tag=partial, client_state=client_state, save_latest=False)
-    os.makedirs(os.path.join(root, partial), exist_ok=True)
-    torch.save(rng_state(), os.path.join(root, partial, f"rng_rank{rank}.pt"))
+        with _recorded(failures, root):
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(os.path.join(root, partial), ignore_errors=True)  # a dead earlier attempt
+    _agree(failures, root, tag, topo)
+    with _writes_recorded(engine, failures, rank, step):
+        engine.save_checkpoint(root, tag=partial, client_state=client_state, save_latest=False)
+    if not failures:
+        with _recorded(failures, os.path.join(root, partial)):
+            os.makedirs(os.path.join(root, partial), exist_ok=True)
+            torch.save(rng_state(), os.path.join(root, partial, f"rng_rank{rank}.pt"))
     faults.inject("save", rank, step)
-    barrier()
+    _agree(failures, root, tag, topo)
     final = os.path.join(root, tag)
     kept = ("world_size", "sampler", "identity")
     marker = {"step": step, "tag": tag, **{k: client_state[k] for k in kept if k in client_state}}
     # Global rank 0 finalises first; then the local rank 0 of any node whose filesystem is not
     # shared with rank 0 (it still sees its own ``.partial``) finalises its copy.
     if rank == 0:
-        _finalise(root, partial, final, tag, marker, keep_last)
-    barrier()
+        with _recorded(failures, root):
+            _finalise(root, partial, final, tag, marker, keep_last)
+    _agree(failures, root, tag, topo)
     if rank != 0 and local_rank == 0 and os.path.isdir(os.path.join(root, partial)):
-        _finalise(root, partial, final, tag, marker, keep_last)
-    barrier()
+        with _recorded(failures, root):
+            _finalise(root, partial, final, tag, marker, keep_last)
+    _agree(failures, root, tag, topo)
     return final
+
+
+@contextlib.contextmanager
+def _recorded(failures: list, path: str):
+    """Record an exception of the block in ``failures`` as ``(path, exception)`` instead of raising it."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - judged by _agree, with every rank
+        failures.append((path, exc))
+
+
+@contextlib.contextmanager
+def _writes_recorded(engine, failures: list, rank: int, step: int):
+    """DeepSpeed's checkpoint writes record a failure in ``failures`` instead of raising it, so every rank still
+    reaches the barriers inside ``engine.save_checkpoint``; once one failed, nothing more is written.
+    (``checkpoint_engine.save`` is DeepSpeed 0.19.8's one write path for model and ZeRO shard files.)"""
+    writer = engine.checkpoint_engine
+    own = "save" in vars(writer)
+    original = writer.save
+
+    def save(state_dict, path):
+        if failures:
+            return
+        with _recorded(failures, path):
+            faults.inject("write", rank, step)
+            original(state_dict, path)
+
+    writer.save = save
+    try:
+        yield
+    finally:
+        if own:
+            writer.save = original
+        else:
+            del writer.save
+
+
+def _agree(failures: list, root: str, tag: str, topo: Topology) -> None:
+    """Collective (it replaces a barrier): if any rank's write failed, every node's local rank 0 removes the
+    ``.partial`` and every rank raises the same line; the rank whose write failed for another reason than the
+    filesystem re-raises its own exception (a bug keeps its traceback)."""
+    mine = None
+    if failures:
+        path, exc = failures[0]
+        mine = (topo.rank, socket.gethostname(), write_failure(exc, path, tag))
+    views = [v for v in all_views(mine) if v is not None]
+    if not views:
+        return
+    if topo.local_rank == 0:
+        shutil.rmtree(os.path.join(root, f"{tag}.partial"), ignore_errors=True)
+    barrier()
+    if mine is not None and mine[2] is None:
+        raise failures[0][1]  # not the filesystem: this rank's own exception, with its traceback
+    rank, host, line = views[0]
+    where = f" (rank {rank} on {host})" if topo.world_size > 1 else ""
+    good = complete_tags(root)
+    kept = f"the last good checkpoint is {os.path.join(root, good[0])}" if good else "no checkpoint is complete yet"
+    line = line or f"checkpoint {tag} could not be written (see the traceback of the rank that failed)"
+    raise JobError(f"{line}{where}; removed {tag}.partial; {kept}")
+
+
+FULL_BYTES = 1 << 20
+"""A filesystem with less than this free after a failed write is taken to be full (torch's zip writer reports a
+full disk without an errno: ``RuntimeError: [enforce fail at inline_container.cc] . unexpected pos``)."""
+
+
+def disk_full(exc: BaseException, path: str) -> bool:
+    """Whether ``exc`` (or an exception it chains) is a full disk or quota, or the filesystem of ``path`` is full."""
+    seen: Optional[BaseException] = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        stat = os.statvfs(_existing(path))
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize < FULL_BYTES
+
+
+def _existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def device_of(path: str) -> str:
+    """The filesystem holding ``path``, as the user knows it: ``/dev/sda1 (mounted at /data)``."""
+    mount = _existing(path)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    device = mount
+    with contextlib.suppress(OSError):
+        with open("/proc/self/mounts", encoding="utf-8") as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) > 1 and fields[1] == mount:
+                    device = fields[0]  # the last mount on a mount point is the visible one
+    return mount if device == mount else f"{device} (mounted at {mount})"
+
+
+def write_failure(exc: BaseException, path: str, tag: str) -> Optional[str]:
+    """One line for a checkpoint write that failed on the filesystem; None for any other failure (a bug)."""
+    if disk_full(exc, path):
+        return f"no space left on {device_of(path)} while writing checkpoint {tag}"
+    if isinstance(exc, OSError):
+        return f"cannot write checkpoint {tag}: {exc.strerror or exc} ({exc.filename or path})"
+    return None
 
 
 def _finalise(root: str, partial: str, final: str, tag: str, marker: dict, keep_last: int) -> None:
@@ -151,13 +287,20 @@ def resolve_resume_dir(resume: str, output_dir: str) -> str:
 # --- run identity -----------------------------------------------------------------------------------
 RUN_FILE = "run.json"
 # Keys that may differ between a run and its resumption: where and how often it reports, not what it computes;
-# and how long it runs (a run may be extended: the LR schedule then spans the new length, and the loop says so).
+# how long it runs (a run may be extended: the LR schedule then spans the new length, and the loop says so); and
+# where the data cache is (the vocabulary and samples themselves are compared, see identity()).
 _TRAIN_KEYS = (
     "max_steps epochs output_dir overwrite_output_dir eval_every eval_each_epoch log_every save_every keep_last"
 )
 _TRAIN_KEYS += " save_model dataloader_workers dist_timeout_s dist_init_timeout_s log_samples max_consecutive_nonfinite"
+_TRAIN_KEYS += " allow_unread_keys"
 _DS_KEYS = "steps_per_print wall_clock_breakdown csv_monitor tensorboard wandb comet flops_profiler comms_logger"
-OPERATIONAL_KEYS = (*(f"bertopt.train.{k}" for k in _TRAIN_KEYS.split()), *(f"deepspeed.{k}" for k in _DS_KEYS.split()))
+OPERATIONAL_KEYS = (
+    *(f"bertopt.train.{k}" for k in _TRAIN_KEYS.split()),
+    "bertopt.data.cache_dir",
+    *(f"deepspeed.{k}" for k in _DS_KEYS.split()),
+)
+TASK_SCRIPTS = {"pretrain": "launch/pretrain.py", "finetune": "launch/finetune.py"}
 
 
 def _flatten(tree, prefix: str, out: dict) -> dict:
@@ -169,13 +312,37 @@ def _flatten(tree, prefix: str, out: dict) -> dict:
     return out
 
 
-def identity(run_id: str, world_size: int, described: dict) -> dict:
-    """What a checkpoint must share with the run that resumes it (``described``: ``config.describe``)."""
-    return {"run_id": run_id, "world_size": world_size, "config": _flatten(described, "", {})}
+def identity(
+    run_id: str, world_size: int, described: dict, task: Optional[str] = None, data: Optional[dict] = None
+) -> dict:
+    """What a checkpoint must share with the run that resumes it (``described``: ``config.describe``; ``task``:
+    the task's name; ``data``: :meth:`~ds_bertopt.data.identity.DataFingerprint.identity`, once built)."""
+    out = {"run_id": run_id, "world_size": world_size, "config": _flatten(described, "", {})}
+    if task is not None:
+        out["task"] = task
+    if data is not None:
+        out["data"] = data
+    return out
+
+
+def _task_of(saved: dict) -> Optional[str]:
+    """The task a checkpoint's identity names; for one written before the task was kept, what its config says
+    (only fine-tuning sets ``finetune.train_file``)."""
+    if "task" in saved or "config" not in saved:
+        return saved.get("task")
+    return "finetune" if saved["config"].get("bertopt.finetune.train_file") else "pretrain"
 
 
 def identity_mismatch(saved: dict, current: dict) -> Optional[str]:
-    """One line naming the first difference between a checkpoint's identity and this run's, or None."""
+    """One line naming the first difference between a checkpoint's identity and this run's, or None. Parts one
+    side lacks (the task and data of older checkpoints, the data before it is built) are not compared."""
+    task, theirs_task = current.get("task"), _task_of(saved)
+    if task and theirs_task and task != theirs_task:
+        script = TASK_SCRIPTS.get(theirs_task, theirs_task)
+        return (
+            f"it is a checkpoint of a {theirs_task} run, and this is {task}: resume it with {script}, or give "
+            f"this run another --output_dir"
+        )
     if saved.get("world_size") != current["world_size"]:
         return (
             f"world size: checkpoint {saved.get('world_size')}, now {current['world_size']}. The data order and "
@@ -185,12 +352,40 @@ def identity_mismatch(saved: dict, current: dict) -> Optional[str]:
         )
     ours, theirs = current["config"], saved.get("config", {})
     for key in sorted(set(ours) | set(theirs)):
+        if key in OPERATIONAL_KEYS:  # written by an older version, which kept it
+            continue
         if ours.get(key, "absent") != theirs.get(key, "absent"):
             return (
                 f"{key}: checkpoint {json.dumps(theirs.get(key, 'absent'))}, config "
                 f"{json.dumps(ours.get(key, 'absent'))}"
             )
+    data, theirs_data = current.get("data"), saved.get("data")
+    if data and theirs_data:
+        if data["vocabulary"] != theirs_data["vocabulary"]:
+            return (
+                f"the vocabulary differs from the checkpoint's ({theirs_data['vocabulary']}, now "
+                f"{data['vocabulary']}): the tokenizer the run started with has changed or was rebuilt differently; "
+                "resume with that tokenizer (data.tokenizer), or start a new run"
+            )
+        if data["samples"] != theirs_data["samples"]:
+            return (
+                f"the training samples differ from the checkpoint's ({theirs_data['samples']}, now "
+                f"{data['samples']}): the corpus or labelled files have changed since the run started; resume "
+                "with the same data, or start a new run"
+            )
     return None
+
+
+def check_resumable(root: str, run_id: Optional[str], current: dict) -> None:
+    """The newest complete checkpoint of run ``run_id`` under ``root`` against this run's :func:`identity`: one line
+    naming the first difference, or nothing."""
+    tags = run_tags(root, run_id)
+    if not tags:
+        raise BertOptError(f"--resume: {root} holds no complete checkpoint of run {run_id}")
+    saved = read_marker(root, tags[0]).get("identity")
+    problem = identity_mismatch(saved, current) if saved is not None else None
+    if problem:
+        raise BertOptError(f"cannot resume {tags[0]}: {problem}")
 
 
 def read_run_id(output_dir: str) -> Optional[str]:
@@ -204,6 +399,68 @@ def read_run_id(output_dir: str) -> Optional[str]:
 def write_run_id(output_dir: str, run_id: str) -> None:
     os.makedirs(output_dir, exist_ok=True)
     _write_atomic(os.path.join(output_dir, RUN_FILE), json.dumps({"run_id": run_id}))
+
+
+# --- the run directory belongs to one run at a time -----------------------------------------------------
+LOCK_FILE = ".lock"
+
+
+def holds_run(output_dir: str) -> bool:
+    """Whether ``output_dir`` holds anything besides the lock file (an earlier run, or one running now)."""
+    return os.path.isdir(output_dir) and any(name != LOCK_FILE for name in os.listdir(output_dir))
+
+
+class RunLock:
+    """An exclusive OS lock (``flock``) on ``output_dir/.lock``, taken by rank 0 before the run's first write and
+    held while its process lives. The kernel drops it when the process ends, however it ends, so the lock file a
+    killed run leaves behind blocks nothing; the file says who holds it (pid, host, since when)."""
+
+    def __init__(self, output_dir: str):
+        os.makedirs(output_dir, exist_ok=True)
+        self.fh = open(os.path.join(output_dir, LOCK_FILE), "a+", encoding="utf-8")  # noqa: SIM115 - held
+        try:
+            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.fh.seek(0)
+            holder = self.fh.read().strip() or "holder unknown"
+            self.fh.close()
+            raise JobError(
+                f"train.output_dir: {output_dir} is in use by another run ({holder}); wait for it to end, or "
+                "choose another --output_dir"
+            ) from None
+        self.fh.seek(0)
+        self.fh.truncate()
+        self.fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self.fh.flush()
+
+    def release(self) -> None:
+        if not self.fh.closed:
+            fcntl.flock(self.fh, fcntl.LOCK_UN)
+            self.fh.close()
+
+
+def start_fresh(output_dir: str, overwrite: bool, described: dict) -> str:
+    """Rank 0, holding the :class:`RunLock`: the run directory of a new run (``run.json`` with a new run id and
+    ``config.json``); an earlier run in it is removed with ``overwrite``, else refused. Returns the run id."""
+    if overwrite and holds_run(output_dir):
+        for name in os.listdir(output_dir):
+            path = os.path.join(output_dir, name)
+            if name == LOCK_FILE:
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        print0(f"overwrite_output_dir: removed the earlier run in {output_dir}")
+    elif holds_run(output_dir):
+        raise JobError(
+            f"train.output_dir: {output_dir} already holds a run, written after this run's pre-flight (another run "
+            "started with it at the same time?); continue it with --resume, or choose another --output_dir"
+        )
+    run_id = uuid.uuid4().hex[:12]
+    write_run_id(output_dir, run_id)
+    _write_atomic(os.path.join(output_dir, "config.json"), json.dumps(described, indent=2))
+    return run_id
 
 
 def read_marker(root: str, tag: str) -> dict:

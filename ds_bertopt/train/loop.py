@@ -1,35 +1,37 @@
 """The one training loop; pretraining and fine-tuning are tasks (:mod:`.tasks`) bringing data, a model, a loss
 and metrics. Here: engine set-up; the step (micro-batches of the length-aware plan collated ahead by ``DataLoader``
 workers, the global loss normalizer, non-finite steps skipped, too many in a row stop the job); evaluation and
-``metrics.jsonl``; atomic checkpoints and exact ``--resume``; preemption (SIGTERM/SIGUSR1: every rank finishes its
-step, checkpoints, exits :data:`PREEMPTED_EXIT`); the entry point (pre-flight, one-line errors, dead peers named).
+``metrics.jsonl``; atomic checkpoints and exact ``--resume``; preemption (SIGTERM/SIGUSR1, and SIGINT (Ctrl-C) alike:
+every rank finishes its step, checkpoints, exits :data:`PREEMPTED_EXIT`); the entry point (pre-flight, one-line
+errors, dead peers named, a full disk named).
 Host syncs per step, by design: ``engine.was_step_applied()`` (the non-finite verdict; DeepSpeed's own overflow
-checks read it too) and the preemption flag of the step before (already reduced, no wait).
+checks read it too). The preemption vote of the step before is read from pinned host memory behind its own event
+(:class:`StopVote`), which waits for nothing queued since.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import errno
 import json
 import math
 import os
 import random
-import shutil
 import signal
 import sys
-import uuid
 from typing import Optional
 
 import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from .. import dist, faults, optim
+from .. import dist, dsconfig, faults, optim
 from ..config import describe, run_arg_parser, run_overrides
 from ..data.sampler import PlanBatchSampler
 from ..engine import initialize
-from ..errors import BertOptError
+from ..data.identity import check_same_data
+from ..errors import BertOptError, JobError
 from ..log import print0, print_all
 from . import checkpoint
 from .metrics import Metrics, Window, progress_bar
@@ -38,11 +40,20 @@ from .preflight import Plan, preflight, with_total_steps
 PREEMPTED_EXIT = 75
 """Exit status after a preemption signal was honoured: a complete checkpoint was written; ``--resume``
 continues exactly (EX_TEMPFAIL: "try again")."""
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+"""Each asks for a checkpoint and a clean stop after the current step; a second SIGINT stops at once."""
 COMMON_SHORTCUTS = {
     k: f"train.{k}" for k in "max_steps output_dir overwrite_output_dir seed log_every save_every".split()
 }
 """CLI aliases every task has (``--max_steps`` for ``--train.max_steps``); tasks add their own."""
+
+
+def ignore_preemption_signals(worker_id: int) -> None:  # noqa: ARG001 - DataLoader's worker_init_fn signature
+    """In a DataLoader worker: leave preemption signals to the rank. Ctrl-C and a scheduler's SIGTERM reach the
+    whole process group; a worker that died of them would fail the step the rank is finishing to checkpoint.
+    The rank ends its workers itself (and they exit when it dies, through torch's watchdog)."""
+    for signum in PREEMPTION_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 class Preempted(Exception):
@@ -100,6 +111,39 @@ class StepKeys(torch.utils.data.Sampler):
                 yield self.cursor.epoch, step, m, tuple(indices)
 
 
+class StopVote:
+    """This rank's wish to stop, MAX-reduced over the ranks, read one step later without a host sync in the step.
+
+    On an accelerator the reduction's result is copied to pinned host memory behind an event as soon as it is
+    launched (``handle.wait()`` on NCCL only makes the current stream wait), so reading it a step later waits for
+    that event alone, not for the step queued since (``.item()`` would). On CPU (gloo) the wait is deferred to the
+    read, when the reduction is long complete."""
+
+    def __init__(self, wish: bool, device: torch.device):
+        self.flag = torch.full((1,), 1.0 if wish else 0.0, device=device)  # a fill: no copy from the host
+        self.handle, self.event, self.host = None, None, self.flag
+        if torch.distributed.is_initialized():
+            self.handle = torch.distributed.all_reduce(self.flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
+        if device.type != "cpu":
+            accelerator = get_accelerator()
+            if self.handle is not None:
+                self.handle.wait()
+                self.handle = None
+            self.host = accelerator.pin_memory(torch.empty((1,), dtype=self.flag.dtype))
+            self.host.copy_(self.flag, non_blocking=True)
+            self.event = accelerator.Event()
+            self.event.record()
+
+    def result(self) -> bool:
+        """Whether any rank wished to stop (host memory only; waits for this vote's reduction alone)."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.host[0] > 0)
+
+
 class Trainer:
     """One job on this rank: set-up in ``__init__``, the loop in :meth:`run`."""
 
@@ -115,6 +159,11 @@ class Trainer:
         self.micro, self.accum, self.global_batch = (ds[key] for key in batch_keys)
         seed_everything(b.train.seed)  # identical init on every rank
         model = task.build(plan.cfg, topo)
+        check_same_data(task.fingerprint, topo)  # nodes with their own caches must have built the same data
+        if plan.resume_root is not None:  # the pre-flight compared the config; now the vocabulary and samples too
+            data = task.fingerprint.identity()
+            current = checkpoint.identity(plan.run_id, topo.world_size, describe(plan.cfg), task.name, data)
+            checkpoint.check_resumable(plan.resume_root, plan.run_id, current)
         self.sampler = PlanBatchSampler(
             task.lengths,
             rank=topo.rank,
@@ -131,8 +180,14 @@ class Trainer:
         self.cfg = with_total_steps(plan.cfg, self.max_steps)
         self.b = self.cfg.bertopt
         self._start_run_directory()
-        zero_stage = int(ds.get("zero_optimization", {}).get("stage", 0))
-        optimizer, scheduler = optim.build(model, self.b, global_batch=self.global_batch, zero_stage=zero_stage)
+        zero_stage = dsconfig.zero_stage(ds)
+        optimizer, scheduler = optim.build(
+            model,
+            self.b,
+            global_batch=self.global_batch,
+            zero_stage=zero_stage,
+            offload=dsconfig.optimizer_offload(ds) is not None,
+        )
         self.engine, _, _, _ = initialize(config=self.cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
         seed_everything(b.train.seed + 7919 * (topo.rank + 1))  # distinct dropout (and sampling) per rank
         print0(
@@ -142,12 +197,14 @@ class Trainer:
         )
         self.metrics = Metrics(self.engine, self.output_dir, topo.is_main)
         self.step = 0
-        self.identity = checkpoint.identity(self.run_id, topo.world_size, describe(plan.cfg))
+        self.identity = checkpoint.identity(
+            self.run_id, topo.world_size, describe(plan.cfg), task.name, task.fingerprint.identity()
+        )
         if plan.resume_root is not None:
             self._resume(plan.resume_root)
         print0(
             f"plan: {steps_per_epoch} steps per epoch ({b.sampler.strategy}), {self.max_steps} steps; "
-            f"{self.sampler.plan().dropped} samples left out of each epoch's last partial global batch; "
+            f"{self.sampler.dropped} samples left out of each epoch's last partial global batch; "
             f"{b.train.max_consecutive_nonfinite} steps in a row with non-finite gradients stop the job"
         )
         self.history: dict = {"eval": [], "train": []}
@@ -159,21 +216,25 @@ class Trainer:
 
     # --- run directory and resume ------------------------------------------------------------------
     def _start_run_directory(self) -> None:
-        """The first write of the run: only now, after the pre-flight and the data and model checks passed."""
-        self.run_id = self.plan.run_id
+        """The first write of the run: only now, after the pre-flight and the data and model checks passed. Rank 0
+        first takes the directory's lock for the run's lifetime (:class:`~.checkpoint.RunLock`: a second run with
+        the same ``output_dir`` is refused, a killed run's lock is gone with its process); its verdict is
+        broadcast, so every rank stops with the same line."""
+        self.run_id, refused = self.plan.run_id, None
         if self.topo.is_main:
-            if self.plan.resume_root is None:
-                if self.b.train.overwrite_output_dir and os.path.isdir(self.output_dir):
-                    shutil.rmtree(self.output_dir)
-                    print0(f"overwrite_output_dir: removed the earlier run in {self.output_dir}")
-                self.run_id = uuid.uuid4().hex[:12]
-                checkpoint.write_run_id(self.output_dir, self.run_id)
-                with open(os.path.join(self.output_dir, "config.json"), "w", encoding="utf-8") as fh:
-                    json.dump(describe(self.cfg), fh, indent=2)
-        holder = [self.run_id]
+            try:
+                self.lock = checkpoint.RunLock(self.output_dir)
+                if self.plan.resume_root is None:
+                    described = describe(self.cfg)
+                    self.run_id = checkpoint.start_fresh(self.output_dir, self.b.train.overwrite_output_dir, described)
+            except BertOptError as exc:
+                refused = str(exc)
+        holder = [self.run_id, refused]
         if torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(holder, src=0)
-        self.run_id = holder[0]
+        self.run_id, refused = holder
+        if refused:
+            raise JobError(refused)
         dist.barrier()  # no rank writes into output_dir before it exists
 
     def _resume(self, root: str) -> None:
@@ -207,6 +268,7 @@ class Trainer:
             pin_memory=self.pin_memory,
             generator=torch.Generator().manual_seed(0),
             prefetch_factor=2 * self.accum if self.workers else None,
+            worker_init_fn=ignore_preemption_signals,
         )
         return iter(loader)
 
@@ -214,7 +276,7 @@ class Trainer:
         """One optimizer step over this rank's ``grad_accum`` collated micro-batches."""
         engine, topo, device = self.engine, self.topo, self.engine.device
         epoch = batches[0][0][0]
-        self.sampler.next_step()  # the consumed position, for checkpoints (the loader runs ahead on a copy)
+        self.sampler.advance()  # the consumed position, for checkpoints (the loader's copy plans and runs ahead)
         if sample_log is not None:
             indices = [list(key[3]) for key, _ in batches]
             record = {"step": self.step + 1, "epoch": epoch, "rank": topo.rank, "node": topo.node_rank}
@@ -260,12 +322,20 @@ class Trainer:
             )
 
     # --- evaluation, checkpoints, preemption --------------------------------------------------------
-    def evaluate(self) -> None:
+    def evaluate(self) -> bool:
+        """Collective: evaluate, log; returns whether ``train.target_eval_accuracy`` is reached (the score is
+        all-reduced, so every rank agrees)."""
         scores = self.task.evaluate(self.engine, self.topo, self.b.train.seed)
         record = {"step": self.step, "epoch": self.sampler.epoch, **scores}
         self.history["eval"].append(record)
         self.metrics.write(record, self.step * self.global_batch)
         print0(f"step {self.step}: {self.task.eval_line(record)}")
+        target = self.b.train.target_eval_accuracy
+        reached = target is not None and self.step > 0 and record["eval_accuracy"] >= target
+        if reached:
+            print0(f"step {self.step}: the target accuracy {target:g} is reached; stopping")
+            self.history["target_reached_at"] = self.step
+        return reached
 
     def save(self) -> None:
         path = checkpoint.save(
@@ -274,24 +344,17 @@ class Trainer:
         print0(f"checkpoint saved: {path}")
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
-        self.stop_requested = True
+        if signum == signal.SIGINT and self.stop_requested == "SIGINT":
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now (main says what is left)
+        self.stop_requested = self.stop_requested or signal.Signals(signum).name
 
-    def _agreed_stop(self, pending):
-        """Launch this step's reduction of the stop flag; return (the verdict of the step before, the new handle).
+    def _agreed_stop(self, pending: Optional["StopVote"]) -> tuple[bool, "StopVote"]:
+        """Cast this step's stop vote; return (the verdict of the step before, the new vote).
 
-        Ranks may receive the signal in different steps; the MAX over ranks, read one step later (by then
-        it is complete, so reading it does not wait), makes every rank stop after the same step."""
-        flag = torch.full((1,), 1.0 if self.stop_requested else 0.0, device=self.engine.device)
-        handle = None
-        if torch.distributed.is_initialized():
-            handle = torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        verdict = False
-        if pending is not None:
-            previous_flag, previous_handle = pending
-            if previous_handle is not None:
-                previous_handle.wait()
-            verdict = bool(previous_flag.item() > 0)
-        return verdict, (flag, handle)
+        Ranks may receive the signal in different steps; the MAX over ranks, read one step later, makes every
+        rank stop after the same step."""
+        verdict = pending.result() if pending is not None else False
+        return verdict, StopVote(bool(self.stop_requested), self.engine.device)
 
     # --- the loop -----------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -321,19 +384,23 @@ class Trainer:
                     self.metrics.write(record, self.step * self.global_batch)
                 due = (t.eval_every and self.step % t.eval_every == 0) or epoch_end or (last and evaluates)
                 if due and evaluated_at != self.step:
-                    self.evaluate()
+                    last = self.evaluate() or last  # the quality target ends the run as its last step would
                     evaluated_at = self.step
                 stop, pending = self._agreed_stop(pending)
                 if (t.save_every and self.step % t.save_every == 0) or last or stop:
                     self.save()
-                if stop and not last:
+                if last:
+                    break
+                if stop:
+                    cause = self.stop_requested or "a signal on another rank"
                     raise Preempted(
-                        f"preempted: stopped after step {self.step} of {self.max_steps}; the checkpoint "
-                        f"is complete, continue with --resume (exit status {PREEMPTED_EXIT})"
+                        f"preempted ({cause}): stopped after step {self.step} of {self.max_steps}; checkpoint "
+                        f"{checkpoint.checkpoint_root(self.output_dir)}/{checkpoint.tag_for(self.step)} is complete, "
+                        f"continue with --resume (exit status {PREEMPTED_EXIT})"
                     )
         finally:
-            if pending is not None and pending[1] is not None:
-                pending[1].wait()
+            if pending is not None:
+                pending.result()  # no collective left in flight
             for s, handler in previous.items():
                 signal.signal(s, handler)
             bar.close()
@@ -360,6 +427,8 @@ def main(task, argv: Optional[list[str]] = None) -> int:
     try:
         topo = dist.topology_from_env(local_rank_arg=args.local_rank)
         dist.set_cpu_thread_default(topo)
+        # this rank's GPU before anything touches CUDA: the pre-flight's precision check queries the current device
+        dist.bind_device(topo, get_accelerator())
         plan = preflight(
             task, args.deepspeed_config, run_overrides(args), topo, get_accelerator().device_name(), resume=args.resume
         )
@@ -372,9 +441,24 @@ def main(task, argv: Optional[list[str]] = None) -> int:
         print0(str(exc))
         return PREEMPTED_EXIT
     except BertOptError as exc:
-        # after the pre-flight an error may be specific to this rank: every rank that hits it says so
-        (print_all if started else print0)(f"error: {exc}", file=sys.stderr)
+        # after the pre-flight an error may be specific to this rank: every rank that hits it says so (a verdict
+        # the ranks reached together, a JobError, is the same line everywhere: said once)
+        (print_all if started and not isinstance(exc, JobError) else print0)(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+        good = checkpoint.complete_tags(checkpoint.checkpoint_root(plan.output_dir)) if started else []
+        resume = f"the last complete checkpoint is {good[0]}, continue with --resume" if good else "nothing to resume"
+        print0(f"interrupted: stopped at once, without a checkpoint of this step; {resume}", file=sys.stderr)
+        return 130
+    except OSError as exc:  # a full disk outside a checkpoint (metrics, the final model): one line, not a traceback
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print_all(
+            f"error: no space left on {checkpoint.device_of(exc.filename or '.')} while writing "
+            f"{exc.filename or 'the run directory'}",
+            file=sys.stderr,
+        )
+        return 1
     except Exception as exc:  # noqa: BLE001 - a dead peer: say who, then fail
         if not started or not dist.is_comm_failure(exc):
             raise

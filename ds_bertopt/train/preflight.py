@@ -1,9 +1,11 @@
 """One pre-flight, then work: every check that needs no other rank, before data or model are built and before
 anything is written. It runs identically on every rank (its error is printed once, exit status 2) and in
-``ds-bertopt config``. In order: our section (strict dataclasses), DeepSpeed's part (``engine.prepare_deepspeed_config``
-and DeepSpeed's own parser), the run directory (a non-empty ``output_dir`` is refused unless ``--resume``
-continues it or ``train.overwrite_output_dir`` replaces it, once the run starts), the checkpoint to resume
-and its identity, then the task's own inputs (corpus or labelled files, model directory).
+``ds-bertopt config``. In order: our section (strict dataclasses; a key the task does not read is refused unless
+``train.allow_unread_keys``), DeepSpeed's part (``engine.prepare_deepspeed_config`` and DeepSpeed's own parser),
+the run directory (a non-empty ``output_dir`` is refused unless ``--resume`` continues it or
+``train.overwrite_output_dir`` replaces it, once the run starts and holds the directory's lock), the checkpoint
+to resume and its identity (task, world size, config), then the task's own inputs (corpus or labelled files,
+model directory).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ..config import RunConfig, describe, load_config
 from ..dist import Topology
 from ..engine import prepare_deepspeed_config, refuse_deepspeed_optimizer_blocks
 from ..errors import ConfigError
+from ..log import print0
 from . import checkpoint
 
 
@@ -36,7 +39,7 @@ def check_output_dir(output_dir: str, resume: Optional[str], overwrite: bool) ->
         raise ConfigError(f"train.output_dir: {output_dir} exists and is not a directory")
     if resume is not None and overwrite:
         raise ConfigError("--resume and train.overwrite_output_dir contradict each other; give one")
-    if resume is None and not overwrite and os.path.isdir(output_dir) and os.listdir(output_dir):
+    if resume is None and not overwrite and checkpoint.holds_run(output_dir):
         raise ConfigError(
             f"train.output_dir: {output_dir} already holds a run; continue it with --resume, replace it "
             "with --overwrite_output_dir, or choose another --output_dir"
@@ -54,6 +57,7 @@ def preflight(
 ) -> Plan:
     """Everything checkable on this rank alone; raises ``BertOptError`` with one line."""
     cfg = load_config(config_path, overrides)
+    check_keys_are_read(task, cfg)
     refuse_deepspeed_optimizer_blocks(cfg.deepspeed)
     train = cfg.bertopt.train
     if train.max_steps is None and train.epochs is None:
@@ -70,16 +74,41 @@ def preflight(
     if resume is not None:
         resume_root = checkpoint.resolve_resume_dir(resume, output_dir)
         run_id = checkpoint.read_run_id(os.path.dirname(resume_root))
-        tags = checkpoint.run_tags(resume_root, run_id)
-        if not tags:
-            raise ConfigError(f"--resume: {resume_root} holds no complete checkpoint of run {run_id}")
-        saved = checkpoint.read_marker(resume_root, tags[0]).get("identity")
-        if saved is not None:
-            problem = checkpoint.identity_mismatch(saved, checkpoint.identity(run_id, topo.world_size, describe(cfg)))
-            if problem:
-                raise ConfigError(f"cannot resume {tags[0]}: {problem}")
+        checkpoint.check_resumable(
+            resume_root, run_id, checkpoint.identity(run_id, topo.world_size, describe(cfg), task.name)
+        )
     task.preflight(cfg, topo)
+    strategy = cfg.bertopt.sampler.strategy
+    if strategy == "packed_node_balance" and not task.skips_padding(cfg):
+        print0(
+            "note: sampler.strategy packed_node_balance balances real tokens, for kernels that skip padding "
+            "(model.unpadded: true); this model computes on padding, which padded_node_balance balances"
+        )
     return Plan(cfg=cfg, output_dir=output_dir, resume_root=resume_root, run_id=run_id)
+
+
+def unread_keys(given, reads) -> list[str]:
+    """The keys of ``given`` (dotted, under ``bertopt``) that no prefix in ``reads`` covers, sorted."""
+    return sorted(k for k in given if not any(k == r or k.startswith(f"{r}.") for r in reads))
+
+
+def check_keys_are_read(task, cfg: RunConfig) -> None:
+    """A key the task does not read is refused in one line naming it, or, with ``train.allow_unread_keys``, named
+    in one note line: a setting that silently does nothing is a silently wrong run."""
+    unread = unread_keys(cfg.given, task.reads)
+    if not unread:
+        return
+    section = unread[0].split(".")[0]
+    why = task.unread_hints.get(section, "")
+    more = f" (and {len(unread) - 1} more: {', '.join(unread[1:4])}{', …' if len(unread) > 4 else ''})"
+    if cfg.bertopt.train.allow_unread_keys:
+        print0(f"note: {task.title} does not read bertopt.{', bertopt.'.join(unread)} (train.allow_unread_keys)")
+        return
+    raise ConfigError(
+        f"bertopt.{unread[0]}: {task.title} does not read it{f' ({why})' if why else ''}"
+        f"{more if len(unread) > 1 else ''}; remove it, or set train.allow_unread_keys=true to accept keys this "
+        "task ignores"
+    )
 
 
 def with_total_steps(cfg: RunConfig, total_steps: int) -> RunConfig:

@@ -55,7 +55,7 @@ def batch(step: int, rank: int) -> dict:
     return {"input_ids": masked, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
-def engine_for(stage: int, *, max_grad_norm: float, bf16: bool = False, max_steps: int = 8):
+def engine_for(stage: int, *, max_grad_norm: float, bf16: bool = False, max_steps: int = 8, kernel: str = "auto"):
     from ds_bertopt import optim
     from ds_bertopt.config import BertOptConfig
     from ds_bertopt.configlib import load_section
@@ -83,6 +83,7 @@ def engine_for(stage: int, *, max_grad_norm: float, bf16: bool = False, max_step
         global_batch=MICRO * torch.distributed.get_world_size(),
         zero_stage=stage,
     )
+    optimizer.kernel = kernel
     engine, _, _, _ = initialize(
         config={**ds, "bertopt": bertopt}, model=model, optimizer=optimizer, lr_scheduler=scheduler
     )
@@ -96,7 +97,7 @@ def train_steps(engine, lamb, first: int, last: int) -> list[float]:
         out = engine(**batch(step, torch.distributed.get_rank()))
         engine.backward(out.loss)
         engine.step()
-        scales.append(lamb.last_grad_scale)
+        scales.append(float(lamb.last_grad_scale))  # a device tensor: read here, never in the step
     return scales
 
 
@@ -137,18 +138,32 @@ def gather_state(tensor: torch.Tensor) -> list[torch.Tensor]:
 def run_checks(out_dir: str, checks=ALL_CHECKS, steps: int = 4) -> None:
     from ds_bertopt.optim.lamb import Layout
 
+    from ds_bertopt.optim import lamb_kernel
+
     rank = torch.distributed.get_rank()
     results: dict = {}
+    fused_steps = [0]
+    built = lamb_kernel.Step.__init__
+
+    def counted(self, *args, **kwargs):
+        fused_steps[0] += 1
+        built(self, *args, **kwargs)
+
+    lamb_kernel.Step.__init__ = counted  # which path each run took
     if "stages" in checks:
-        for stage in (0, 1, 2):
-            engine, lamb = engine_for(stage, max_grad_norm=0.05)
+        # auto: the fused CPU kernel where it applies (these fp32 CPU runs), foreach on an accelerator; "foreach":
+        # the torch._foreach_* path, the step as it was before the fused kernel.
+        for stage, kernel in ((0, "auto"), (1, "auto"), (2, "auto"), (0, "foreach"), (2, "foreach")):
+            fused_steps[0] = 0
+            engine, lamb = engine_for(stage, max_grad_norm=0.05, kernel=kernel)
             scales = train_steps(engine, lamb, 0, steps)
-            results[f"stage{stage}"] = {
+            results[f"stage{stage}" + ("_foreach" if kernel == "foreach" else "")] = {
                 "params": flat_params(engine),
                 "grad_scales": scales,
                 "lr": engine.get_lr()[0],
                 "clip": lamb.max_grad_norm,
                 "attached": sorted(len(layout.fragments) for layout in lamb._layouts.values()),
+                "fused_steps": fused_steps[0],
             }
     if "per_shard" in checks:
         # What a client LAMB does under ZeRO without our layouts: one "layer" per flat shard.
@@ -201,6 +216,7 @@ def run_checks(out_dir: str, checks=ALL_CHECKS, steps: int = 4) -> None:
             lamb.set_layout(group["params"][0], Layout.whole([group["params"][0]]))
         train_steps(engine, lamb, 0, steps)
         results["bf16_per_shard"] = {"masters": fp32_masters(engine)}
+    lamb_kernel.Step.__init__ = built
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "optim_zero_check.pt"))
     torch.distributed.barrier()

@@ -1,11 +1,15 @@
 """Tasks of the shared training loop (:mod:`ds_bertopt.train.loop`): what differs between pretraining and
 fine-tuning, and nothing else. A task is an object with:
 
-* ``name``, ``description``, ``shortcuts`` (CLI alias → dotted config key, on top of the loop's
-  ``COMMON_SHORTCUTS``), ``global_loss_normalizer`` (divide by the step's target count over all ranks);
+* ``name``, ``title`` (for messages), ``description``, ``shortcuts`` (CLI alias → dotted config key, on top of
+  the loop's ``COMMON_SHORTCUTS``), ``global_loss_normalizer`` (divide by the step's target count over all ranks);
+* ``reads`` — the config keys it reads (dotted prefixes under ``bertopt``: a section, or one key); any other key
+  the config sets is refused by the pre-flight, with ``unread_hints[section]`` saying where it belongs;
 * ``preflight(cfg, topo)`` — its inputs checked on this rank alone (files, model directory, labels);
+  ``skips_padding(cfg)`` — whether its model's kernels skip padding (``packed_node_balance`` assumes they do);
 * ``build(cfg, topo) -> model`` — data and the model, before ``deepspeed.initialize``; afterwards ``lengths``
-  (one per training sample) is what the loop's ``PlanBatchSampler`` plans the epochs from;
+  (one per training sample) is what the loop's ``PlanBatchSampler`` plans the epochs from, and ``fingerprint``
+  (a :class:`~ds_bertopt.data.identity.DataFingerprint`) what the ranks compare and checkpoints keep;
 * ``collate(indices, epoch=, step=, micro=) -> batch`` (host tensors plus the ints ``num_tokens`` and
   ``num_targets``; runs in DataLoader workers), ``loss(engine, batch, normalizer) -> (loss, mean loss)``;
 * ``evaluate(engine, topo, seed) -> dict``, ``eval_line``, ``describe_model``, ``save_final``, ``done_line``.

@@ -16,6 +16,7 @@ from transformers.utils import logging as hf_logging
 
 from ...config import RunConfig
 from ...data.collate import pad_classification_batch
+from ...data.identity import DataFingerprint, array_digest, vocabulary_digest
 from ...data.labelled import check_labels, load_labelled
 from ...dist import Topology
 from ...errors import ConfigError
@@ -31,7 +32,22 @@ from ..metrics import sharded_evaluation
 
 class FinetuneTask:
     name = "finetune"
+    title = "fine-tuning"
     description = "BERT sequence-classification fine-tuning with DeepSpeed (ds_bertopt)."
+    reads = (
+        "finetune",
+        "train",
+        "sampler",
+        "bucket_clip",
+        "optimizer",
+        "schedule",
+        "wtacrs",
+        "data.max_skipped_fraction",
+    )
+    unread_hints = {
+        "model": "the model is finetune.model_name_or_path's",
+        "data": "its data settings are finetune.*, e.g. finetune.train_file, finetune.max_seq_length",
+    }
     shortcuts = {
         **{key: f"finetune.{key}" for key in "model_name_or_path train_file validation_file text_column".split()},
         **{key: f"finetune.{key}" for key in "label_column num_labels max_seq_length".split()},
@@ -49,11 +65,12 @@ class FinetuneTask:
             )
         if not f.train_file:
             raise ConfigError("finetune.train_file: give --train_file (a .csv, .jsonl or datasets directory)")
-        self.train_data = load_labelled(f.train_file, f.text_column, f.label_column, f.train_split, f.label_names)
+        cap = cfg.bertopt.data.max_skipped_fraction
+        self.train_data = load_labelled(f.train_file, f.text_column, f.label_column, f.train_split, f.label_names, cap)
         self.validation = None
         if f.validation_file:
             self.validation = load_labelled(
-                f.validation_file, f.text_column, f.label_column, f.validation_split, f.label_names
+                f.validation_file, f.text_column, f.label_column, f.validation_split, f.label_names, cap
             )
         given = f.num_labels or (len(f.label_names) or None)
         self.num_labels = check_labels(self.train_data, self.validation, given, f.label_column)
@@ -68,13 +85,23 @@ class FinetuneTask:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.train_ids = self._tokenize(self.train_data.texts, f.max_seq_length)
         self.lengths = np.asarray([len(x) for x in self.train_ids], dtype=np.int64)
-        line = f"data: {self.train_data.source}: {len(self.train_ids)} training examples, {self.num_labels} classes; "
+        line = f"data: {self.train_data.source}: {len(self.train_ids)} training examples, {self.num_labels} classes"
+        line += f" ({self.train_data.skipped}); " if self.train_data.skipped else "; "
         self.eval_ids = None
         if self.validation is not None:
             self.validation = self.validation.subset(f.max_eval_samples, b.train.seed, shuffle=False)
             self.eval_ids = self._tokenize(self.validation.texts, f.max_seq_length)
             line += f"{self.validation.source}: {len(self.eval_ids)} validation examples"
+            line += f" ({self.validation.skipped})" if self.validation.skipped else ""
         print0(line if self.validation is not None else line + "no validation")
+        self.fingerprint = DataFingerprint(
+            vocabulary_digest(self.tokenizer),
+            array_digest(
+                _examples(self.train_ids, self.train_data.labels)
+                + _examples(self.eval_ids, self.validation.labels if self.validation is not None else ())
+            ),
+            f"model {self.model_dir}, finetune.train_file {f.train_file}",
+        )
         self.pad_multiple, self.eval_batch = b.sampler.pad_multiple, f.eval_batch_size
         self.nominal_micro = cfg.deepspeed["train_micro_batch_size_per_gpu"]
         model = AutoModelForSequenceClassification.from_pretrained(self.model_dir, num_labels=self.num_labels)
@@ -84,6 +111,10 @@ class FinetuneTask:
         self.sampled = any(isinstance(m, SampledLinear) for m in model.modules())
         self.pass_example_ids = b.wtacrs.enabled and b.wtacrs.grad_norm_cache and self.sampled
         return model
+
+    @staticmethod
+    def skips_padding(cfg: RunConfig) -> bool:  # noqa: ARG004 - Hugging Face models compute on padding
+        return False
 
     def _tokenize(self, texts, max_length: int) -> list[list[int]]:
         return self.tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]
@@ -149,6 +180,14 @@ class FinetuneTask:
     def done_line(history: dict) -> str:
         accuracies = ", ".join(f"{e['eval_accuracy']:.4f}" for e in history["eval"] if "eval_accuracy" in e)
         return f"done: {history['step']} steps" + (f"; accuracy per evaluation: {accuracies}" if accuracies else "")
+
+
+def _examples(ids, labels) -> list[np.ndarray]:
+    """Token ids (with their lengths) and labels as arrays, for the data fingerprint; ``[]`` without data."""
+    if ids is None:
+        return []
+    flat = np.fromiter((t for row in ids for t in row), dtype=np.int64)
+    return [np.asarray([len(row) for row in ids], dtype=np.int64), flat, np.asarray(labels, dtype=np.int64)]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ...config import RunConfig
 from ...data.collate import MLMCollator, PackedMLMCollator, step_generator
 from ...data.corpus import expand_train_files
-from ...data.pipeline import build_pretrain_data
+from ...data.pipeline import build_pretrain_data, length_warnings
+from ...data.sequences import special_token_count
 from ...dist import Topology
 from ...log import print0
 from ...model import SparseMLMHead, build_pretraining_model
@@ -41,7 +43,13 @@ UNPADDED_KEYS = (
 
 class PretrainTask:
     name = "pretrain"
+    title = "pretraining"
     description = "BERT pretraining with DeepSpeed (ds_bertopt)."
+    reads = ("model", "data", "train", "sampler", "bucket_clip", "optimizer", "schedule")
+    unread_hints = {
+        "wtacrs": "WTA-CRS and the memory kit are for fine-tuning, launch/finetune.py",
+        "finetune": "the section configures launch/finetune.py",
+    }
     shortcuts = {
         "train_file": "data.train_files",
         **{key: f"data.{key}" for key in ("dataset", "tokenizer", "max_seq_length")},
@@ -54,6 +62,12 @@ class PretrainTask:
         data = cfg.bertopt.data
         if data.train_files:
             expand_train_files(data.train_files, data.text_field)
+        # data.tokenizer and model.init_checkpoint are checked where they are loaded (one line each): a phase-2
+        # config names phase 1's output, which `ds-bertopt config` may check before phase 1 has run
+
+    @staticmethod
+    def skips_padding(cfg: RunConfig) -> bool:
+        return cfg.bertopt.model.unpadded
 
     def build(self, cfg: RunConfig, topo: Topology) -> torch.nn.Module:
         b = self.b = cfg.bertopt
@@ -61,11 +75,17 @@ class PretrainTask:
         self.rank, self.seed, self.nsp = topo.rank, b.train.seed, b.model.objective == "mlm_nsp"
         self.micro = cfg.deepspeed["train_micro_batch_size_per_gpu"]
         lengths = self.lengths = self.data.lengths
+        self.fingerprint = self.data.fingerprint
+        skipped = f"; {self.data.skipped.line()}" if self.data.skipped.count else ""
         print0(
             f"corpus: {self.data.source}: {len(self.data.train)} training sequences (mean length "
             f"{lengths.mean():.1f}, max {lengths.max()}), {len(self.data.eval)} held out; "
-            f"vocabulary {len(self.data.tokenizer)}"
+            f"vocabulary {len(self.data.tokenizer)}{skipped}"
         )
+        eval_lengths = np.asarray(self.data.eval["length"])
+        specials = special_token_count(self.nsp)
+        for line in length_warnings(lengths, eval_lengths, b.data.max_seq_length, b.data.mlm_probability, specials):
+            print0(line)
         collator = PackedMLMCollator if b.model.unpadded else MLMCollator
         self.collator = collator(
             self.data.tokenizer,
@@ -118,7 +138,8 @@ class PretrainTask:
     @staticmethod
     def describe_model(engine) -> str:
         model = engine.module.model
-        unpadded = ", unpadded" if isinstance(engine.module, UnpaddedBert) else ""
+        # every rank decides its attention kernel here, once its engine placed the model (probing flash varlen eagerly)
+        unpadded = f", {engine.module.choose_attention()}" if isinstance(engine.module, UnpaddedBert) else ""
         millions = sum(p.numel() for p in model.parameters()) / 1e6
         return f"model: {type(model).__name__}{unpadded} {millions:.1f}M parameters"
 
