@@ -9,6 +9,9 @@ its figures. The schema per figure kind:
 * ``errorbars``: ``[{"label", "mean", "std", "runs": [...]}]`` plus ``ylabel``.
 
 A benchmark lists its figures under ``figures``: ``[{"kind", "title", "file", ...schema}]``.
+
+``docs/benchmarks.md`` (every verdict and every recorded run, by capability) is rendered from the same files by
+:func:`benchmarks_doc`: ``python bench/_report.py`` rewrites it, ``bench/run_all.py`` too after a run.
 """
 
 from __future__ import annotations
@@ -18,6 +21,17 @@ import re
 from pathlib import Path
 
 RATIO = re.compile(r"\d+(\.\d+)?x \((median|mean) of \d+")
+VERDICT = re.compile(r"\bNOT met\b|\bmet\b|NOT reachable")
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "benchmarks.md"
+CAPABILITIES = (  # (record name prefix, heading): the sections of docs/benchmarks.md, in this order
+    ("time_to_train", "Time to train (ours vs Hugging Face Trainer + DeepSpeed)"),
+    ("balance", "Length-aware batches and unpadded pretraining"),
+    ("bucket_clip", "Bucket-wise clipping before allreduce"),
+    ("optim", "Large-batch optimizers"),
+    ("wtacrs", "Fine-tuning memory (WTA-CRS, memory kit)"),
+    ("", "Other measurements"),
+)
 
 
 def ratio_lines(lines: list[str]) -> list[str]:
@@ -111,22 +125,22 @@ def write_report(out: Path, runs: dict) -> Path:
     raw = out / "raw"
     sections: list[str] = []
     table = ["| benchmark | mode | status | time | headline |", "|---|---|---|---|---|"]
-    for name, run in runs.items():
+    # results recorded by a benchmark run directly (not through run_all.py) have no run-log entry
+    direct = {p.stem: None for p in sorted(raw.glob("*.json")) if p.stem != "_runs" and p.stem not in runs}
+    for name, run in {**runs, **direct}.items():
         path = raw / f"{name}.json"
-        record = json.loads(path.read_text()) if path.exists() and run["status"] == "ok" else None
-        headline = (record or {}).get("summary") or run.get("ratio_lines") or []
-        table.append(
-            f"| {name} | {run.get('mode', '?')} | {run['status']} | {run['seconds']:.0f} s | "
-            + "<br>".join(line.replace("|", "/") for line in headline)
-            + " |"
-        )
-        command = run["command"].replace(str(Path(__file__).resolve().parents[1]) + "/", "")
-        lines = [
-            f"## {name}",
-            "",
-            f"`python {command}` — {run['status']} in {run['seconds']:.0f} s (log: `logs/{name}.log`).",
-            "",
-        ]
+        record = json.loads(path.read_text()) if path.exists() and (run is None or run["status"] == "ok") else None
+        headline = (record or {}).get("summary") or (run or {}).get("ratio_lines") or []
+        timing = "direct | ok | –"
+        if run is not None:
+            timing = f"{run.get('mode', '?')} | {run['status']} | {run['seconds']:.0f} s"
+        table.append(f"| {name} | {timing} | " + "<br>".join(line.replace("|", "/") for line in headline) + " |")
+        if run is None:
+            how = f"Recorded {record.get('time', '?')} by a direct run of its benchmark (not through `run_all.py`)."
+        else:
+            command = run["command"].replace(str(Path(__file__).resolve().parents[1]) + "/", "")
+            how = f"`python {command}` — {run['status']} in {run['seconds']:.0f} s (log: `logs/{name}.log`)."
+        lines = [f"## {name}", "", how, ""]
         if record is None:
             lines += [
                 "No recorded results from this run" + (": the printed ratio lines follow." if headline else "."),
@@ -156,3 +170,85 @@ def write_report(out: Path, runs: dict) -> Path:
     report = out / "REPORT.md"
     report.write_text("\n".join(header + sections) + "\n")
     return report
+
+
+def _records(raw: Path) -> dict:
+    """Every recorded result under ``raw`` (``<name>.json``), by name; ``_runs.json`` is the run log, not a result."""
+    return {
+        path.stem: json.loads(path.read_text()) for path in sorted(raw.glob("*.json")) if not path.stem.startswith("_")
+    }
+
+
+def _capability(name: str) -> str:
+    return next(prefix for prefix, _ in CAPABILITIES if name.startswith(prefix))
+
+
+def _scalars(record: dict) -> list[str]:
+    """A record without ``summary`` lines (a single measurement): its top-level numbers and strings."""
+    skip = {"name", "environment", "time", "note", "figures", "tables"}
+    return [
+        f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}"
+        for key, value in record.items()
+        if key not in skip and isinstance(value, (int, float, str))
+    ]
+
+
+def benchmarks_doc(raw: Path, runs: dict) -> str:
+    """``docs/benchmarks.md``: the verdict lines (met / NOT met) of every recorded run, then each run's command,
+    settings and summary lines, by capability, oldest first. Only what the benchmarks recorded; nothing retyped."""
+    records = _records(raw)
+    order = sorted(
+        records, key=lambda n: ([p for p, _ in CAPABILITIES].index(_capability(n)), records[n].get("time", ""))
+    )
+    captions = [_environment_caption(r.get("environment", {})) for r in records.values()]
+    common = max(set(captions), key=captions.count) if captions else ""
+    out = [
+        "# Benchmark results and run history",
+        "",
+        "Generated by `python bench/_report.py` (and by `bench/run_all.py` after a run) from the results the",
+        "benchmarks recorded in `bench/report/raw/*.json`; do not edit by hand. The plots and tables of each run are",
+        "in [bench/report/REPORT.md](../bench/report/REPORT.md); how each benchmark works is in its module's",
+        "docstring and the capability's doc. Every figure below was printed by the run named with it.",
+        "",
+        f"Machine and stack, unless a run says otherwise: {common}.",
+        "",
+        "## Verdicts",
+        "",
+        "Every line a run printed with a verdict against a target, `NOT met` included.",
+        "",
+        "| run | recorded | line |",
+        "|---|---|---|",
+    ]
+    for name in order:
+        for line in records[name].get("summary", []):
+            if VERDICT.search(line):
+                out.append(f"| [{name}](#{name}) | {records[name].get('time', '?')[:10]} | {line.replace('|', '/')} |")
+    for prefix, heading in CAPABILITIES:
+        names = [n for n in order if _capability(n) == prefix]
+        if not names:
+            continue
+        out += ["", f"## {heading}"]
+        for name in names:
+            record, run = records[name], runs.get(name, {})
+            command = run.get("command", "").replace(str(ROOT) + "/", "").replace("/tmp/ci/repo/", "")
+            facts = [f"recorded {record.get('time', '?')}"]
+            if run:
+                facts.append(f"mode {run.get('mode', '?')}, {run.get('status', '?')} in {run.get('seconds', 0):.0f} s")
+            out += ["", f"### {name}", "", "; ".join(facts) + (f": `python {command}`" if command else "") + "."]
+            env = _environment_caption(record.get("environment", {}))
+            settings = (f"{env}. " if env != common else "") + record.get("note", "")
+            out += ["", settings] if settings else []
+            lines = record.get("summary") or _scalars(record)
+            out += ["", "```", *lines, "```"]
+    return "\n".join(out) + "\n"
+
+
+def write_benchmarks_doc(raw: Path, runs: dict, path: Path = DOC) -> Path:
+    path.write_text(benchmarks_doc(raw, runs))
+    return path
+
+
+if __name__ == "__main__":
+    report_raw = ROOT / "bench" / "report" / "raw"
+    runs_path = report_raw / "_runs.json"
+    print(write_benchmarks_doc(report_raw, json.loads(runs_path.read_text()) if runs_path.exists() else {}))

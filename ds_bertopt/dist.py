@@ -138,7 +138,7 @@ def init_distributed(topo: Topology, timeout_s: int = 120, init_timeout_s: int =
     global _own_master
     if topo.world_size == 1 and ("MASTER_ADDR" not in os.environ or _own_master):
         os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
         )
         _own_master = True
     for name in ("MASTER_ADDR", "MASTER_PORT"):
@@ -300,7 +300,8 @@ def topology_disagreement(mine: dict, other: dict) -> Optional[str]:
     return None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on loopback (the one-process rendezvous; tests and benchmarks take it from ``testing``)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .comm import install_bucket_clip
+from .comm.config import refuse_bucket_clip_under_zero3
 from .config import BertOptConfig, RunConfig, apply_precision, load_config, resolve_batch
 from .configlib import load_section
 from .dsconfig import check_deepspeed_config, optimizer_offload, zero_stage
@@ -33,7 +34,7 @@ from .log import print0
 from .nonfinite import install_nonfinite_guard
 from .optim import LAMB_OFFLOAD_REFUSAL
 from .optim.lamb import Lamb
-from .optim.zero import attach_lamb
+from .optim.zero import attach_lamb, refuse_lamb_under_zero3
 
 
 def _as_run_config(config: Any) -> RunConfig:
@@ -53,11 +54,8 @@ def check_combinations(bertopt: BertOptConfig, ds: dict) -> None:
     GPU conformance matrix of docs/gpu.md, in its order)."""
     stage = zero_stage(ds)
     offload = optimizer_offload(ds)
-    if bertopt.optimizer.type == "lamb" and stage >= 3:
-        raise ConfigError(
-            'optimizer.type: "lamb" is not supported under ZeRO stage 3 (parameters are '
-            'partitioned); use zero_optimization.stage 0, 1 or 2, or type "adamw"'
-        )
+    if bertopt.optimizer.type == "lamb":
+        refuse_lamb_under_zero3(stage)
     if offload and stage == 0:
         raise ConfigError(
             f"zero_optimization.offload_optimizer: device {offload!r} needs ZeRO stage 1, 2 or 3 (at stage 0 "
@@ -65,11 +63,8 @@ def check_combinations(bertopt: BertOptConfig, ds: dict) -> None:
         )
     if offload and bertopt.optimizer.type == "lamb":
         raise ConfigError(LAMB_OFFLOAD_REFUSAL)
-    if bertopt.bucket_clip.enabled and stage >= 3:
-        raise ConfigError(
-            f"bucket_clip: ZeRO stage {stage} is not supported; use zero_optimization.stage "
-            "0, 1 or 2, or set bucket_clip.enabled false"
-        )
+    if bertopt.bucket_clip.enabled:
+        refuse_bucket_clip_under_zero3(stage)
 
 
 def refuse_deepspeed_optimizer_blocks(ds: dict) -> None:

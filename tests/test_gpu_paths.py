@@ -157,7 +157,7 @@ def test_the_varlen_probe_runs_when_the_model_is_placed_never_inside_a_forward(m
     monkeypatch.setattr(unpadded, "varlen_supported", lambda device, dtype, head_dim: True)
     monkeypatch.setattr(unpadded, "_VARLEN_PROBES", {})
 
-    def probe(device, dtype, head_dim, with_dropout):
+    def probe(device, dtype, head_dim, with_dropout, windowed=False):
         probes.append((with_dropout, torch.is_grad_enabled()))
         return False  # as if flash varlen failed here: the loop is chosen, and said
 
@@ -179,3 +179,25 @@ def test_the_varlen_probe_runs_when_the_model_is_placed_never_inside_a_forward(m
     model.train()
     model(**batch).loss.backward()
     assert len(probes) == 2, "the forward probed again"
+
+
+def _vote_without_reading_back(rank, world_size):
+    """Two votes in a row, as the loop casts them; ``.item()``/``.tolist()`` raise, as a host sync in the step would."""
+    import torch as t
+
+    from ds_bertopt.train.loop import StopVote
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("host sync in the stop vote")
+
+    t.Tensor.item, t.Tensor.tolist = forbidden, forbidden
+    quiet = StopVote(False, t.device("cpu"))
+    wish = StopVote(rank == 1, t.device("cpu"))  # only rank 1 wants to stop
+    return quiet.result(), wish.result()
+
+
+def test_the_stop_vote_reaches_every_rank_without_item():
+    """The loop's stop flag was read with ``previous_flag.item()``: on CUDA a wait for the whole step queued since."""
+    from ds_bertopt.testing.distributed import spawn_ranks
+
+    assert spawn_ranks(_vote_without_reading_back, 2, timeout=120) == [(False, True), (False, True)]

@@ -338,6 +338,42 @@ def test_a_stream_cannot_feed_example_ids(tmp_path):
         trainer.get_train_dataloader()
 
 
+def test_preset_auto_sizes_to_the_budget_and_auto_find_batch_size_starts_at_its_batch(tmp_path, monkeypatch, capsys):
+    """wtacrs.preset "auto" under Trainer: each candidate searched up to the Trainer's micro-batch on the model's
+    checkpoint (auto_find_batch_size), the fastest that fits applied, Trainer's batch search starting at its batch;
+    a model with no checkpoint directory is one line. (The measuring itself: tests/test_wtacrs_budget.py.)"""
+    from transformers import AutoModelForSequenceClassification
+
+    from ds_bertopt.wtacrs import sizing
+    from ds_bertopt.wtacrs.config import AUTO_CANDIDATES
+    from ds_bertopt.wtacrs.kit import GeluLinear
+
+    asked = []
+
+    def measure(spec, setup, budget, batch=None, probe=16, max_batch=256, steps=2):
+        asked.append((spec["seq"], spec["precision"], spec["model"], batch, max_batch))
+        found = {"no preset": 2, "preset exact": 6}.get(setup, 8)  # exact fits 6 at 100 sequences/s, the others 10
+        return sizing.Measured(setup, found, sizing.GiB, found / (100.0 if setup == "preset exact" else 10.0))
+
+    monkeypatch.setattr(sizing, "measure", measure)
+    tiny_bert().save_pretrained(str(tmp_path / "model"))
+    section = {"wtacrs": {"preset": "auto", "memory_budget": 2, "budget_seq_length": 12}}
+    trainer = hf.BertOptTrainer(
+        model=AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "model")),
+        args=_args(tmp_path, per_device_train_batch_size=8, auto_find_batch_size=True),
+        train_dataset=_examples(),
+        data_collator=default_data_collator,
+        bertopt=section,
+    )
+    assert asked == [(12, "fp32", str(tmp_path / "model"), None, 8)] * len(AUTO_CANDIDATES)
+    assert trainer._bertopt.bertopt.wtacrs.preset == "exact"
+    assert any(isinstance(m, GeluLinear) for m in trainer.model.modules())  # the exact kit applied
+    assert trainer._train_batch_size == 6 and len(next(iter(trainer.get_train_dataloader()))["input_ids"]) == 6
+    assert "preset auto chose preset exact" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match='"auto" measures the model from its checkpoint directory'):
+        hf.BertOptTrainer(model=tiny_bert(), args=_args(tmp_path), train_dataset=_examples(), bertopt=section)
+
+
 # ---------------------------------------------------------------- real launchers, 2 ranks on CPU
 def _training_csv(tmp_path: Path) -> Path:
     if (SHARED / "rt_polarity" / "train.csv").is_file():

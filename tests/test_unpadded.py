@@ -1,4 +1,5 @@
-"""Tests of the unpadded BERT pretraining forward against the stock padded Hugging Face models (fp32, CPU)."""
+"""Tests of the unpadded BERT pretraining forward against the stock padded Hugging Face models (fp32, CPU); the other
+families are in test_families.py."""
 
 from __future__ import annotations
 
@@ -383,7 +384,7 @@ def test_state_dict_is_the_wrapped_models_and_round_trips(tmp_path):
 
 
 def test_rejects_unsupported_models():
-    with pytest.raises(TypeError, match="BertForMaskedLM or BertForPreTraining"):
+    with pytest.raises(TypeError, match="masked-LM model of a known family"):
         UnpaddedBert(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="decoder"):
         UnpaddedBert(BertForMaskedLM(tiny_config(is_decoder=True)))

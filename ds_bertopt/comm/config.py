@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import check
+from ..errors import ConfigError, check
 
 
 @dataclass(frozen=True)
@@ -29,3 +29,13 @@ class BucketClipConfig:
         check(self.max_norm > 0, f"max_norm: must be positive, got {self.max_norm}")
         check(self.bucket_size > 0, f"bucket_size: must be positive, got {self.bucket_size}")
         check(self.eps >= 0, f"eps: must be >= 0, got {self.eps}")
+
+
+def refuse_bucket_clip_under_zero3(stage: int) -> None:
+    """The one place bucket clipping's ZeRO-3 refusal is decided (pre-flight, the HF integration, the install)."""
+    if stage >= 3:
+        raise ConfigError(
+            f"bucket_clip: ZeRO stage {stage} is not supported (parameters are partitioned and "
+            "reduced by DeepSpeed's stage-3 hooks); use zero_optimization.stage 0, 1 or 2, or set "
+            "bucket_clip.enabled false"
+        )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from ..log import print0
-from .config import BucketClipConfig
+from .config import BucketClipConfig, refuse_bucket_clip_under_zero3
 
 TESTED_DEEPSPEED = "0.19.8"
 
@@ -63,12 +63,7 @@ def _require(obj, names, what: str) -> None:
 
 def _refuse_unsupported(engine) -> None:
     stage = engine.zero_optimization_stage()
-    if stage >= 3:
-        raise ConfigError(
-            f"bucket_clip: ZeRO stage {stage} is not supported (parameters are partitioned and "
-            "reduced by DeepSpeed's stage-3 hooks); use zero_optimization.stage 0, 1 or 2, or set "
-            "bucket_clip.enabled false"
-        )
+    refuse_bucket_clip_under_zero3(stage)
     if engine.gradient_clipping():
         raise ConfigError(
             f"bucket_clip: DeepSpeed gradient_clipping is {engine.gradient_clipping()}; set it to 0 "

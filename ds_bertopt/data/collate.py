@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-IGNORE_INDEX = -100
+from ..labels import IGNORE_INDEX
 
 
 def padded_length(lengths: Sequence[int], pad_multiple: int, cap: int) -> int:

@@ -170,6 +170,11 @@ class DataConfig:
     vocabulary and sequences themselves."""
     seed: int = 1234
     """Seed for sequence building (fixed per corpus so every rank builds the same samples)."""
+    num_proc: Optional[int] = None
+    """Processes that tokenize and build sequences (local rank 0 of each node builds while the node's other ranks
+    wait). Empty: one per CPU core this process may use, at most one per 4 MB of text. Any count builds the same
+    sequences (nodes with other core counts agree); a ``data.dataset`` that already holds ``input_ids`` skips
+    tokenization."""
     max_skipped_fraction: float = 0.01
     """Records without usable text (jsonl or dataset records with no text field, text that is not a string or
     is empty; fine-tuning rows with empty text) are skipped and counted in the data line; when more than this
@@ -191,6 +196,7 @@ class DataConfig:
             f"max_documents: must be at least 2, got {self.max_documents}",
         )
         check(not (self.train_files and self.dataset), "train_files: give either train_files or dataset, not both")
+        check(self.num_proc is None or self.num_proc >= 1, f"num_proc: must be at least 1, got {self.num_proc}")
         check(
             0.0 <= self.max_skipped_fraction < 1.0,
             f"max_skipped_fraction: must be in [0, 1), got {self.max_skipped_fraction}",

@@ -164,7 +164,8 @@ def embedded_corpus_path(cache_dir: str) -> str:
 
 
 def load_documents(data_cfg, cache_dir: str, skipped: Optional[Skipped] = None):
-    """A ``datasets.Dataset`` with one ``text`` row per document.
+    """A ``datasets.Dataset`` with one ``text`` row per document (a ``data.dataset`` that already holds ``input_ids``:
+    one ``input_ids`` row per document, tokenization skipped).
 
     Records of jsonl files and datasets without usable text (no text field, text that is not a string, empty
     text) are skipped and tallied in ``skipped`` (a :class:`~ds_bertopt.data.skipped.Skipped`), which refuses
@@ -199,6 +200,8 @@ def load_documents(data_cfg, cache_dir: str, skipped: Optional[Skipped] = None):
                 ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir=hf_cache)
         except Exception as exc:  # datasets wraps parse errors in several types; name the file
             raise DataError(f"corpus {source} cannot be parsed: {str(exc).splitlines()[0][:300]}") from None
+    if data_cfg.dataset and "input_ids" in ds.column_names:  # already tokenized: the text is not needed
+        return _pretokenized(ds.select_columns(["input_ids"]), data_cfg, source)
     text_files = bool(files) and file_kind(files[0]) == "text"
     field = "text" if text_files or not (data_cfg.train_files or data_cfg.dataset) else data_cfg.text_field
     if field not in ds.column_names:
@@ -213,6 +216,11 @@ def load_documents(data_cfg, cache_dir: str, skipped: Optional[Skipped] = None):
     else:
         ds = _skip_unusable(ds, files, field, skipped)
         skipped.check(f"corpus {source}", data_cfg.max_skipped_fraction)
+    return _enough(ds, data_cfg, source)
+
+
+def _enough(ds, data_cfg, source: str):
+    """``data.max_documents`` applied; at least two documents (one is held out)."""
     if data_cfg.max_documents is not None:
         ds = ds.select(range(min(len(ds), data_cfg.max_documents)))
     if len(ds) < 2:
@@ -220,6 +228,13 @@ def load_documents(data_cfg, cache_dir: str, skipped: Optional[Skipped] = None):
             f"corpus {source} has {len(ds)} non-empty document(s); need at least 2 (one is held out for evaluation)"
         )
     return ds
+
+
+def _pretokenized(ds, data_cfg, source: str):
+    """A dataset of token ids (``input_ids``, e.g. saved by a ``run_mlm``-style script): rows without ids dropped;
+    tokenization is skipped (the pipeline cuts every row into sequences)."""
+    ds = ds.filter(lambda batch: [bool(ids) for ids in batch["input_ids"]], batched=True, desc="dropping empty rows")
+    return _enough(ds, data_cfg, source)
 
 
 def _unusable(text) -> Optional[str]:

@@ -15,6 +15,7 @@ import json
 import os
 import random
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 from filelock import FileLock
@@ -24,6 +25,7 @@ from ..errors import DataError
 from . import sequences
 from .corpus import load_documents
 from .identity import DataFingerprint, columns_digest, vocabulary_digest
+from .parallel import available_cores, default_num_proc, parallel_map
 from .skipped import Skipped
 from .tokenizer import get_tokenizer
 
@@ -53,10 +55,21 @@ def _fingerprint(*parts) -> str:
     return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _tokenize_batch(batch, tokenizer):
+def byte_level(tokenizer) -> bool:
+    """A byte-level BPE tokenizer (RoBERTa, ModernBERT): a word after a space is another token than at the start."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return "ByteLevel" in repr(getattr(backend, "pre_tokenizer", None))
+
+
+def _tokenize_batch(batch, tokenizer, space_prefix: bool = False, offset: int = 0):  # noqa: ARG001 - parallel_map's
+    """Every document's sentences as token ids. ``space_prefix`` (byte-level BPE): each sentence but a document's
+    first is tokenized as it follows a space in running text ("ĠThe", not "The"), as the checkpoint saw it."""
     per_doc = [sequences.split_sentences(text) for text in batch["text"]]
+    if space_prefix:
+        per_doc = [[s if i == 0 else " " + s for i, s in enumerate(doc)] for doc in per_doc]
     flat = [s for doc in per_doc for s in doc]
-    ids = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+    # verbose=False: a sentence longer than the model is cut into sequences later; no warning about its length
+    ids = tokenizer(flat, add_special_tokens=False, verbose=False)["input_ids"] if flat else []
     out, pos = [], 0
     for doc in per_doc:
         out.append([t for t in ids[pos : pos + len(doc)] if t])
@@ -68,9 +81,24 @@ def _pick(docs, others, rng):
     return docs[rng.choice(others)]
 
 
-def _instance_batch(batch, indices, *, max_seq_length, short_seq_prob, nsp, seed, cls_id, sep_id):
+def _pretokenized_batch(batch, special_ids, vocab_size: int, offset: int = 0):  # noqa: ARG001 - see _tokenize_batch
+    """Rows of token ids (a ``datasets`` directory that holds ``input_ids``): each row is one document of one
+    "sentence", special tokens dropped (the sequence builder adds its own)."""
+    out = []
+    for ids in batch["input_ids"]:
+        if ids and max(ids) >= vocab_size:
+            raise DataError(
+                f"data.dataset: token id {max(ids)} is outside the tokenizer's vocabulary ({vocab_size}); give "
+                "data.tokenizer the tokenizer that made these input_ids"
+            )
+        kept = [t for t in ids if t not in special_ids]
+        out.append([kept] if kept else [])
+    return {"sentences": out}
+
+
+def _instance_batch(batch, indices, *, max_seq_length, short_seq_prob, nsp, seed, cls_id, sep_id, offset: int = 0):
     docs = batch["sentences"]
-    rng = random.Random(seed * 1_000_003 + indices[0])
+    rng = random.Random(seed * 1_000_003 + offset + indices[0])  # the absolute index: any process count, same draws
     out = {"input_ids": [], "token_type_ids": [], "next_sentence_label": [], "length": []}
     for d, doc in enumerate(docs):
         if not doc:
@@ -101,6 +129,20 @@ def _instance_batch(batch, indices, *, max_seq_length, short_seq_prob, nsp, seed
     return out
 
 
+TEXT_SAMPLE = 1000
+"""Documents read to estimate a corpus's size for the default ``data.num_proc``."""
+
+
+def text_bytes(documents) -> int:
+    """The corpus's size in bytes of text (token ids count 4 bytes each), estimated from its first documents."""
+    sample = documents.select(range(min(len(documents), TEXT_SAMPLE)))
+    if "input_ids" in documents.column_names:
+        size = 4 * sum(len(ids) for ids in sample["input_ids"])
+    else:
+        size = sum(len(text.encode("utf-8")) for text in sample["text"])
+    return size * len(documents) // max(1, len(sample))
+
+
 def build_sequences(
     documents,
     tokenizer,
@@ -111,29 +153,64 @@ def build_sequences(
     seed: int,
     cache_dir: str,
     split: str,
+    num_proc: Optional[int] = None,
 ):
-    """Tokenize documents into sentences, then pack them into BERT sequences (both steps cached)."""
+    """Tokenize documents into sentences (or take their ``input_ids``), then pack them into BERT sequences (both
+    steps cached, both over ``num_proc`` processes: :func:`~.parallel.parallel_map`, the same rows for any count)."""
+    from datasets import Features, List, Value
+
+    # the types datasets infers for these columns, given so that no part of a parallel map pays the inference (a
+    # fixed cost per map call that scans its first batch)
+    tokenized_features = Features({"sentences": List(List(Value("int64")))})
+    sequence_features = Features(
+        {
+            "input_ids": List(Value("int32")),
+            "token_type_ids": List(Value("int8")),
+            "next_sentence_label": Value("int64"),
+            "length": Value("int64"),
+        }
+    )
     tok_id = vocabulary_digest(tokenizer)
     cache = os.path.join(cache_dir, "sequences")
     os.makedirs(cache, exist_ok=True)
-    fp_tok = _fingerprint("tok", PIPELINE_VERSION, documents._fingerprint, tok_id)
-    tokenized = documents.map(
-        _tokenize_batch,
-        batched=True,
-        batch_size=_MAP_BATCH,
-        remove_columns=["text"],
-        fn_kwargs={"tokenizer": tokenizer},
-        new_fingerprint=fp_tok,
-        cache_file_name=os.path.join(cache, f"{fp_tok}.arrow"),
-        desc=f"tokenizing {split} documents",
-    )
+    num_proc = num_proc or default_num_proc(text_bytes(documents), available_cores())
+    common = dict(num_proc=num_proc, batch_size=_MAP_BATCH, cache_dir=cache)
+    if "input_ids" in documents.column_names:
+        fp_tok = _fingerprint("pretokenized", PIPELINE_VERSION, documents._fingerprint, tok_id)
+        tokenized = parallel_map(
+            documents,
+            _pretokenized_batch,
+            align=1,
+            fingerprint=fp_tok,
+            fn_kwargs={"special_ids": frozenset(tokenizer.all_special_ids), "vocab_size": len(tokenizer)},
+            remove_columns=["input_ids"],
+            features=tokenized_features,
+            desc=f"taking the {split} documents' input_ids",
+            **common,
+        )
+    else:
+        space = byte_level(tokenizer)  # (a WordPiece vocabulary's caches keep their fingerprint)
+        fp_tok = _fingerprint("tok", PIPELINE_VERSION, documents._fingerprint, tok_id, *(["space"] if space else []))
+        tokenized = parallel_map(
+            documents,
+            _tokenize_batch,
+            align=1,  # per document: any cut gives the same rows
+            fingerprint=fp_tok,
+            fn_kwargs={"tokenizer": tokenizer, "space_prefix": space},
+            remove_columns=["text"],
+            features=tokenized_features,
+            desc=f"tokenizing {split} documents",
+            **common,
+        )
     fp_seq = _fingerprint("seq", PIPELINE_VERSION, fp_tok, max_seq_length, short_seq_prob, nsp, seed)
-    return tokenized.map(
+    return parallel_map(
+        tokenized,
         _instance_batch,
-        batched=True,
-        batch_size=_MAP_BATCH,
+        align=_MAP_BATCH,  # draws are seeded per map batch: cut only where one process's batches start
+        fingerprint=fp_seq,
         with_indices=True,
         remove_columns=["sentences"],
+        features=sequence_features,
         fn_kwargs=dict(
             max_seq_length=max_seq_length,
             short_seq_prob=short_seq_prob,
@@ -142,9 +219,8 @@ def build_sequences(
             cls_id=tokenizer.cls_token_id,
             sep_id=tokenizer.sep_token_id,
         ),
-        new_fingerprint=fp_seq,
-        cache_file_name=os.path.join(cache, f"{fp_seq}.arrow"),
         desc=f"building {split} sequences",
+        **common,
     )
 
 
@@ -173,6 +249,7 @@ def _build(cfg, cache_dir: str) -> PretrainData:
         nsp=model_cfg.objective == "mlm_nsp",
         seed=data_cfg.seed,
         cache_dir=cache_dir,
+        num_proc=data_cfg.num_proc,
     )
     train = build_sequences(train_docs, tokenizer, split="train", **common)
     evaluation = build_sequences(eval_docs, tokenizer, split="eval", **common)

@@ -42,10 +42,11 @@ def _cut(sentences: list[list[int]], budget: int) -> list[list[int]]:
     """Split sentences longer than ``budget`` tokens into consecutive pieces."""
     out = []
     for sent in sentences:
-        if not sent:
-            continue
-        for start in range(0, len(sent), budget):
-            out.append(sent[start : start + budget])
+        if len(sent) <= budget:  # most sentences: kept as they are (no copy)
+            if sent:
+                out.append(sent)
+        else:
+            out.extend(sent[start : start + budget] for start in range(0, len(sent), budget))
     return out
 
 
@@ -66,7 +67,7 @@ def mlm_sequences(
             out.append(current)
             current = []
             target = _target_length(budget, short_seq_prob, rng)
-        current = current + sent
+        current.extend(sent)  # a new list is started after every emit, so nothing emitted is changed
         if len(current) > budget:  # a piece longer than a short target: emit what fits
             out.append(current[:budget])
             current = current[budget:]

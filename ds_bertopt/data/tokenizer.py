@@ -159,6 +159,11 @@ def get_tokenizer(data_cfg, documents, cache_dir: str):
     """The configured tokenizer, or the cached corpus-trained WordPiece one (trained on first use)."""
     if data_cfg.tokenizer:
         return load_tokenizer(data_cfg.tokenizer)
+    if "text" not in documents.column_names:
+        raise DataError(
+            f"data.dataset: {data_cfg.dataset} holds input_ids (already tokenized); give data.tokenizer, the tokenizer "
+            "that made them"
+        )
     name = f"{documents._fingerprint}-v{data_cfg.tokenizer_vocab_size}-{TRAINER_VERSION}"
     out_dir = os.path.join(cache_dir, "tokenizers", name)
     if os.path.exists(os.path.join(out_dir, "tokenizer.json")):

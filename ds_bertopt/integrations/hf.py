@@ -56,12 +56,15 @@ from transformers import Trainer, TrainerCallback
 
 from .. import optim
 from ..config import BertOptConfig
+from ..comm.config import refuse_bucket_clip_under_zero3
 from ..configlib import load_section
 from ..data.sampler import PlanBatchSampler
 from ..engine import attach_extensions
 from ..errors import ConfigError
 from ..wtacrs import prepare_model
+from ..wtacrs.sizing import resolve_auto
 from ..wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, SampledLinear
+from .hf_mlm import UnpaddedMLMTrainerMixin
 
 TESTED_VERSIONS = {"transformers": "5.24.0", "accelerate": "1.15.0", "deepspeed": "0.19.8"}
 """The releases this integration was written and tested against (their internals are checked by :func:`check_api`)."""
@@ -270,7 +273,8 @@ class HfBertOptConfig:
 
     @property
     def ignored_sections(self) -> list[str]:
-        return [name for name in LOOP_ONLY_SECTIONS if name in self.given]
+        unpadded = self.bertopt.model.unpadded  # model.unpadded is read under Trainer too (hf_mlm)
+        return [name for name in LOOP_ONLY_SECTIONS if name in self.given and not (name == "model" and unpadded)]
 
 
 def _read_json(path: str) -> Any:
@@ -365,22 +369,15 @@ def check_compatibility(cfg: HfBertOptConfig, ds_config: Optional[dict], args: A
                     f'the DeepSpeed "{block}" block and {SECTION}.optimizer/schedule both set the '
                     f"optimizer; drop one (from {cfg.source})"
                 )
-        if b.optimizer.type == "lamb" and stage >= 3:
-            raise ConfigError(
-                'optimizer.type: "lamb" is not supported under ZeRO stage 3 (parameters are '
-                'partitioned); use zero_optimization.stage 0, 1 or 2, or type "adamw"'
-            )
+        if b.optimizer.type == "lamb":
+            optim.refuse_lamb_under_zero3(stage)
     if b.bucket_clip.enabled:
         if ds_config is None:
             raise ConfigError(
                 "bucket_clip: needs DeepSpeed (TrainingArguments(deepspeed=...) or accelerate launch "
                 "--use_deepspeed); without it use TrainingArguments.max_grad_norm"
             )
-        if stage >= 3:
-            raise ConfigError(
-                f"bucket_clip: ZeRO stage {stage} is not supported; use zero_optimization.stage "
-                "0, 1 or 2, or set bucket_clip.enabled false"
-            )
+        refuse_bucket_clip_under_zero3(stage)
         if getattr(args, "auto_find_batch_size", False):
             raise ConfigError(
                 "bucket_clip: not supported with TrainingArguments.auto_find_batch_size (Trainer "
@@ -572,11 +569,22 @@ class BertOptTrainerMixin:
                 f"{SECTION}.optimizer/schedule and Trainer's optimizers= / optimizer_cls_and_kwargs= "
                 "both set the optimizer; drop one"
             )
+        self._bertopt_args = arguments.get("args")
+        self._bertopt_batch = None  # the micro-batch preset "auto" found, with auto_find_batch_size
         if arguments.get("model") is not None:
             arguments["model"] = self._bertopt_prepare(arguments["model"])
         if arguments.get("model_init") is not None:
             arguments["model_init"] = self._bertopt_model_init(arguments["model_init"])
-        super().__init__(*bound.args, **bound.kwargs)
+        super().__init__(*bound.args, **bound.kwargs)  # calls model_init, if given (preset "auto" resolves there)
+        cfg = self._bertopt  # preset "auto" resolved
+        if self._bertopt_batch is not None and self._bertopt_batch != self.args.per_device_train_batch_size:
+            # Trainer's find_executable_batch_size starts here (and still halves it on an out-of-memory error);
+            # its inner loop passes the size on to DeepSpeed (Trainer._update_auto_batch_size)
+            self._train_batch_size = self._bertopt_batch * max(1, self.args.n_gpu)
+            _say(
+                f"wtacrs: preset auto: auto_find_batch_size starts at micro-batch {self._bertopt_batch} "
+                f"(per_device_train_batch_size {self.args.per_device_train_batch_size} does not fit or is slower)"
+            )
 
         for name in ("accelerator", "is_deepspeed_enabled", "model_wrapped", "_train_batch_size", "data_collator"):
             if not hasattr(self, name):
@@ -617,13 +625,58 @@ class BertOptTrainerMixin:
                 "under Trainer (TrainingArguments and the script set them)"
             )
         if not (
-            cfg.converts_model or cfg.uses_our_optimizer or cfg.uses_plan_sampler or cfg.bertopt.bucket_clip.enabled
+            cfg.converts_model
+            or cfg.uses_our_optimizer
+            or cfg.uses_plan_sampler
+            or cfg.bertopt.bucket_clip.enabled
+            or cfg.bertopt.model.unpadded
         ):
             _say(f"{SECTION}: the section ({cfg.source}) enables nothing; training as a plain Trainer")
 
     # -- 1. the model
-    def _bertopt_prepare(self, model):
+    def _bertopt_resolve_auto(self, model) -> None:
+        """``wtacrs.preset: "auto"``: measure the candidates on the model's checkpoint at the Trainer's micro-batch
+        (with ``auto_find_batch_size``: the largest that fits, up to it) and keep the fastest that fits."""
+        wtacrs, args = self._bertopt.bertopt.wtacrs, self._bertopt_args
+        source = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", "")
+        if not (source and os.path.isdir(source)):
+            raise ConfigError(
+                f'wtacrs.preset: "auto" measures the model from its checkpoint directory; {type(model).__name__} '
+                f"was not loaded from one (name_or_path {source!r}): load it with from_pretrained(DIR) or set a preset"
+            )
+        if args is None:
+            raise ConfigError('wtacrs.preset: "auto" needs TrainingArguments (its micro-batch, precision and device)')
+        positions = getattr(model.config, "max_position_embeddings", None)
+        seq = wtacrs.budget_seq_length or positions
+        if not isinstance(seq, int):
+            raise ConfigError("wtacrs.budget_seq_length: give it (the model has no max_position_embeddings)")
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        resolved, batch, lines = resolve_auto(
+            wtacrs,
+            model_dir=source,
+            batch=args.per_device_train_batch_size,
+            seq=seq,
+            precision=precision,
+            device=args.device.type,
+            num_labels=getattr(model.config, "num_labels", 2),
+            threads=torch.get_num_threads(),
+            search_batch=bool(args.auto_find_batch_size),
+        )
+        for line in lines:
+            _say(line)
+        if wtacrs.budget_seq_length is None:
+            _say(
+                f"wtacrs: preset auto measured at seq {seq} (max_position_embeddings); set "
+                "wtacrs.budget_seq_length to the longest batch you train on to size tighter"
+            )
+        cfg = self._bertopt
+        bertopt = dataclasses.replace(cfg.bertopt, wtacrs=resolved)
+        self._bertopt = HfBertOptConfig(bertopt, cfg.given, cfg.source)
+        self._bertopt_batch = batch if args.auto_find_batch_size else None
 
+    def _bertopt_prepare(self, model):
+        if self._bertopt.bertopt.wtacrs.preset == "auto":
+            self._bertopt_resolve_auto(model)
         wtacrs = self._bertopt.bertopt.wtacrs
         if getattr(model, "_ds_bertopt_prepared", False):
             _say("model: already prepared by ds_bertopt; not converted again")
@@ -790,8 +843,9 @@ class BertOptTrainerMixin:
         return self.lr_scheduler
 
 
-class BertOptTrainer(BertOptTrainerMixin, Trainer):
-    """``transformers.Trainer`` plus the ``"bertopt"`` section (see the module docstring)."""
+class BertOptTrainer(UnpaddedMLMTrainerMixin, BertOptTrainerMixin, Trainer):
+    """``transformers.Trainer`` plus the ``"bertopt"`` section (see the module docstring; ``model.unpadded``:
+    :mod:`ds_bertopt.integrations.hf_mlm`)."""
 
 
 __all__ = [

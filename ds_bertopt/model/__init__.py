@@ -1,5 +1,6 @@
-"""The BERT models we pretrain: Hugging Face ``BertForMaskedLM``/``BertForPreTraining`` with the MLM head
-run only at masked positions (:mod:`.bert`)."""
+"""The masked-LM models we pretrain: Hugging Face models of the BERT families (:mod:`.families`) with the MLM head
+run only at masked positions, padded (:mod:`.bert`) or unpadded (:mod:`.unpadded`), loaded strictly from a
+checkpoint into their own architecture (:mod:`.pretrained`)."""
 
 from .bert import PretrainOutput, SparseMLMHead, build_pretraining_model
 from .config import ModelConfig

@@ -1,46 +1,42 @@
-"""Build the BERT model for pretraining from the ``model`` section."""
+"""The masked-LM models we pretrain (from the ``model`` section) and their padded forward with the MLM head at the
+masked positions only; the unpadded forward is :mod:`.unpadded`."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
 from transformers.utils import ModelOutput
 
-from ..errors import ConfigError
+from ..labels import IGNORE_INDEX
 from ..log import print0
-from .local import check_model_dir
+from .families import family_of
 
 
 def build_pretraining_model(model_cfg, tokenizer, max_seq_length: int):
-    """``BertForMaskedLM`` (``objective: mlm``) or ``BertForPreTraining`` (``mlm_nsp``).
-
-    Random init from the config's sizes, or ``init_checkpoint`` (a Hugging Face directory) whose
-    vocabulary must match the tokenizer's and whose positions must cover ``max_seq_length``.
+    """The masked-LM model: ``init_checkpoint``'s own architecture (:func:`.pretrained.load_pretrained`: BERT,
+    RoBERTa, …, strictly loaded, its vocabulary covering the tokenizer's and its positions ``max_seq_length``), or
+    a random ``BertForMaskedLM`` (``objective: mlm``) / ``BertForPreTraining`` (``mlm_nsp``) of the config's sizes.
     """
     from transformers import BertConfig, BertForMaskedLM, BertForPreTraining
 
-    cls = BertForPreTraining if model_cfg.objective == "mlm_nsp" else BertForMaskedLM
-    vocab = len(tokenizer)
+    nsp = model_cfg.objective == "mlm_nsp"
     if model_cfg.init_checkpoint:
-        path = os.path.abspath(os.path.expanduser(model_cfg.init_checkpoint))
-        check_model_dir(path, "model.init_checkpoint")  # an empty directory is not read as BERT's defaults
-        config = BertConfig.from_pretrained(path)
-        if config.vocab_size != vocab:
-            raise ConfigError(
-                f"model.init_checkpoint: the model's vocabulary has {config.vocab_size} entries but "
-                f"the tokenizer has {vocab}; use the tokenizer the model was trained with"
-            )
-        if config.max_position_embeddings < max_seq_length:
-            raise ConfigError(
-                f"data.max_seq_length: {max_seq_length} exceeds the checkpoint's "
-                f"max_position_embeddings {config.max_position_embeddings}"
-            )
-        return cls.from_pretrained(path, attn_implementation=model_cfg.attn_implementation)
+        from .pretrained import load_pretrained
+
+        model, _, lines = load_pretrained(
+            model_cfg.init_checkpoint,
+            nsp=nsp,
+            vocab_size=len(tokenizer),
+            max_seq_length=max_seq_length,
+            attn_implementation=model_cfg.attn_implementation,
+        )
+        for line in lines:
+            print0(line)
+        return model
     config = BertConfig(
-        vocab_size=vocab,
+        vocab_size=len(tokenizer),
         hidden_size=model_cfg.hidden_size,
         num_hidden_layers=model_cfg.num_hidden_layers,
         num_attention_heads=model_cfg.num_attention_heads,
@@ -51,7 +47,15 @@ def build_pretraining_model(model_cfg, tokenizer, max_seq_length: int):
         pad_token_id=tokenizer.pad_token_id,
     )
     config._attn_implementation = model_cfg.attn_implementation
-    return cls(config)
+    return (BertForPreTraining if nsp else BertForMaskedLM)(config)
+
+
+def mlm_loss(logits: torch.Tensor, target: torch.Tensor, loss_normalizer=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, mean)`` of the masked tokens' cross-entropy (in fp32): ``loss`` is their mean, or their sum divided by
+    ``loss_normalizer`` (a tensor or number; see :class:`SparseMLMHead`); ``mean`` is always the mean (reported)."""
+    token_losses = torch.nn.functional.cross_entropy(logits.float(), target, reduction="none")
+    mean = token_losses.mean()
+    return (mean if loss_normalizer is None else token_losses.sum() / loss_normalizer), mean
 
 
 @dataclass
@@ -73,19 +77,21 @@ class PretrainOutput(ModelOutput):
 
 
 class SparseMLMHead(torch.nn.Module):
-    """Wraps ``BertForMaskedLM``/``BertForPreTraining`` so the MLM head runs only at masked positions.
+    """Wraps a masked-LM model of a :mod:`.families` family (padded batches) so its MLM head runs only at the
+    masked positions.
 
     Hugging Face's heads project every position onto the vocabulary, though only the ~15 % masked
     ones have a label; gathering them first (as MLPerf BERT implementations do) removes most of the
     decoder's work: for the default 4 × 256 model with an 8k vocabulary that is a third of the
     step's FLOPs. Parameters are the wrapped model's (``.model``), so checkpoints and
-    ``save_pretrained`` are unchanged.
+    ``save_pretrained`` are unchanged. This is also how a family that cannot run unpadded (DeBERTa) trains.
     """
 
     def __init__(self, model):
         super().__init__()
         self.model = model
-        self.nsp = hasattr(model.cls, "seq_relationship")
+        self.family = family_of(model)
+        self.nsp = type(model).__name__ == self.family.pretraining_class
 
     def forward(
         self,
@@ -101,22 +107,21 @@ class SparseMLMHead(torch.nn.Module):
         their mean, e.g. the step's masked-token count over all ranks and micro-batches (scaled for DeepSpeed's
         own averaging), so micro-batches of any size give the big batch's gradient. ``masked_positions``: the
         flat indices of the masked tokens, computed by the collator on the host; without them a boolean mask
-        picks them, a host sync on accelerators (its result's size depends on the data)."""
-        encoded = self.model.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        picks them, a host sync on accelerators (its result's size depends on the data). ``token_type_ids`` are
+        ignored by families without token types; RoBERTa's copies derive their position ids from the padding."""
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.family.token_types:
+            inputs["token_type_ids"] = token_type_ids
+        encoded = self.model.base_model(**inputs)
         hidden = encoded.last_hidden_state
         if masked_positions is None:
-            selected = labels != -100
+            selected = labels != IGNORE_INDEX
             target, masked_hidden = labels[selected], hidden[selected]
         else:
             target = labels.reshape(-1).index_select(0, masked_positions)
             masked_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, masked_positions)
-        if self.nsp:
-            logits = self.model.cls.predictions(masked_hidden)
-        else:
-            logits = self.model.cls(masked_hidden)
-        token_losses = torch.nn.functional.cross_entropy(logits.float(), target, reduction="none")
-        mean = token_losses.mean()
-        loss = mean if loss_normalizer is None else token_losses.sum() / loss_normalizer
+        logits = self.family.head(self.model, masked_hidden)
+        loss, mean = mlm_loss(logits, target, loss_normalizer)
         if self.nsp and next_sentence_label is not None:
             nsp_logits = self.model.cls.seq_relationship(encoded.pooler_output)
             nsp = torch.nn.functional.cross_entropy(nsp_logits.float(), next_sentence_label)

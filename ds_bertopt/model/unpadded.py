@@ -1,54 +1,67 @@
-"""Unpadded ("packed") BERT pretraining forward: no padding token is ever computed on.
+"""Unpadded ("packed") masked-LM pretraining forward of every plain-attention BERT family: no padding token is
+ever computed on.
 
-A micro-batch is packed into one row of ``T`` real tokens (``ds_bertopt.data.collate.pack_sequences``).
-Every token-wise op
-(embeddings + LayerNorm + dropout, all linears, LayerNorms, GELU, hidden dropout, the sparse MLM head)
-runs on ``[T, hidden]``; attention alone needs sequence boundaries, and gets them from ``cu_seqlens``
-(the prefix sums flash-attn's varlen kernels use). ``UnpaddedBert`` wraps a stock Hugging Face
-``BertForMaskedLM``/``BertForPreTraining`` and calls its own submodules, so parameters, ZeRO-3
-hooks, ``state_dict`` and ``save_pretrained`` are the wrapped model's, unchanged.
+A micro-batch is packed into one row of ``T`` real tokens (``ds_bertopt.data.collate.pack_sequences``). Every
+token-wise op (embeddings, all linears, LayerNorms, activations, dropouts, the sparse MLM head) runs on the
+``[1, T]`` row; attention alone needs sequence boundaries, and gets them from ``cu_seqlens`` (the prefix sums
+flash-attn's varlen kernels use). :class:`UnpaddedMLM` wraps a stock Hugging Face masked-LM model of a family in
+:mod:`.families` (BERT, RoBERTa / XLM-R / CamemBERT, DistilBERT, the ELECTRA generator, ModernBERT) and runs the
+model's own base model on the packed row, so parameters, ZeRO-3 hooks, gradient checkpointing, ``state_dict``
+and ``save_pretrained`` are the wrapped model's, unchanged. Only the attention core is replaced, through
+transformers' public attention interface (``AttentionInterface.register``): the wrapped model's attention
+implementation becomes :data:`PACKED_ATTENTION`, which every family's attention module calls with its own
+projections, scaling, dropout probability and (ModernBERT) sliding window, and which attends per packed
+sequence (:func:`packed_attention`). The packing travels as one keyword argument (:class:`PackedSequences`),
+which transformers hands down to every layer, through its gradient checkpointing too. Called without it (a
+padded batch), the implementation is transformers' SDPA with its mask: the wrapped model still runs padded.
+
+What differs per family is only its position ids (RoBERTa's start at ``padding_idx + 1``), whether it takes
+token types, and its MLM head, run at the masked positions only (:mod:`.families`).
 
 Attention backends (``packed_attention``):
 
-* ``varlen`` (CUDA, fp16/bf16): ``torch.nn.attention.varlen.varlen_attn`` on the packed
-  ``[T, heads, head_dim]`` tensors. That public API hard-codes ``dropout_p = 0``, so with attention
-  dropout active (training, ``attention_probs_dropout_prob > 0``) we call the op it wraps,
-  ``torch.ops.aten._flash_attention_forward``, with ``dropout_p`` (private, but differentiable through
-  its ``derivatives.yaml`` entry). Each variant is probed once per (device, dtype, head_dim) with a tiny
-  forward + backward (one host sync, once); a failure warns once and falls back to ``sdpa_loop``. ``UnpaddedBert``
-  probes eagerly in ``choose_attention`` (the training loop calls it once the engine placed the model, and rank 0
-  logs the choice), never inside a forward that may be checkpointed.
+* ``varlen`` (CUDA, fp16/bf16): ``torch.nn.attention.varlen.varlen_attn`` on the packed ``[T, heads, head_dim]``
+  tensors, with ModernBERT's local layers as its symmetric ``window_size``. That public API hard-codes
+  ``dropout_p = 0``, so with attention dropout active (training) we call the op it wraps,
+  ``torch.ops.aten._flash_attention_forward``, with ``dropout_p`` (private, but differentiable through its
+  ``derivatives.yaml`` entry). Each variant is probed once per (device, dtype, head_dim, dropout, window) with a
+  tiny forward + backward (one host sync, once); a failure warns once and falls back to ``sdpa_loop``.
+  :class:`UnpaddedMLM` probes eagerly in ``choose_attention`` (the training loop calls it once the engine placed
+  the model, and rank 0 logs the choice), never inside a forward that may be checkpointed.
 * ``sdpa_loop`` (CPU, and any CUDA case flash cannot take, e.g. fp32): one exact
-  ``scaled_dot_product_attention`` call per sequence on ``split`` views of the packed tensors (no
-  copies in, one ``cat`` out, no mask, no padding). On CPU this measured fastest among the exact
-  forms (length-bucketed padded SDPA, one block-diagonal-masked SDPA, per-sequence loop): SDPA's
-  per-call overhead is far below the cost of padding, masks and gathers; see ``bench/unpadded_attention.py``.
+  ``scaled_dot_product_attention`` call per sequence on ``split`` views of the packed tensors (no copies in, one
+  ``cat`` out, no padding; a local layer masks only the sequences longer than its window, with a band of
+  ``|i - j| <= window``). On CPU this measured fastest among the exact forms (length-bucketed padded SDPA, one
+  block-diagonal-masked SDPA, per-sequence loop): SDPA's per-call overhead is far below the cost of padding,
+  masks and gathers; see ``bench/unpadded_attention.py``.
 
 Host syncs: none in ``forward`` when the collator's host-side ``seq_lengths``, ``max_seqlen`` and
-``masked_positions`` are passed (``ds_bertopt.data.collate.pack_sequences`` makes them). Without them they are recovered
-from ``cu_seqlens``/``labels`` with ``.tolist()``/``nonzero`` (a sync each, free on CPU).
+``masked_positions`` are passed (``ds_bertopt.data.collate.pack_sequences`` makes them). Without them they are
+recovered from ``cu_seqlens``/``labels`` with ``.tolist()``/``nonzero`` (a sync each, free on CPU).
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
-from transformers import BertForMaskedLM, BertForPreTraining
 
-from .bert import PretrainOutput
+from .bert import IGNORE_INDEX, PretrainOutput, mlm_loss
+from .families import family_of
 
 try:  # torch >= 2.10; CUDA only at run time
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
     varlen_attn = None
 
-IGNORE_INDEX = -100
 ATTENTION_BACKENDS = ("auto", "varlen", "sdpa_loop")
+PACKED_ATTENTION = "ds_bertopt_packed"
+"""The attention implementation name :class:`UnpaddedMLM` gives the wrapped model."""
+PACKING_KWARG = "ds_bertopt_packing"
+"""The keyword argument that carries :class:`PackedSequences` down to the attention calls."""
 
 
 def token_counts(seq_lengths: Sequence[int]) -> dict:
@@ -79,6 +92,12 @@ def sequence_lengths(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def band_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[length, length]`` True where ``|i - j| <= window`` (a bidirectional local-attention layer)."""
+    positions = torch.arange(length, device=device)
+    return (positions[:, None] - positions[None, :]).abs() <= window
+
+
 def sdpa_loop_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -87,21 +106,25 @@ def sdpa_loop_attention(
     *,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Exact bidirectional attention per sequence: ``[T, heads, head_dim]`` in and out.
 
     One ``F.scaled_dot_product_attention`` per sequence on ``split`` views (``split``'s backward is
     one concatenation, unlike per-slice indexing whose backward writes a full-size zero tensor per
-    slice). No mask is needed as every key is real. ``dropout_p`` is SDPA's attention-probability
-    dropout, as ``sdpa_attention_forward`` in transformers applies it for ``BertSelfAttention``.
+    slice). No mask is needed as every key is real; with ``window`` (local attention, ``|i - j| <= window``) a
+    sequence longer than ``window + 1`` gets a band mask. ``dropout_p`` is SDPA's attention-probability
+    dropout, as transformers' ``sdpa_attention_forward`` applies it.
     """
     lengths = list(seq_lengths)
-    outputs = [
-        F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p, scale=scale
-        ).transpose(0, 1)
-        for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths))
-    ]
+    outputs = []
+    for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths)):
+        n = q.shape[0]
+        mask = band_mask(n, window, q.device) if window is not None and n > window + 1 else None
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, dropout_p=dropout_p, scale=scale
+        )
+        outputs.append(out.transpose(0, 1))
     return torch.cat(outputs)
 
 
@@ -114,22 +137,37 @@ def varlen_flash_attention(
     *,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Flash-attention varlen on CUDA: ``[T, heads, head_dim]`` fp16/bf16 in and out.
+    """Flash-attention varlen on CUDA: ``[T, heads, head_dim]`` fp16/bf16 in and out; ``window``: local attention
+    (``|i - j| <= window``, flash's symmetric ``window_size``).
 
     ``torch.nn.attention.varlen.varlen_attn`` (torch 2.13) without dropout. It fixes ``dropout_p`` to 0,
     so with dropout we call the aten op it wraps, ``_flash_attention_forward(q, k, v, cu_q, cu_k, max_q,
-    max_k, dropout_p, is_causal, return_debug_mask, *, scale)``, whose autograd formula replays the
-    dropout mask from the returned philox ``rng_state``.
+    max_k, dropout_p, is_causal, return_debug_mask, *, scale, window_size_left, window_size_right)``, whose
+    autograd formula replays the dropout mask from the returned philox ``rng_state``.
     """
     cu = cu_seqlens.to(torch.int32)
+    side = -1 if window is None else int(window)
     if dropout_p > 0.0:
         return torch.ops.aten._flash_attention_forward(
-            query, key, value, cu, cu, max_seqlen, max_seqlen, dropout_p, False, False, scale=scale
+            query,
+            key,
+            value,
+            cu,
+            cu,
+            max_seqlen,
+            max_seqlen,
+            dropout_p,
+            False,
+            False,
+            scale=scale,
+            window_size_left=None if window is None else side,
+            window_size_right=None if window is None else side,
         )[0]
     if varlen_attn is None:
         raise ImportError("torch.nn.attention.varlen.varlen_attn is missing in this torch")
-    return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, scale=scale)
+    return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(side, side))
 
 
 _VARLEN_PROBES: dict = {}
@@ -140,18 +178,22 @@ def varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: int) ->
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
 
 
-def varlen_usable(device: torch.device, dtype: torch.dtype, head_dim: int, with_dropout: bool) -> bool:
+def varlen_usable(
+    device: torch.device, dtype: torch.dtype, head_dim: int, with_dropout: bool, windowed: bool = False
+) -> bool:
     """Whether ``varlen_flash_attention`` runs here: :func:`varlen_supported`, and a tiny forward + backward that
     succeeds (probed once per combination; one host sync, once)."""
     if not varlen_supported(device, dtype, head_dim):
         return False
-    probe_key = (str(device), dtype, head_dim, with_dropout)
+    probe_key = (str(device), dtype, head_dim, with_dropout, windowed)
     if probe_key not in _VARLEN_PROBES:
-        _VARLEN_PROBES[probe_key] = probe_varlen(device, dtype, head_dim, with_dropout)
+        _VARLEN_PROBES[probe_key] = probe_varlen(device, dtype, head_dim, with_dropout, windowed)
     return _VARLEN_PROBES[probe_key]
 
 
-def probe_varlen(device: torch.device, dtype: torch.dtype, head_dim: int, with_dropout: bool) -> bool:
+def probe_varlen(
+    device: torch.device, dtype: torch.dtype, head_dim: int, with_dropout: bool, windowed: bool = False
+) -> bool:
     """Run ``varlen_flash_attention`` forward + backward on two tiny sequences; False (and a warning naming
     the error) where it fails. ``enable_grad``: the first call may come from an evaluation under
     ``no_grad``; ``fork_rng``: probing must not shift the run's random streams."""
@@ -166,13 +208,16 @@ def probe_varlen(device: torch.device, dtype: torch.dtype, head_dim: int, with_d
                 for i in range(3)
             )
             cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
-            out = varlen_flash_attention(q, k, v, cu, 4, dropout_p=0.1 if with_dropout else 0.0)
+            out = varlen_flash_attention(
+                q, k, v, cu, 4, dropout_p=0.1 if with_dropout else 0.0, window=1 if windowed else None
+            )
             out.float().square().sum().backward()
             return bool(torch.isfinite(q.grad).all())  # the once-only sync
     except (RuntimeError, AttributeError, ImportError, NotImplementedError, TypeError) as err:
         warnings.warn(
             f"varlen flash attention unusable on {device} ({dtype}, head_dim {head_dim}, "
-            f"dropout {with_dropout}): {str(err).splitlines()[0]}; falling back to the SDPA loop",
+            f"dropout {with_dropout}{', windowed' if windowed else ''}): {str(err).splitlines()[0]}; falling back "
+            "to the SDPA loop",
             stacklevel=2,
         )
         return False
@@ -189,8 +234,9 @@ def packed_attention(
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     backend: str = "auto",
+    window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Bidirectional attention of packed sequences, ``[T, heads, head_dim]`` -> same.
+    """Bidirectional attention of packed sequences, ``[T, heads, head_dim]`` -> same; ``window``: local attention.
 
     ``backend``: ``"varlen"`` (must work, else a one-line error), ``"sdpa_loop"``, or ``"auto"`` (varlen
     where ``varlen_usable``, else the loop).
@@ -198,57 +244,121 @@ def packed_attention(
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"packed_attention: backend {backend!r} is not one of {ATTENTION_BACKENDS}")
     if backend != "sdpa_loop":
-        usable = varlen_usable(query.device, query.dtype, query.shape[-1], dropout_p > 0.0)
+        usable = varlen_usable(query.device, query.dtype, query.shape[-1], dropout_p > 0.0, window is not None)
         if usable:
-            return varlen_flash_attention(query, key, value, cu_seqlens, max_seqlen, dropout_p=dropout_p, scale=scale)
+            return varlen_flash_attention(
+                query, key, value, cu_seqlens, max_seqlen, dropout_p=dropout_p, scale=scale, window=window
+            )
         if backend == "varlen":
             raise RuntimeError(
                 f"packed_attention: varlen flash attention is unusable for {query.dtype} on "
                 f"{query.device} (needs CUDA, fp16/bf16, head_dim a multiple of 8 up to 256)"
             )
-    return sdpa_loop_attention(query, key, value, seq_lengths, dropout_p=dropout_p, scale=scale)
+    return sdpa_loop_attention(query, key, value, seq_lengths, dropout_p=dropout_p, scale=scale, window=window)
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """What every attention call of one packed forward needs, handed down by transformers as ``ds_bertopt_packing``."""
+
+    cu_seqlens: torch.Tensor
+    """``[S+1]`` int32 prefix sums of the sequence lengths."""
+    max_seqlen: int
+    """The longest sequence (host int)."""
+    seq_lengths: tuple[int, ...]
+    """Every sequence's length (host ints)."""
+    backend: str
+    """``varlen`` or ``sdpa_loop``, decided before the forward (never probed inside a checkpointed layer)."""
+
+
+def hf_packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    **kwargs,
+):
+    """transformers' attention-interface signature: ``[1, heads, T, head_dim]`` in, ``([1, T, heads, head_dim],
+    None)`` out. ``sliding_window`` is what ModernBERT's local layers pass: their half window + 1, flash-attention's
+    inclusive bound (transformers' ``sliding_window_bidirectional_overlay``: ``|i - j| <= sliding_window - 1``)."""
+    packing = kwargs.get(PACKING_KWARG)
+    if packing is None:  # a padded call of the wrapped model: transformers' own SDPA, with its mask
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    out = packed_attention(
+        *(x[0].transpose(0, 1) for x in (query, key, value)),
+        packing.cu_seqlens,
+        packing.max_seqlen,
+        packing.seq_lengths,
+        dropout_p=dropout,
+        scale=scaling,
+        backend=packing.backend,
+        window=None if sliding_window is None else sliding_window - 1,
+    )
+    return out[None], None
+
+
+def register_packed_attention() -> None:
+    """Register :data:`PACKED_ATTENTION` with transformers (its attention, and SDPA's mask for padded calls)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(PACKED_ATTENTION, hf_packed_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the model wrapper (thin glue over the Hugging Face modules)
+# the model wrapper (thin glue over the Hugging Face model)
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class UnpaddedBert(torch.nn.Module):
-    """Runs a Hugging Face ``BertForMaskedLM``/``BertForPreTraining`` on a packed, padding-free batch.
+def local_window(config) -> Optional[int]:
+    """ModernBERT's local-attention half window (``|i - j| <= window``), when some layer is local; else ``None``."""
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return int(config.sliding_window)
+    return None
 
-    The wrapped model is ``.model``; its parameters are used in place (no copies), so its
-    ``state_dict``/``save_pretrained`` are unchanged and load with stock ``from_pretrained``. The
-    forward calls the model's own submodules (``BertEmbeddings``, the ``query``/``key``/``value``
-    linears of ``BertSelfAttention``, ``BertSelfOutput``, ``BertLayer.feed_forward_chunk``,
-    ``BertPooler``, ``BertLMPredictionHead``), each on ``[T, hidden]`` (or ``[1, T]`` ids), so ZeRO-3's
-    per-module parameter gathering and dropout/train-mode flags work as in the stock model; only
-    the attention core is replaced (``packed_attention``). The MLM head runs at masked positions only,
-    as in ``ds_bertopt.model.SparseMLMHead``. ``activation_checkpointing_enable()`` on the wrapped
-    model is honoured per layer with the checkpoint function it installed.
+
+class UnpaddedMLM(torch.nn.Module):
+    """Runs a Hugging Face masked-LM model of a :mod:`.families` family on a packed, padding-free batch.
+
+    The wrapped model is ``.model``; its parameters are used in place (no copies), so its ``state_dict`` /
+    ``save_pretrained`` are unchanged and load with stock ``from_pretrained`` (the attention implementation is
+    not saved). The forward runs the model's base model on the packed row with the attention implementation
+    :data:`PACKED_ATTENTION` and the MLM head at the masked positions only; ``BertForPreTraining`` adds NSP from
+    each sequence's first token. ``gradient_checkpointing_enable()`` / ``activation_checkpointing_enable()`` on
+    the wrapped model work as in the stock model (transformers checkpoints its own layers).
     """
 
     def __init__(self, model, attention: str = "auto"):
         super().__init__()
-        if not isinstance(model, (BertForMaskedLM, BertForPreTraining)):
-            raise TypeError(f"UnpaddedBert: expected BertForMaskedLM or BertForPreTraining, got {type(model).__name__}")
+        family = family_of(model)
+        if family.unpadded_blocker:
+            raise ValueError(f"UnpaddedMLM: {family.name} cannot run unpadded ({family.unpadded_blocker})")
         config = model.config
-        if config.is_decoder or config.add_cross_attention:
+        if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
             raise ValueError(
-                "UnpaddedBert: decoder / cross-attention BERT configs are not supported (bidirectional only)"
-            )
-        if getattr(config, "position_embedding_type", "absolute") != "absolute":
-            raise ValueError(
-                f"UnpaddedBert: position_embedding_type {config.position_embedding_type!r} is not "
-                f"supported (absolute only)"
+                "UnpaddedMLM: decoder / cross-attention configs are not supported (bidirectional attention only)"
             )
         if attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"UnpaddedBert: attention {attention!r} is not one of {ATTENTION_BACKENDS}")
+            raise ValueError(f"UnpaddedMLM: attention {attention!r} is not one of {ATTENTION_BACKENDS}")
+        register_packed_attention()
+        model.set_attn_implementation(PACKED_ATTENTION)
         self.model = model
+        self.family = family
         self.attention = attention
-        self.nsp = isinstance(model, BertForPreTraining)
-        self.num_heads = config.num_attention_heads
+        self.nsp = type(model).__name__ == family.pretraining_class
         self.head_dim = config.hidden_size // config.num_attention_heads
+        self.position_offset = family.position_offset(config)
+        self.window = local_window(config)
+        self.dropout_p = float(getattr(config, family.attention_dropout, 0.0) or 0.0)
         self._backends: dict[tuple, str] = {}  # (device, dtype, with dropout) -> "varlen" | "sdpa_loop"
 
     def choose_attention(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> str:
@@ -258,24 +368,27 @@ class UnpaddedBert(torch.nn.Module):
         decides for that dtype before its first layer."""
         param = next(self.model.parameters())
         device, dtype = device or param.device, dtype or param.dtype
-        variants = (False, True) if self.model.config.attention_probs_dropout_prob > 0 else (False,)
+        variants = (False, True) if self.dropout_p > 0 else (False,)
         chosen = [self._backend(device, dtype, with_dropout) for with_dropout in variants]
         names = {"varlen": "flash varlen", "sdpa_loop": "exact per-sequence SDPA loop"}
         what = " / ".join(dict.fromkeys(names[c] for c in chosen))
+        local = f", local layers |i-j| <= {self.window}" if self.window is not None else ""
         return (
-            f"unpadded attention: {what} ({device.type}, {str(dtype).replace('torch.', '')}, head_dim {self.head_dim})"
+            f"unpadded attention: {what} ({device.type}, {str(dtype).replace('torch.', '')}, head_dim "
+            f"{self.head_dim}{local})"
         )
 
     def _backend(self, device: torch.device, dtype: torch.dtype, with_dropout: bool) -> str:
         key = (str(device), dtype, with_dropout)
         if key not in self._backends:
+            windowed = self.window is not None
             if self.attention == "sdpa_loop":
                 backend = "sdpa_loop"
-            elif varlen_usable(device, dtype, self.head_dim, with_dropout):
+            elif varlen_usable(device, dtype, self.head_dim, with_dropout, windowed):
                 backend = "varlen"
             elif self.attention == "varlen":
                 raise RuntimeError(
-                    f"UnpaddedBert: attention 'varlen' is unusable for {dtype} on {device} (needs CUDA, fp16/bf16, "
+                    f"UnpaddedMLM: attention 'varlen' is unusable for {dtype} on {device} (needs CUDA, fp16/bf16, "
                     f"head_dim a multiple of 8 up to 256; see the warning above for a failed probe)"
                 )
             else:
@@ -286,10 +399,10 @@ class UnpaddedBert(torch.nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        token_type_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        labels: torch.Tensor,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
         max_seqlen: Optional[int] = None,
         next_sentence_label: Optional[torch.Tensor] = None,
         loss_normalizer: Optional[Union[torch.Tensor, float]] = None,
@@ -297,7 +410,8 @@ class UnpaddedBert(torch.nn.Module):
         seq_lengths: Optional[Sequence[int]] = None,
         masked_positions: Optional[torch.Tensor] = None,
     ) -> PretrainOutput:
-        """Packed batch (all ``[T]`` unless said): ``input_ids``, ``token_type_ids``, ``position_ids``,
+        """Packed batch (all ``[T]`` unless said): ``input_ids``, ``token_type_ids`` (ignored by families without
+        token types), ``position_ids`` (restarting at 0 per sequence; the family's offset is added here),
         ``cu_seqlens`` ``[S+1]`` int32, ``labels`` (``-100`` where not masked), ``max_seqlen`` (int),
         ``next_sentence_label`` ``[S]``; host-side ``seq_lengths`` and ``masked_positions`` ``[M]`` avoid
         syncs (see ``ds_bertopt.data.collate.pack_sequences``).
@@ -318,38 +432,35 @@ class UnpaddedBert(torch.nn.Module):
             max_seqlen = max(seq_lengths)
         if masked_positions is None:
             masked_positions = torch.nonzero(labels != IGNORE_INDEX).flatten()  # host sync (data-dependent shape)
-        bert = self.model.bert
-        # BertEmbeddings.forward expects [batch, seq]: the packed row is a batch of one
-        hidden = bert.embeddings(
-            input_ids=input_ids[None], token_type_ids=token_type_ids[None], position_ids=position_ids[None]
-        )[0]
-        dropout = self.training and self.model.config.attention_probs_dropout_prob > 0
-        device_type = hidden.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
-        backend = self._backend(hidden.device, dtype, dropout)  # decided here, before any checkpointed layer
-        for layer in bert.encoder.layer:
-            if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
-                # the function activation_checkpointing_enable() set (its kwargs, offload, every_n_layers), as
-                # GradientCheckpointingLayer uses it; hidden is positional so use_reentrant=True works too
-                checkpoint = getattr(layer, "_gradient_checkpointing_func", None) or functools.partial(
-                    torch.utils.checkpoint.checkpoint, use_reentrant=False
-                )
-                hidden = checkpoint(
-                    self._layer_forward, layer, hidden, cu_seqlens, max_seqlen, tuple(seq_lengths), backend
-                )
-            else:
-                hidden = self._layer_forward(layer, hidden, cu_seqlens, max_seqlen, seq_lengths, backend)
+        if position_ids is None:
+            position_ids = torch.cat([torch.arange(n, device=input_ids.device) for n in seq_lengths])
+        device_type = input_ids.device.type
+        dtype = (
+            torch.get_autocast_dtype(device_type)
+            if torch.is_autocast_enabled(device_type)
+            else self.model.get_input_embeddings().weight.dtype
+        )
+        backend = self._backend(input_ids.device, dtype, self.training and self.dropout_p > 0)  # before any layer
+        packing = PackedSequences(cu_seqlens, int(max_seqlen), tuple(seq_lengths), backend)
+        inputs = {
+            "input_ids": input_ids[None],
+            "position_ids": (position_ids + self.position_offset if self.position_offset else position_ids)[None],
+            PACKING_KWARG: packing,
+        }
+        if self.family.token_types and token_type_ids is not None:
+            inputs["token_type_ids"] = token_type_ids[None]
+        if self.family.layer_type_masks:  # no mask to build for any layer type (ModernBERT builds one per type)
+            inputs["attention_mask"] = dict.fromkeys(self.model.config.layer_types)
+        hidden = self.model.base_model(**inputs).last_hidden_state[0]
 
         target = labels.index_select(0, masked_positions)
-        mlm_logits = self.model.cls.predictions(hidden.index_select(0, masked_positions))
-        token_losses = F.cross_entropy(mlm_logits.float(), target, reduction="none")
-        mean_loss = token_losses.mean()
-        loss = mean_loss if loss_normalizer is None else token_losses.sum() / loss_normalizer
+        mlm_logits = self.family.head(self.model, hidden.index_select(0, masked_positions))
+        loss, mean_loss = mlm_loss(mlm_logits, target, loss_normalizer)
         nsp_logits = None
         if self.nsp:
             # BertPooler takes hidden_states[:, 0]: give it each sequence's first token as [S, 1, hidden]
             first_tokens = hidden.index_select(0, cu_seqlens[:-1].long())[:, None]
-            nsp_logits = self.model.cls.seq_relationship(bert.pooler(first_tokens))
+            nsp_logits = self.model.cls.seq_relationship(self.model.bert.pooler(first_tokens))
             if next_sentence_label is not None:
                 nsp_losses = F.cross_entropy(nsp_logits.float(), next_sentence_label, reduction="none")
                 mean_loss = mean_loss + nsp_losses.mean()
@@ -358,47 +469,24 @@ class UnpaddedBert(torch.nn.Module):
             loss=loss, mean_loss=mean_loss, mlm_logits=mlm_logits, mlm_labels=target, nsp_logits=nsp_logits
         )
 
-    def _layer_forward(
-        self,
-        layer,
-        hidden: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
-        seq_lengths: Sequence[int],
-        backend: str,
-    ) -> torch.Tensor:
-        """``BertLayer.forward`` on ``[T, hidden]``: ``BertSelfAttention``'s projections (heads split as
-        its ``view(*input_shape, -1, head_size)``), packed attention with its ``scaling`` and, in
-        training, its dropout probability, then ``BertSelfOutput`` and ``feed_forward_chunk``
-        (``BertIntermediate`` + ``BertOutput``; ``apply_chunking_to_forward`` only splits that math)."""
-        self_attn = layer.attention.self
-        tokens = hidden.shape[0]
-        heads = (tokens, self.num_heads, self.head_dim)
-        query = self_attn.query(hidden).view(heads)
-        key = self_attn.key(hidden).view(heads)
-        value = self_attn.value(hidden).view(heads)
-        dropout_p = self_attn.dropout.p if self_attn.training else 0.0
-        context = packed_attention(
-            query,
-            key,
-            value,
-            cu_seqlens,
-            max_seqlen,
-            seq_lengths,
-            dropout_p=dropout_p,
-            scale=self_attn.scaling,
-            backend=backend,
-        )
-        attention_output = layer.attention.output(context.reshape(tokens, -1), hidden)
-        return layer.feed_forward_chunk(attention_output)
+
+UnpaddedBert = UnpaddedMLM
+"""The name this wrapper had when it took BERT only (benches and tests use it)."""
 
 
 __all__ = [
     "ATTENTION_BACKENDS",
     "IGNORE_INDEX",
+    "PACKED_ATTENTION",
+    "PackedSequences",
     "UnpaddedBert",
+    "UnpaddedMLM",
+    "band_mask",
+    "hf_packed_attention",
+    "local_window",
     "packed_attention",
     "probe_varlen",
+    "register_packed_attention",
     "sdpa_loop_attention",
     "sequence_lengths",
     "token_counts",

@@ -20,6 +20,7 @@ from ..log import print0
 from .config import OptimizerConfig, ScheduleConfig
 from .lamb import Lamb, describe_lamb
 from .schedule import WarmupDecayLR, build_lr_scheduler, describe_lr, lr_multiplier, scale_lr, warmup_length
+from .zero import refuse_lamb_under_zero3
 
 __all__ = [
     "build",
@@ -33,6 +34,7 @@ __all__ = [
     "WarmupDecayLR",
     "OptimizerConfig",
     "ScheduleConfig",
+    "refuse_lamb_under_zero3",
 ]
 
 NO_DECAY_SUFFIXES = ("bias", "LayerNorm.weight", "layernorm.weight", "layer_norm.weight", "norm.weight")
@@ -80,11 +82,7 @@ def apex_fused_lamb():
 def _build_lamb(
     model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float, zero_stage: int, bucket_clip: bool
 ) -> torch.optim.Optimizer:
-    if zero_stage >= 3:
-        raise ConfigError(
-            'optimizer.type: "lamb" is not supported under ZeRO stage 3 (parameters are '
-            'partitioned); use zero_optimization.stage 0, 1 or 2, or type "adamw"'
-        )
+    refuse_lamb_under_zero3(zero_stage)
     max_grad_norm = cfg.max_grad_norm
     if bucket_clip and max_grad_norm > 0:
         print0(f"bucket_clip is on: LAMB's own global-norm clipping (max_grad_norm {max_grad_norm:g}) is off")

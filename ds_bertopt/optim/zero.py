@@ -131,14 +131,19 @@ def _mark_unflattened(optimizer: Lamb, wrapper) -> None:
         optimizer.mark_whole_layers(held)
 
 
-def attach_lamb(optimizer: Lamb, engine) -> None:
-    """Make ``optimizer`` take per-layer steps inside ``engine`` (``deepspeed.initialize``'s result)."""
-    stage = int(engine.zero_optimization_stage())
+def refuse_lamb_under_zero3(stage: int) -> None:
+    """The one place LAMB's ZeRO-3 refusal is decided (pre-flight, ``build_optimizer``, the HF integration, here)."""
     if stage >= 3:
         raise ConfigError(
             'optimizer.type: "lamb" is not supported under ZeRO stage 3 (parameters are '
             'partitioned); use zero_optimization.stage 0, 1 or 2, or type "adamw"'
         )
+
+
+def attach_lamb(optimizer: Lamb, engine) -> None:
+    """Make ``optimizer`` take per-layer steps inside ``engine`` (``deepspeed.initialize``'s result)."""
+    stage = int(engine.zero_optimization_stage())
+    refuse_lamb_under_zero3(stage)
     ds_clip = float(engine.gradient_clipping() or 0.0)
     if optimizer.max_grad_norm > 0 and ds_clip > 0:
         print0(

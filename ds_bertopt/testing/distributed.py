@@ -12,17 +12,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import traceback
 from typing import Any, Callable
 
-from ..dist import release_shm_buffer
+from ..dist import free_port, release_shm_buffer
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["free_port", "spawn_ranks"]
 
 
 def _worker(fn, rank, world_size, ranks_per_node, port, env, args, results):

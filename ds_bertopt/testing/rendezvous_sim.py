@@ -21,7 +21,6 @@ import argparse
 import datetime
 import multiprocessing as mp
 import os
-import socket
 import sys
 import threading
 import time
@@ -29,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..dist import Topology, rendezvous_verdict
+from ..dist import Topology, free_port, rendezvous_verdict
 from ..errors import BertOptError
 
 
@@ -142,9 +141,7 @@ def simulate(
     bend = dict(bend or {})
     for r in extra:
         bend[r] = {"world_size": max(extra) + 1, **bend.get(r, {})}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = dist.TCPStore(  # noqa: F841 - the server lives as long as this object
         "127.0.0.1", port, world_size=world, is_master=True, wait_for_workers=False
     )

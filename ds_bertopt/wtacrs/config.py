@@ -146,10 +146,15 @@ PRESETS: dict[str, dict] = {
 }
 """What each ``wtacrs.preset`` sets (measured in ``bench/wtacrs.py --sections frontier``, see docs/wtacrs.md)."""
 
+AUTO_CANDIDATES = ("none", "checkpointing", "exact", "balanced", "max_saving")
+"""What ``preset: "auto"`` chooses among: the fields as given without a preset (``none``: full fine-tuning unless
+other fields say otherwise), the same with transformers' activation checkpointing of every layer
+(``checkpointing``), and each preset (:data:`PRESETS`)."""
+
 
 @dataclass(frozen=True)
 class WtaCrsConfig:
-    preset: Optional[Literal["exact", "balanced", "max_saving"]] = None
+    preset: Optional[Literal["exact", "balanced", "max_saving", "auto"]] = None
     """A named setting of the sampling and kit fields (``ds_bertopt.wtacrs.config.PRESETS`` lists what each sets):
     ``exact`` — every exact kit part (SDPA without attention dropout, regenerated dropout masks, output-saving
     LayerNorms, FFN and q/k/v rebuilt in backward), no sampling; ``balanced`` — ``exact`` + WTA-CRS at 0.3 on every
@@ -157,7 +162,22 @@ class WtaCrsConfig:
     step time of full fine-tuning); ``max_saving`` — ``balanced`` + activation checkpointing of every layer (the
     largest saving within 1.35× the step time). A field given next to a preset overrides the preset's value for
     that field (``null`` or leaving it out takes the preset's); fields the preset does not set keep their built-in
-    defaults. Empty: no preset."""
+    defaults. ``auto`` (needs ``memory_budget``): at start-up each of ``auto_candidates`` is measured at the run's
+    micro-batch, sequence length and precision (peak memory and step time), and the fastest whose peak fits the
+    budget is used; the log says what each measured and why the choice. Empty: no preset."""
+    memory_budget: Optional[float] = None
+    """Peak memory per device, in GiB, that ``preset: "auto"`` must fit: a fresh process's RSS high-water mark
+    above the bare interpreter on CPUs (Linux), ``torch.cuda.max_memory_allocated`` on GPUs; one device running the
+    whole model with AdamW (ZeRO only lowers it). Only with ``preset: "auto"``."""
+    budget_seq_length: Optional[int] = None
+    """Sequence length ``preset: "auto"`` measures at. Default: ``finetune.max_seq_length`` in ds_bertopt's own
+    fine-tuning; under Hugging Face ``Trainer`` (which does not know its longest batch) the model's
+    ``max_position_embeddings``, the safe upper bound — give your longest tokenised length to size tighter."""
+    auto_candidates: tuple[str, ...] = AUTO_CANDIDATES
+    """The setups ``preset: "auto"`` measures and chooses among: ``none`` (the fields as given, no preset),
+    ``checkpointing`` (the same with activation checkpointing of every layer), ``exact``, ``balanced``,
+    ``max_saving``. Fields given next to ``auto`` apply to every candidate (e.g. ``lora.enabled``). Drop
+    ``balanced`` and ``max_saving`` to keep gradients exact."""
     enabled: Optional[bool] = None
     """Swap the target linears for WTA-CRS sampled linears before ``deepspeed.initialize``. Default false."""
     ratio: Optional[float] = None
@@ -195,7 +215,8 @@ class WtaCrsConfig:
     def __post_init__(self) -> None:
         preset = PRESETS.get(self.preset, {}) if self.preset is not None else {}
         check(
-            self.preset is None or self.preset in PRESETS, f"preset: {self.preset!r} is not one of {', '.join(PRESETS)}"
+            self.preset in (None, "auto") or self.preset in PRESETS,
+            f"preset: {self.preset!r} is not one of {', '.join(PRESETS)}, auto",
         )
         for name, value in preset.items():  # the preset fills what was not given
             if name != "kit" and getattr(self, name) is None:
@@ -227,3 +248,24 @@ class WtaCrsConfig:
             f"targets: 'auto' and 'all' stand alone, got {list(self.targets)}",
         )
         check(self.cache_capacity >= 1, f"cache_capacity: must be at least 1, got {self.cache_capacity}")
+        if self.preset == "auto":
+            check(
+                self.memory_budget is not None,
+                'preset: "auto" needs memory_budget (GiB per device) to size the setup to',
+            )
+        else:
+            check(
+                self.memory_budget is None,
+                f'memory_budget: only used with preset "auto" (preset is {self.preset!r})',
+            )
+        check(
+            self.memory_budget is None or self.memory_budget > 0,
+            f"memory_budget: must be a positive number of GiB, got {self.memory_budget}",
+        )
+        check(
+            self.budget_seq_length is None or self.budget_seq_length >= 1,
+            f"budget_seq_length: must be at least 1, got {self.budget_seq_length}",
+        )
+        check(len(self.auto_candidates) > 0, "auto_candidates: give at least one")
+        for name in self.auto_candidates:
+            check(name in AUTO_CANDIDATES, f"auto_candidates: {name!r} is not one of {', '.join(AUTO_CANDIDATES)}")

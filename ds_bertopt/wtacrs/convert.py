@@ -191,6 +191,11 @@ def prepare_model(model: nn.Module, cfg) -> tuple[nn.Module, list[str]]:
     Everything the kit or the sampling could not convert in this model's family is named in one
     ``warning:`` line (``cfg.strict``: a :class:`~ds_bertopt.errors.ConfigError` instead).
     """
+    if cfg.preset == "auto":
+        raise ConfigError(
+            'wtacrs.preset: "auto" must be resolved to a setup before the model is prepared '
+            "(ds_bertopt.wtacrs.sizing.resolve_auto; the fine-tuning task and BertOptTrainer do)"
+        )
     detected = detect(model)
     lines = [f"wtacrs: model family {detected.describe()}"]
     if cfg.lora.enabled:

@@ -86,9 +86,27 @@ def unpack_bits(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return flat[: math.prod(shape)].view(shape)
 
 
+_INT31 = 2**31  # ``random_()`` on int32 draws uniformly from [0, 2^31) on every device (``digits`` of int32)
+
+
+def keep_threshold(keep: float) -> int:
+    """The int32 threshold below which a uniform draw from [0, 2^31) keeps an entry: ``P = threshold / 2^31``,
+    ``keep`` to within 2^-32 (finer than ``rand() < keep``'s 24-bit floats)."""
+    return min(_INT31, max(0, round(keep * _INT31)))
+
+
 def keep_mask(shape, keep: float, device, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Bool mask, each entry true with probability ``keep`` (``rand < keep``: faster than bool bernoulli)."""
-    return torch.rand(shape, device=device, generator=generator) < keep
+    """Bool mask, each entry true with probability ``keep``: one int32 draw per entry against
+    :func:`keep_threshold`. Measured on a 2-core AVX2 CPU (16 × 64 × 384): 1.7 ms against 3.1 ms for
+    ``rand < keep`` and 3.9 ms for a bool ``bernoulli_`` — regenerating masks draws twice per dropout."""
+    bits = torch.empty(shape, dtype=torch.int32, device=device).random_(generator=generator)
+    return bits <= keep_threshold(keep) - 1  # not ``< threshold``: 2^31 itself does not fit an int32
+
+
+def masked_scale(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x · mask · scale`` in one kernel where the device has one (``native_dropout_backward`` is exactly that:
+    torch's own dropout backward, fused on CUDA; three ops as ``where(mask, x · scale, 0)``)."""
+    return torch.ops.aten.native_dropout_backward(x, mask, scale)
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -114,7 +132,7 @@ class _CompactDropoutFn(torch.autograd.Function):
         else:
             mask = keep_mask(x.shape, keep, x.device)
             ctx.save_for_backward(pack_bits(mask) if mode == "bits" else mask)
-        return torch.where(mask, x * (1.0 / keep), torch.zeros((), dtype=x.dtype, device=x.device))
+        return masked_scale(x, mask, 1.0 / keep)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -125,8 +143,7 @@ class _CompactDropoutFn(torch.autograd.Function):
         else:
             (saved,) = ctx.saved_tensors
             mask = unpack_bits(saved, ctx.shape) if ctx.mode == "bits" else saved
-        zero = torch.zeros((), dtype=grad_out.dtype, device=grad_out.device)
-        return torch.where(mask, grad_out * (1.0 / ctx.keep), zero), None, None
+        return masked_scale(grad_out, mask, 1.0 / ctx.keep), None, None
 
 
 class CompactDropout(nn.Dropout):
@@ -161,25 +178,28 @@ def layernorm_backward(
     """Gradients of LayerNorm from its *output* ``y`` and ``rstd`` (pure; math in fp32 or wider).
 
     ``x̂ = (y − β)/γ``; ``∇x = rstd · (g − mean(g) − x̂ · mean(g · x̂))`` with ``g = ∇y · γ``.
-    ``reduce_dims`` is the number of normalised (trailing) dimensions.
+    ``reduce_dims`` is the number of normalised (trailing) dimensions. That is torch's own LayerNorm backward
+    (``native_layer_norm_backward``) applied to ``x̂`` as an input with mean 0 and ``rstd`` 1, times ``rstd``:
+    one fused kernel instead of a dozen elementwise ops and reductions.
     """
-    dims = tuple(range(-reduce_dims, 0))
     acc = torch.promote_types(grad_out.dtype, torch.float32)
-    gy = grad_out.to(acc)
     xhat = y.to(acc)
     if bias is not None:
         xhat = xhat - bias.to(acc)
-    if weight is not None:
-        xhat = xhat / weight.to(acc)
-        g = gy * weight.to(acc)
-    else:
-        g = gy
-    grad_x = g - g.mean(dims, keepdim=True) - xhat * (g * xhat).mean(dims, keepdim=True)
-    grad_x = grad_x.mul_(rstd.to(acc))
-    batch_dims = tuple(range(gy.dim() - reduce_dims))
-    grad_w = (gy * xhat).sum(batch_dims) if weight is not None else None
-    grad_b = gy.sum(batch_dims) if bias is not None else None
-    return grad_x, grad_w, grad_b
+    if weight is not None:  # in place only into a buffer of our own
+        xhat = xhat.div_(weight.to(acc)) if bias is not None else xhat / weight.to(acc)
+    stats_shape = rstd.shape
+    grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
+        grad_out.to(acc),
+        xhat,
+        list(y.shape[-reduce_dims:]),
+        torch.zeros(stats_shape, dtype=acc, device=y.device),
+        torch.ones(stats_shape, dtype=acc, device=y.device),
+        weight.to(acc) if weight is not None else None,
+        bias.to(acc) if bias is not None else None,
+        [True, weight is not None, bias is not None],
+    )
+    return grad_x.mul_(rstd.to(acc)), grad_w, grad_b
 
 
 class _OutputSavingLayerNormFn(torch.autograd.Function):
@@ -264,15 +284,21 @@ class GammaGuard:
         ]
         if asking not in stale:
             return  # its γ is partitioned right now: the caller saves the input (exact), nothing read
-        by_device: dict[torch.device, list] = {}
-        for norm in stale:
-            by_device.setdefault(norm.weight.device, []).append(norm)
-        for norms in by_device.values():
+        by_device: dict[torch.device, dict[tuple, list]] = {}
+        for norm in stale:  # same width and bound: one stacked comparison (a model's LayerNorms are all alike)
+            key = (norm.weight.numel(), norm.weight.dtype, norm.min_abs_weight)
+            by_device.setdefault(norm.weight.device, {}).setdefault(key, []).append(norm)
+        for groups in by_device.values():
             with torch.no_grad():
-                small = torch.stack([(n.weight.detach().abs() < n.min_abs_weight).any() for n in norms])
+                small = torch.cat(
+                    [
+                        torch.stack([n.weight.detach().reshape(-1) for n in norms]).abs_().lt_(bound).any(dim=1)
+                        for (_, _, bound), norms in groups.items()
+                    ]
+                )
             flags = small.tolist()
             self.host_checks += 1
-            for norm, has_small in zip(norms, flags):
+            for norm, has_small in zip((n for norms in groups.values() for n in norms), flags):
                 norm._gamma_stamp, norm._gamma_safe = self._stamp(norm), not has_small
 
 
@@ -334,18 +360,13 @@ class OutputSavingLayerNorm(nn.LayerNorm):
 
 
 # ---------------------------------------------------------------- GELU with a bf16 saved input
-_INV_SQRT2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-
-
 def gelu_grad_(pre_activation: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    """``grad_out · (Φ(h) + h φ(h))``, computed *into* ``pre_activation`` (fp32 or fp64, overwritten;
-    pure otherwise). One extra fp32 buffer; a non-in-place version ate most of the memory it saved."""
-    h = pre_activation
-    h_pdf = h.square().mul_(-0.5).exp_().mul_(h).mul_(_INV_SQRT_2PI)  # h φ(h)
-    grad = h.mul_(_INV_SQRT2).erf_().add_(1.0).mul_(0.5).add_(h_pdf)  # Φ(h) + h φ(h)
-    del h_pdf
-    return grad.mul_(grad_out)
+    """``grad_out · (Φ(h) + h φ(h))`` for ``h = pre_activation``, written *into* ``pre_activation`` (overwritten;
+    pure otherwise): torch's own fused ``gelu_backward`` kernel (the one autograd runs for ``F.gelu``, so the
+    result is bit for bit full fine-tuning's) with its output aliased onto its input. No extra buffer; one pass
+    instead of the eight elementwise ops of the formula (10.2 → 3.0 ms on 16 × 64 × 1536 fp32, 2-core AVX2)."""
+    grad = grad_out if grad_out.dtype == pre_activation.dtype else grad_out.to(pre_activation.dtype)
+    return torch.ops.aten.gelu_backward.grad_input(grad, pre_activation, grad_input=pre_activation)
 
 
 class _Bf16GeluFn(torch.autograd.Function):
@@ -441,12 +462,11 @@ def _activation_input_grad(
             leaf = pre.detach().requires_grad_()
             (grad_pre,) = torch.autograd.grad(_activate(leaf, activation, gated), leaf, grad_out)
         return grad_pre
-    acc = torch.promote_types(pre.dtype, torch.float32)
-    if not gated:
-        return gelu_grad_(pre.to(acc), grad_out).to(grad_out.dtype)
+    if not gated:  # the kernel computes in fp32 for bf16/fp16 inputs, as autograd's GELU does
+        return gelu_grad_(pre, grad_out).to(grad_out.dtype)
     value, gate = pre.chunk(2, dim=-1)
-    grad_gate = (F.gelu(value.to(acc)) * grad_out).to(grad_out.dtype)
-    grad_value = gelu_grad_(value.to(acc, copy=True), grad_out.to(acc) * gate).to(grad_out.dtype)
+    grad_gate = (F.gelu(value) * grad_out).to(grad_out.dtype)
+    grad_value = gelu_grad_(value.contiguous(), grad_out * gate).to(grad_out.dtype)
     return torch.cat([grad_value, grad_gate], dim=-1)
 
 

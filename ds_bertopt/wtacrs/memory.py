@@ -25,12 +25,14 @@ import multiprocessing as mp
 import os
 import re
 import time
+import warnings
 from contextlib import ExitStack
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
+from .. import errors
 from ..configlib import load_section
 from .config import WtaCrsConfig
 from .convert import convert, prepare_model
@@ -174,6 +176,7 @@ def load_variant(
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # a child's stderr is the user's terminal
     torch.manual_seed(seed)
     cfg = load_section(WtaCrsConfig, wtacrs, "wtacrs")
     model = build_model(model_dir, model_config, num_labels)
@@ -182,10 +185,39 @@ def load_variant(
     return model
 
 
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Weight precisions a measured step runs in (``spec["precision"]``); bf16/fp16 as DeepSpeed's bf16/fp16 modes
+hold a model: low-precision weights and gradients, fp32 master weights and AdamW state (:class:`MasterAdamW`)."""
+
+
+class MasterAdamW:
+    """AdamW over fp32 master copies of low-precision parameters: what DeepSpeed's bf16/fp16 optimizers keep
+    (weights and gradients in the model's dtype, fp32 master weights, fp32 moments), so a measured bf16 step has
+    their memory and their per-step copies."""
+
+    def __init__(self, params, lr: float):
+        self.params = list(params)
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.inner = torch.optim.AdamW(self.masters, lr=lr)
+
+    def step(self) -> None:
+        for param, master in zip(self.params, self.masters):
+            master.grad = param.grad.float() if param.grad is not None else None
+        self.inner.step()
+        with torch.no_grad():
+            for param, master in zip(self.params, self.masters):
+                param.copy_(master)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - gradients are always dropped
+        for tensor in self.params + self.masters:
+            tensor.grad = None
+
+
 def train_step(model, optimizer, batch: dict, autocast_dtype: Optional[torch.dtype] = None) -> float:
+    device_type = next(model.parameters()).device.type
     with ExitStack() as stack:
         if autocast_dtype is not None:
-            stack.enter_context(torch.autocast("cpu", dtype=autocast_dtype))
+            stack.enter_context(torch.autocast(device_type, dtype=autocast_dtype))
         loss = model(**batch).loss
     loss.backward()
     optimizer.step()
@@ -193,39 +225,93 @@ def train_step(model, optimizer, batch: dict, autocast_dtype: Optional[torch.dty
     return loss.item()
 
 
+def peak_unmeasurable(device_type: str) -> Optional[str]:
+    """Why a step's peak memory cannot be measured on ``device_type`` here (``None``: it can). CPU: the RSS
+    high-water mark of a fresh child (Linux ``/proc/self/status`` and ``clear_refs``); CUDA:
+    ``torch.cuda.max_memory_allocated``; nothing else."""
+    if device_type == "cpu":
+        if not (os.access("/proc/self/clear_refs", os.W_OK) and os.path.isfile("/proc/self/status")):
+            return "no /proc/self/clear_refs to reset the RSS high-water mark (the CPU peak needs Linux)"
+        return None
+    if device_type == "cuda":
+        return None if torch.cuda.is_available() else "no CUDA device is visible"
+    return f"no peak-memory counter for {device_type!r} (CPU RSS on Linux and CUDA are measured)"
+
+
+def _prepared(spec: dict):
+    """The model, optimizer, autocast dtype, device and vocabulary of a measured run (``spec``: see
+    :func:`measure_step`)."""
+    device = torch.device(spec.get("device", "cpu"))
+    model = load_variant(
+        spec.get("model"),
+        spec.get("wtacrs", {}),
+        seed=spec.get("seed", 0),
+        model_config=spec.get("model_config"),
+        num_labels=spec.get("num_labels", 2),
+    ).to(device)
+    dtype = PRECISIONS[spec.get("precision", "fp32")]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if dtype == torch.float32:
+        optimizer = torch.optim.AdamW(trainable, lr=1e-5)
+    else:
+        model.to(dtype)  # the engine's bf16/fp16 mode: the whole module in that dtype
+        optimizer = MasterAdamW(trainable, lr=1e-5)
+    autocast = torch.bfloat16 if spec.get("bf16_autocast") else None
+    vocab = model.config.vocab_size if hasattr(model, "config") else 30522
+    return model, optimizer, autocast, device, vocab
+
+
+def _on(batch: dict, device: torch.device) -> dict:
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure_step(spec: dict) -> dict[str, Any]:
     """Child-process entry: peak memory of one training step of a variant (see module docstring).
 
     ``spec``: ``model`` (dir) or ``model_config`` (random init, see :func:`build_model`), ``wtacrs``
-    (config dict), ``batch``, ``seq``, ``bf16_autocast`` (bool), ``threads``, ``seed``.
+    (config dict), ``batch``, ``seq``, ``precision`` (``fp32``/``bf16``/``fp16`` weights, :data:`PRECISIONS`),
+    ``bf16_autocast`` (bool), ``device`` (``cpu``: RSS above the bare interpreter; ``cuda``:
+    ``max_memory_allocated``, weights included), ``threads``, ``seed``, ``num_labels``.
     """
     torch.set_num_threads(int(spec.get("threads", 1)))
     import transformers  # noqa: F401  - import cost belongs to the baseline, not the step
 
     gc.collect()
     runtime_kib = _proc_status_kib("VmRSS")
-    model = load_variant(
-        spec.get("model"), spec.get("wtacrs", {}), seed=spec.get("seed", 0), model_config=spec.get("model_config")
-    )
+    model, optimizer, dtype, device, vocab = _prepared(spec)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-5)
-    dtype = torch.bfloat16 if spec.get("bf16_autocast") else None
-    vocab = model.config.vocab_size if hasattr(model, "config") else 30522
-    train_step(model, optimizer, synthetic_batch(2, min(16, spec["seq"]), vocab, seed=1), dtype)  # warm-up
-    batch = synthetic_batch(spec["batch"], spec["seq"], vocab, seed=spec.get("seed", 0))
+    warm = _on(synthetic_batch(2, min(16, spec["seq"]), vocab, seed=1), device)
+    train_step(model, optimizer, warm, dtype)
+    batch = _on(synthetic_batch(spec["batch"], spec["seq"], vocab, seed=spec.get("seed", 0)), device)
     gc.collect()
     resident_kib = _proc_status_kib("VmRSS")
-    exact_peak = _reset_peak()
+    if device.type == "cuda":
+        _sync(device)
+        resident = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        exact_peak = True
+    else:
+        exact_peak = _reset_peak()
     start = time.perf_counter()
     train_step(model, optimizer, batch, dtype)
+    _sync(device)
     step_s = time.perf_counter() - start
-    peak_kib = _proc_status_kib("VmHWM")
+    if device.type == "cuda":
+        step_peak, resident_before = torch.cuda.max_memory_allocated(device), resident
+    else:
+        peak_kib = _proc_status_kib("VmHWM")
+        step_peak, resident_before = (peak_kib - runtime_kib) * 1024, (resident_kib - runtime_kib) * 1024
     saved = saved_tensor_bytes(model, batch, dtype)
     flops = step_flops(model, optimizer, batch, dtype) if spec.get("flops") else None
     return {
-        "step_peak": (peak_kib - runtime_kib) * 1024,
-        "resident_before": (resident_kib - runtime_kib) * 1024,
-        "process_peak": peak_kib * 1024,
+        "step_peak": step_peak,
+        "resident_before": resident_before,
+        "process_peak": _proc_status_kib("VmHWM") * 1024,
         "runtime": runtime_kib * 1024,
         "step_s": step_s,
         "saved": saved,
@@ -254,21 +340,29 @@ def time_steps(spec: dict) -> dict[str, Any]:
     (:func:`time_steps_in_child`): the mmap threshold that makes RSS track live tensors also makes every large
     allocation a fresh mapping, which would charge page faults to the variants that allocate more."""
     torch.set_num_threads(int(spec.get("threads", 1)))
-    model = load_variant(
-        spec.get("model"), spec.get("wtacrs", {}), seed=spec.get("seed", 0), model_config=spec.get("model_config")
-    )
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    dtype = torch.bfloat16 if spec.get("bf16_autocast") else None
-    vocab = model.config.vocab_size if hasattr(model, "config") else 30522
-    batch = synthetic_batch(spec["batch"], spec["seq"], vocab, seed=spec.get("seed", 0))
+    step = step_fn(spec)
     for _ in range(int(spec.get("warmup", 1))):
-        train_step(model, optimizer, batch, dtype)
+        step()
     times = []
     for _ in range(int(spec.get("steps", 3))):
         start = time.perf_counter()
-        train_step(model, optimizer, batch, dtype)
+        step()
         times.append(time.perf_counter() - start)
     return {"step_s": times, "pid": os.getpid()}
+
+
+def step_fn(spec: dict) -> Callable[[], None]:
+    """One training step (forward, backward, optimizer) of ``spec``'s setup (as :func:`measure_step`; ``batch`` ×
+    ``seq`` random tokens) as a function of nothing that returns nothing (so ``testing.measure.interleaved`` times
+    it); the model, optimizer and batch are built once, here."""
+    model, optimizer, dtype, device, vocab = _prepared(spec)
+    batch = _on(synthetic_batch(spec["batch"], spec["seq"], vocab, seed=spec.get("seed", 0)), device)
+
+    def step() -> None:
+        train_step(model, optimizer, batch, dtype)  # its loss.item() waits for the device
+        _sync(device)
+
+    return step
 
 
 def time_steps_in_child(spec: dict, timeout: float = 1800) -> dict[str, Any]:
@@ -277,8 +371,13 @@ def time_steps_in_child(spec: dict, timeout: float = 1800) -> dict[str, Any]:
 
 
 def _child_entry(queue, fn: Callable, args: tuple) -> None:
+    # a child's stderr is the user's terminal: transformers' own deprecation notices (its checkpointing calls
+    # is_gradient_checkpointing) would print once per measured setup
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     try:
         queue.put(("ok", fn(*args)))
+    except errors.BertOptError as exc:  # bad input (a target matching nothing, ...): the parent says it in one line
+        queue.put((type(exc).__name__, str(exc)))
     except BaseException as exc:  # report, never hang the parent
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -287,7 +386,8 @@ def run_in_child(fn: Callable, *args, env: Optional[Mapping[str, str]] = None, t
     """``fn(*args)`` in a fresh spawned process (``fn`` importable, module-level); return its result.
 
     ``env`` entries are set in the child's environment before it starts (e.g. the malloc setting that
-    lets RSS follow live tensors). A failure in the child raises ``RuntimeError`` with its message.
+    lets RSS follow live tensors). A :class:`~ds_bertopt.errors.BertOptError` in the child is raised again, same
+    class and one line; any other failure raises ``RuntimeError`` with its message.
     """
     ctx = mp.get_context("spawn")
     saved = {key: os.environ.get(key) for key in (env or {})}
@@ -308,9 +408,12 @@ def run_in_child(fn: Callable, *args, env: Optional[Mapping[str, str]] = None, t
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
-    if status != "ok":
-        raise RuntimeError(f"child failed: {result}")
-    return result
+    if status == "ok":
+        return result
+    user_error = getattr(errors, status, None)
+    if isinstance(user_error, type) and issubclass(user_error, errors.BertOptError):
+        raise user_error(result)
+    raise RuntimeError(f"child failed: {result}")
 
 
 def measure_step_in_child(spec: dict, timeout: float = 900) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from deepspeed.accelerator import get_accelerator
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
@@ -24,6 +25,7 @@ from ...log import print0
 from ...model.bert import save_hf_model
 from ...model.local import resolve_model_dir
 from ...wtacrs import SampledLinear, prepare_model
+from ...wtacrs.sizing import resolve_auto
 from ...wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG
 from ..loop import main as run_task
 from ..loop import to_device
@@ -105,11 +107,21 @@ class FinetuneTask:
         self.pad_multiple, self.eval_batch = b.sampler.pad_multiple, f.eval_batch_size
         self.nominal_micro = cfg.deepspeed["train_micro_batch_size_per_gpu"]
         model = AutoModelForSequenceClassification.from_pretrained(self.model_dir, num_labels=self.num_labels)
-        model, lines = prepare_model(model, b.wtacrs)
-        for line in lines:
+        wtacrs, _, auto_lines = resolve_auto(  # wtacrs.preset "auto": the fastest setup that fits memory_budget
+            b.wtacrs,
+            model_dir=self.model_dir,
+            batch=self.nominal_micro,
+            seq=b.wtacrs.budget_seq_length or f.max_seq_length,
+            precision=next((p for p in ("bf16", "fp16") if cfg.deepspeed.get(p, {}).get("enabled")), "fp32"),
+            device=get_accelerator().device_name(),
+            num_labels=self.num_labels,
+            threads=torch.get_num_threads(),
+        )
+        model, lines = prepare_model(model, wtacrs)
+        for line in auto_lines + lines:
             print0(line)
         self.sampled = any(isinstance(m, SampledLinear) for m in model.modules())
-        self.pass_example_ids = b.wtacrs.enabled and b.wtacrs.grad_norm_cache and self.sampled
+        self.pass_example_ids = wtacrs.enabled and wtacrs.grad_norm_cache and self.sampled
         return model
 
     @staticmethod

@@ -1,4 +1,5 @@
-"""BERT masked-LM pretraining as a task of the shared loop (``launch/pretrain.py``): the corpus built into BERT
+"""Masked-LM pretraining (from scratch, or continued from a checkpoint of any family in ``ds_bertopt.model.families``)
+as a task of the shared loop (``launch/pretrain.py``): the corpus built into BERT
 sequences (``ds_bertopt.data.pipeline``), micro-batches padded or packed (``model.unpadded``) and masked with a
 generator seeded by (seed, epoch, step, micro-batch, rank), so a resumed run sees the same masks; the MLM head
 run only at masked positions; the loss divided by the step's masked-token count over all ranks
@@ -7,13 +8,14 @@ run only at masked positions; the loss divided by the step's masked-token count 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import numpy as np
 import torch
 
 from ...config import RunConfig
-from ...data.collate import MLMCollator, PackedMLMCollator, step_generator
+from ...data.collate import IGNORE_INDEX, MLMCollator, PackedMLMCollator, step_generator
 from ...data.corpus import expand_train_files
 from ...data.pipeline import build_pretrain_data, length_warnings
 from ...data.sequences import special_token_count
@@ -21,7 +23,8 @@ from ...dist import Topology
 from ...log import print0
 from ...model import SparseMLMHead, build_pretraining_model
 from ...model.bert import save_hf_model
-from ...model.unpadded import UnpaddedBert
+from ...model.pretrained import resolve_checkpoint
+from ...model.unpadded import UnpaddedMLM
 from ..loop import main as run_task
 from ..loop import to_device
 from ..metrics import sharded_evaluation
@@ -52,6 +55,7 @@ class PretrainTask:
     }
     shortcuts = {
         "train_file": "data.train_files",
+        "model_name_or_path": "model.init_checkpoint",
         **{key: f"data.{key}" for key in ("dataset", "tokenizer", "max_seq_length")},
         "eval_every": "train.eval_every",
         "sampler": "sampler.strategy",
@@ -70,7 +74,12 @@ class PretrainTask:
         return cfg.bertopt.model.unpadded
 
     def build(self, cfg: RunConfig, topo: Topology) -> torch.nn.Module:
-        b = self.b = cfg.bertopt
+        b = cfg.bertopt
+        # a checkpoint's architecture and tokenizer, settled (and refused in one line) before the data is built
+        model_cfg, data_cfg, _, lines = resolve_checkpoint(b.model, b.data)
+        for line in lines:
+            print0(line)
+        b = self.b = dataclasses.replace(b, model=model_cfg, data=data_cfg)
         self.data = build_pretrain_data(b, local_rank=topo.local_rank, distributed=topo.world_size > 1)
         self.rank, self.seed, self.nsp = topo.rank, b.train.seed, b.model.objective == "mlm_nsp"
         self.micro = cfg.deepspeed["train_micro_batch_size_per_gpu"]
@@ -96,7 +105,7 @@ class PretrainTask:
         self.forward_keys = UNPADDED_KEYS if b.model.unpadded else FORWARD_KEYS
         model = build_pretraining_model(b.model, self.data.tokenizer, b.data.max_seq_length)
         if b.model.unpadded:
-            return UnpaddedBert(model, attention=b.model.unpadded_attention)
+            return UnpaddedMLM(model, attention=b.model.unpadded_attention)
         return SparseMLMHead(model)
 
     # --- the step -----------------------------------------------------------------------------------
@@ -104,7 +113,7 @@ class PretrainTask:
         batch = self.collator(
             _samples(self.data.train, indices, self.nsp), step_generator(self.seed, epoch, step - 1, micro, self.rank)
         )
-        batch["num_targets"] = int((batch["labels"] != -100).sum())
+        batch["num_targets"] = int((batch["labels"] != IGNORE_INDEX).sum())
         batch["num_tokens"] = int(
             batch["input_ids"].numel() if "cu_seqlens" in batch else batch["attention_mask"].sum()
         )
@@ -126,7 +135,7 @@ class PretrainTask:
             return (
                 torch.nn.functional.cross_entropy(logits, target, reduction="sum"),
                 (logits.argmax(-1) == target).sum(),
-                int((batch["labels"] != -100).sum()),
+                int((batch["labels"] != IGNORE_INDEX).sum()),
             )
 
         return sharded_evaluation(engine, topo, len(self.data.eval), self.micro, score, counted="tokens")
@@ -139,7 +148,7 @@ class PretrainTask:
     def describe_model(engine) -> str:
         model = engine.module.model
         # every rank decides its attention kernel here, once its engine placed the model (probing flash varlen eagerly)
-        unpadded = f", {engine.module.choose_attention()}" if isinstance(engine.module, UnpaddedBert) else ""
+        unpadded = f", {engine.module.choose_attention()}" if isinstance(engine.module, UnpaddedMLM) else ""
         millions = sum(p.numel() for p in model.parameters()) / 1e6
         return f"model: {type(model).__name__}{unpadded} {millions:.1f}M parameters"
 

@@ -1,0 +1,52 @@
+"""Section ``conformance``: the matrix of docs/gpu.md with the classes a CUDA run really gets."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .runner import (
+    ENTRY,
+    Ctx,
+    Job,
+    Result,
+    free_port,
+    run_jobs,
+)
+
+
+def section_conformance(ctx: Ctx) -> Result:
+    """Every row the pre-flight accepts (fp16 included on CUDA) with the real FusedAdam: two steps with the bucket
+    clip and LAMB's ZeRO attachment, a NaN step skipped, checkpoint + resume exact (``conformance_problems``)."""
+    from ds_bertopt.testing.gpu_paths import REPRESENTATIVE, all_rows, conformance_problems, cpu_rows, cuda_choice
+
+    accepted = [row for row in all_rows() if cuda_choice(row).refusal is None]
+    rows = accepted if ctx.cuda else (list(REPRESENTATIVE) if ctx.tiny else cpu_rows())
+    out = ctx.dir("matrix")
+    out.mkdir(parents=True, exist_ok=True)
+    env = ctx.env(GPU_CHECK_WORKER="conformance", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    cmd = [sys.executable, "-u", str(ENTRY), "--out", str(out), "--rows"]
+    job = run_jobs(ctx, [Job("conformance", [*cmd, *(row.id for row in rows)], env, out / "worker.log", 400)])[0]
+    if not job.ok or not (out / "results.json").exists():
+        return Result("FAIL", f"worker {job.status()}: {job.tail()}")
+    results = json.loads((out / "results.json").read_text())
+    try:
+        from apex.optimizers import FusedLAMB  # noqa: F401
+
+        apex = ctx.cuda
+    except Exception:  # noqa: BLE001 - apex absent: LAMB is ours
+        apex = False
+    failed = []
+    for row in rows:
+        problems = conformance_problems(row, results.get(row.id, {"error": "no result"}), apex)
+        ctx.detail(
+            f"{'ok  ' if not problems else 'FAIL'} {row.id}: {results.get(row.id, {}).get('wrapper', '?')}"
+            + (f": {'; '.join(problems)}" if problems else "")
+        )
+        if problems:
+            failed.append(f"{row.id}: {problems[0]}")
+    where = f"{ctx.device}, 1 rank, {job.seconds:.0f} s"
+    if failed:
+        return Result("FAIL", f"{len(failed)} of {len(rows)} rows ({where}): {'; '.join(failed)}")
+    return Result("PASS", f"{len(rows)} rows of docs/gpu.md conform ({where}): classes, clip, LAMB, NaN skip, resume")

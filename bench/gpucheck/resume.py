@@ -1,0 +1,150 @@
+"""Section ``resume``: a reference run vs a run killed mid-way and resumed, bit-exact."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+from .runner import (
+    DETERMINISTIC_CUBLAS,
+    Ctx,
+    Job,
+    Result,
+    log_line,
+    losses_by_step,
+    pretrain_job,
+    read_metrics,
+    run_jobs,
+)
+
+
+def cublas_probe_job(ctx: Ctx) -> Job:
+    code = (
+        "import torch; torch.use_deterministic_algorithms(True); a = torch.randn(64, 64, device='cuda'); "
+        "print('GEMM ok', float((a @ a).sum()))"
+    )
+    env = ctx.env()
+    env.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    return Job(
+        "deterministic GEMM without CUBLAS_WORKSPACE_CONFIG",
+        [sys.executable, "-c", code],
+        env,
+        ctx.dir("cublas_probe.log"),
+        60,
+    )
+
+
+def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, kill_step: int) -> tuple:
+    """Reference vs killed + resumed: (problems, figures). Both runs deterministic, checkpoints every 2 steps."""
+    from safetensors.torch import load_file
+
+    common = ["train.deterministic=true", "train.log_samples=true"]
+    flags = ["--save_every", "2", "--log_every", "1"]
+    env = ctx.env(CUBLAS_WORKSPACE_CONFIG=os.environ.get("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS))
+    ref_dir, cut_dir = ctx.dir(f"{label}_reference"), ctx.dir(f"{label}_interrupted")
+    # the killed run goes through the deepspeed launcher (a rank dying under it); on one rank the others start
+    # without it (its runner and launch processes each import deepspeed again: seconds of start-up per run)
+    multi = world > 1
+    ref = pretrain_job(
+        ctx,
+        "reference",
+        ref_dir,
+        steps,
+        common,
+        flags=[*flags, "--overwrite_output_dir"],
+        gpus=world,
+        use_launcher=multi,
+        env=env,
+    )
+    cut = pretrain_job(
+        ctx,
+        "killed",
+        cut_dir,
+        steps,
+        common,
+        flags=[*flags, "--overwrite_output_dir"],
+        gpus=world,
+        use_launcher=multi or ctx.cuda,
+        env={**env, "DS_BERTOPT_FAULT": f"kill@forward:rank={kill_rank}:step={kill_step}"},
+    )
+    extra = [cublas_probe_job(ctx)] if ctx.cuda and world == 1 else []
+    run_jobs(ctx, [ref, cut, *extra], parallel=3)
+    for job in extra:
+        if job.ok:
+            ctx.detail(
+                "train.deterministic=true without CUBLAS_WORKSPACE_CONFIG: a CUDA GEMM runs (torch does not "
+                "demand it here)"
+            )
+        elif job.started:
+            ctx.detail(
+                f"NOTE train.deterministic=true without CUBLAS_WORKSPACE_CONFIG: a CUDA GEMM fails "
+                f"({job.tail(2)}); these runs set CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS}, the loop "
+                "does not"
+            )
+    problems = []
+    if not ref.ok:
+        return [f"reference run {ref.status()}: {ref.tail()}"], ""
+    expected_tag = f"step{(kill_step - 1) // 2 * 2:08d}"
+    latest = cut_dir / "checkpoints" / "latest"
+    latest_tag = latest.read_text().strip() if latest.exists() else None
+    ctx.detail(
+        f"{label}: reference {ref.status()}; killed run {cut.status()} (fault kill@forward rank {kill_rank} "
+        f"step {kill_step}), latest checkpoint {latest_tag}"
+    )
+    if not cut.started or cut.timed_out or cut.rc == 0:
+        return [f"the killed run did not die as injected ({cut.status()})"], ""
+    if latest_tag != expected_tag:
+        return [f"latest checkpoint after the kill is {latest_tag}, expected {expected_tag}"], ""
+    resume = pretrain_job(
+        ctx, "resumed", cut_dir, steps, common, flags=[*flags, "--resume"], gpus=world, use_launcher=multi, env=env
+    )
+    resume.log = cut_dir.parent / f"{cut_dir.name}_resume.log"
+    run_jobs(ctx, [resume])
+    if not resume.ok:
+        return [f"resumed run {resume.status()}: {resume.tail()}"], ""
+    resumed_from = log_line(resume, "resumed from")
+    ctx.detail(f"{label}: resumed run {resume.status()}: {resumed_from}")
+    a, b = load_file(ref_dir / "final" / "model.safetensors"), load_file(cut_dir / "final" / "model.safetensors")
+    if a.keys() != b.keys():
+        problems.append(f"final weights have different keys ({sorted(set(a) ^ set(b))[:4]})")
+    differing = {k: float((a[k].double() - b[k].double()).abs().max()) for k in a if k in b and not a[k].equal(b[k])}
+    ref_loss, cut_loss = losses_by_step(read_metrics(ref_dir)), losses_by_step(read_metrics(cut_dir))
+    loss_diff = [abs(ref_loss[s] - cut_loss.get(s, math.inf)) for s in sorted(ref_loss)]
+    samples_equal = True
+    for rank in range(world):
+
+        def by_step(out, rank=rank):
+            path = out / "samples" / f"rank{rank}.jsonl"
+            rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+            return {row["step"]: row["indices"] for row in rows}
+
+        samples_equal &= by_step(ref_dir) == by_step(cut_dir) and bool(by_step(ref_dir))
+    if differing:
+        worst = max(differing, key=differing.get)
+        problems.append(
+            f"final weights differ in {len(differing)}/{len(a)} tensors (max |diff| {differing[worst]:.3g} in {worst})"
+        )
+    worst_loss = max(loss_diff, default=math.nan)
+    if not loss_diff or sorted(cut_loss) != sorted(ref_loss) or worst_loss != 0:
+        problems.append(
+            f"per-step losses differ (max |diff| {worst_loss:.3g}; steps {sorted(ref_loss)} vs {sorted(cut_loss)})"
+        )
+    if not samples_equal:
+        problems.append("the samples of some steps differ (samples/rank*.jsonl)")
+    figures = (
+        f"{'bit-exact' if not problems else 'NOT bit-exact'}: {len(a)} weight tensors "
+        f"{'equal' if not differing else f'({len(differing)} differ)'}, {len(ref_loss)} step losses "
+        f"{'equal' if worst_loss == 0 else f'max |diff| {worst_loss:.3g}'}, samples "
+        f"{'equal' if samples_equal else 'differ'} ({world} rank{'s' if world > 1 else ''}, {resumed_from})"
+    )
+    return problems, figures
+
+
+def section_resume(ctx: Ctx) -> Result:
+    steps, kill_step = (8, 6) if ctx.tiny else (10, 6)
+    problems, figures = resume_check(ctx, "x1", 1, 0, steps, kill_step)
+    if problems:
+        return Result("FAIL", "; ".join(problems) + (f" [{figures}]" if figures else ""))
+    return Result("PASS", figures)

@@ -1,0 +1,268 @@
+"""Section ``unpadded``: packed attention varlen vs sdpa_loop, and unpadded vs padded tokens/s."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import statistics
+import time
+
+from .runner import (
+    Ctx,
+    Result,
+)
+
+
+def attention_compare(ctx: Ctx, dtype, lengths, heads: int, dim: int) -> dict:
+    """varlen and sdpa_loop vs an fp32 reference on the same rounded inputs: max error relative to max |ref|."""
+    import torch
+
+    from ds_bertopt.model.unpadded import packed_attention, sdpa_loop_attention
+
+    device = torch.device(ctx.device)
+    gen = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    q, k, v, g = (torch.randn(total, heads, dim, generator=gen).to(device=device, dtype=dtype) for _ in range(4))
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+    def run(backend, dt):
+        inputs = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        if backend == "reference":
+            out = sdpa_loop_attention(*inputs, lengths)
+        else:
+            out = packed_attention(*inputs, cu, max(lengths), lengths, backend=backend)
+        grads = torch.autograd.grad(out, inputs, g.to(dt))
+        return [out.detach().float(), *(x.float() for x in grads)]
+
+    ref = run("reference", torch.float32)
+    errors = {}
+    for backend in ("varlen", "sdpa_loop") if ctx.cuda else ("sdpa_loop",):
+        got = run(backend, dtype)
+        errors[backend] = [float((a - r).abs().max() / r.abs().max().clamp_min(1e-30)) for a, r in zip(got, ref)]
+    return errors
+
+
+def attention_dropout(ctx: Ctx, dtype, lengths, heads: int, dim: int, p: float, draws: int) -> dict:
+    """varlen with ``dropout_p``: applied, unbiased over draws, seed-reproducible, finite gradients."""
+    import torch
+
+    from ds_bertopt.model.unpadded import packed_attention
+
+    device = torch.device(ctx.device)
+    gen = torch.Generator().manual_seed(1)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, heads, dim, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    with torch.no_grad():
+        plain = packed_attention(q, k, v, cu, max(lengths), lengths, backend="varlen").float()
+        samples = []
+        for _ in range(draws):
+            samples.append(packed_attention(q, k, v, cu, max(lengths), lengths, dropout_p=p, backend="varlen").float())
+        stacked = torch.stack(samples)
+        torch.manual_seed(7)
+        once = packed_attention(q, k, v, cu, max(lengths), lengths, dropout_p=p, backend="varlen")
+        torch.manual_seed(7)
+        again = packed_attention(q, k, v, cu, max(lengths), lengths, dropout_p=p, backend="varlen")
+    applied = float((stacked[0] - plain).abs().max() / plain.abs().max())
+    se = stacked.std(0) / draws**0.5
+    bias = ((stacked.mean(0) - plain).abs() - 6 * se).clamp_min(0)
+    worst_bias = float(bias.max() / plain.abs().max())
+    leaf = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = packed_attention(*leaf, cu, max(lengths), lengths, dropout_p=p, backend="varlen")
+    grads = torch.autograd.grad(out.float().square().sum(), leaf)
+    return {
+        "applied": applied,
+        "bias_beyond_6se": worst_bias,
+        "reproducible": bool(torch.equal(once, again)),
+        "finite_grads": all(bool(torch.isfinite(x).all()) for x in grads),
+    }
+
+
+def make_samples(count: int, low: int, high: int, vocab: int, seed: int = 0) -> list:
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(count):
+        n = rng.randint(low, high)
+        ids = [rng.randrange(5, vocab) for _ in range(n)]
+        split = rng.randint(1, n)
+        labels = [rng.randrange(5, vocab) if rng.random() < 0.15 else -100 for _ in range(n)]
+        if all(x == -100 for x in labels):
+            labels[rng.randrange(n)] = rng.randrange(5, vocab)
+        samples.append({"input_ids": ids, "token_type_ids": [0] * split + [1] * (n - split), "labels": labels})
+    return samples
+
+
+def padded_batch(samples: list, multiple: int = 8) -> dict:
+    import torch
+
+    longest = max(len(s["input_ids"]) for s in samples)
+    longest = -(-longest // multiple) * multiple
+    batch = {
+        "input_ids": torch.zeros(len(samples), longest, dtype=torch.long),
+        "token_type_ids": torch.zeros(len(samples), longest, dtype=torch.long),
+        "attention_mask": torch.zeros(len(samples), longest, dtype=torch.long),
+        "labels": torch.full((len(samples), longest), -100, dtype=torch.long),
+    }
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        for key in ("input_ids", "token_type_ids", "labels"):
+            batch[key][row, :n] = torch.tensor(s[key])
+        batch["attention_mask"][row, :n] = 1
+    return batch
+
+
+def unpadded_throughput(ctx: Ctx) -> dict:
+    """Padded (``SparseMLMHead``) vs unpadded (``UnpaddedBert``, auto attention) steps of one BERT, same samples:
+    forward, backward, AdamW; bf16 weights on CUDA (as DeepSpeed's bf16 runs them), interleaved, medians."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    from ds_bertopt.data.collate import pack_sequences
+    from ds_bertopt.model import SparseMLMHead
+    from ds_bertopt.model.unpadded import UnpaddedBert, varlen_usable
+
+    device = torch.device(ctx.device)
+    if ctx.tiny:
+        sizes = dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=200,
+            max_position_embeddings=64,
+        )
+        count, low, high, rounds = 4, 4, 60, 2
+    else:
+        sizes = dict(vocab_size=30522, max_position_embeddings=512)  # BERT-base otherwise
+        count, low, high, rounds = 32, 16, 512, 5
+    config = BertConfig(**sizes)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    with torch.device(device):
+        model = BertForMaskedLM(config)
+    model = model.to(dtype=dtype).train()
+    padded_model, unpadded_model = SparseMLMHead(model), UnpaddedBert(model, attention="auto")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    samples = make_samples(count, low, high, sizes["vocab_size"])
+    real = sum(len(s["input_ids"]) for s in samples)
+    padded = {k: v.to(device) for k, v in padded_batch(samples).items()}
+    packed = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in pack_sequences(samples).items()}
+    backend = (
+        "varlen"
+        if varlen_usable(device, dtype, config.hidden_size // config.num_attention_heads, True)
+        else "sdpa_loop"
+    )
+
+    def step(wrapper, batch) -> float:
+        if ctx.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        wrapper(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if ctx.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    variants = {"padded": (padded_model, padded), "unpadded": (unpadded_model, packed)}
+    for _ in range(2):
+        for wrapper, batch in variants.values():
+            step(wrapper, batch)
+    times = {name: [] for name in variants}
+    for r in range(rounds):
+        for name in list(variants) if r % 2 == 0 else list(variants)[::-1]:
+            times[name].append(step(*variants[name]))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "real": real,
+        "computed_padded": padded["input_ids"].numel(),
+        "median_s": med,
+        "backend": backend,
+        "tokens_per_s": {name: real / s for name, s in med.items()},
+        "dtype": str(dtype).replace("torch.", ""),
+        "count": count,
+        "range": (low, high),
+    }
+
+
+def section_unpadded(ctx: Ctx) -> Result:
+    import torch
+
+    from ds_bertopt.model.unpadded import varlen_usable
+
+    problems, figures = [], []
+    heads, dim = (2, 16) if ctx.tiny else (12, 64)
+    lengths = [3, 9, 1, 17] if ctx.tiny else [1, 7, 33, 64, 128, 200, 317, 512, 45, 2]
+    tolerance = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-5}
+    dtypes = (torch.bfloat16, torch.float16) if ctx.cuda else (torch.float32,)
+    if ctx.cuda:
+        for dtype in dtypes:
+            for dropout in (False, True):
+                usable = varlen_usable(torch.device("cuda"), dtype, dim, dropout)
+                ctx.detail(f"varlen_usable(cuda, {dtype}, head_dim {dim}, dropout {dropout}): {usable}")
+    for dtype in dtypes:
+        name = str(dtype).replace("torch.", "")
+        try:
+            errors = attention_compare(ctx, dtype, lengths, heads, dim)
+        except Exception as exc:  # noqa: BLE001 - e.g. the varlen kernel refused: that is the finding
+            problems.append(f"{name} forward/backward: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            ctx.detail(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            continue
+        for backend, errs in errors.items():
+            ok = max(errs) <= tolerance[dtype]
+            ctx.detail(
+                f"{name} {backend} vs fp32 reference (max |err| / max |ref|): out {errs[0]:.2e}, dq "
+                f"{errs[1]:.2e}, dk {errs[2]:.2e}, dv {errs[3]:.2e} (tolerance {tolerance[dtype]:g}) -> "
+                f"{'ok' if ok else 'FAIL'}"
+            )
+            if not ok:
+                problems.append(f"{name} {backend}: max error {max(errs):.2e} > {tolerance[dtype]:g}")
+        figures.append(f"{name} " + " ".join(f"{b} {max(e):.1e}" for b, e in errors.items()))
+    if ctx.cuda:
+        for dtype in dtypes:
+            name = str(dtype).replace("torch.", "")
+            try:
+                drop = attention_dropout(ctx, dtype, lengths, heads, dim, p=0.1, draws=200)
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"{name} dropout: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                continue
+            ok = (
+                drop["applied"] > 0.05
+                and drop["bias_beyond_6se"] <= tolerance[dtype]
+                and drop["reproducible"]
+                and drop["finite_grads"]
+            )
+            ctx.detail(
+                f"{name} varlen dropout 0.1: changes the output by {drop['applied']:.2f} of max |out|, mean "
+                f"of 200 draws within 6 SE + {drop['bias_beyond_6se']:.1e}, same seed same output "
+                f"{drop['reproducible']}, finite gradients {drop['finite_grads']} -> {'ok' if ok else 'FAIL'}"
+            )
+            if not ok:
+                problems.append(f"{name} dropout: {drop}")
+    else:
+        ctx.detail("varlen flash attention (fp16/bf16, dropout): SKIPPED(no CUDA); sdpa_loop checked in fp32")
+    try:
+        tp = unpadded_throughput(ctx)
+        speedup = tp["median_s"]["padded"] / tp["median_s"]["unpadded"]
+        padding = 1 - tp["real"] / tp["computed_padded"]
+        ctx.detail(
+            f"{tp['count']} sequences of {tp['range'][0]}..{tp['range'][1]} tokens, {tp['dtype']}: "
+            f"{tp['real']} real tokens, padded computes {tp['computed_padded']} ({padding:.0%} padding); "
+            f"unpadded attention: {tp['backend']}"
+        )
+        rate = tp["tokens_per_s"]
+        ctx.detail(
+            f"tokens/s padded {rate['padded']:.0f}, unpadded {rate['unpadded']:.0f}: unpadded {speedup:.2f}x "
+            f"(median step {tp['median_s']['padded'] * 1e3:.1f} vs {tp['median_s']['unpadded'] * 1e3:.1f} ms)"
+        )
+        figures.append(f"unpadded {speedup:.2f}x tokens/s of padded ({tp['backend']})")
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"throughput: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    if problems:
+        return Result("FAIL", "; ".join(problems) + f" [{'; '.join(figures)}]")
+    if not ctx.cuda:
+        return Result(
+            "SKIPPED(no CUDA)", "varlen needs CUDA; sdpa_loop and the throughput code ran on CPU: " + "; ".join(figures)
+        )
+    return Result("PASS", "; ".join(figures))

@@ -1,0 +1,73 @@
+"""The ``Trainer`` runs of ``bench/time_to_train.py``'s continued scenarios: ``tests/scripts/hf_mlm_train.py``'s
+data, snapshots and timing, from a released checkpoint (``AutoModelForMaskedLM.from_pretrained``) instead of a random
+model, under transformers' ``Trainer`` (``--trainer hf``: the baselines) or ``BertOptTrainer`` (``--trainer bertopt``:
+ours, with the ``"bertopt"`` section of the DeepSpeed JSON, e.g. ``ds_configs/continued_mlm.json``). Run it under the
+``deepspeed`` launcher, as the bench does."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+
+from hf_mlm_train import ScriptArguments, SnapshotCallback, build_dataset, is_main  # noqa: E402
+
+TRAINERS = ("hf", "bertopt")
+
+
+@dataclass
+class ContinuedArguments:
+    model_name_or_path: str = field(metadata={"help": "the checkpoint directory training continues from"})
+    trainer: str = field(default="hf", metadata={"help": "hf: transformers' Trainer; bertopt: BertOptTrainer"})
+
+
+def main(argv: list[str]) -> int:
+    from transformers import (
+        AutoModelForMaskedLM,
+        AutoTokenizer,
+        DataCollatorForLanguageModeling,
+        HfArgumentParser,
+        Trainer,
+        TrainingArguments,
+        set_seed,
+    )
+
+    from ds_bertopt.integrations.hf import BertOptTrainer, cpu_deepspeed_argv
+
+    argv = cpu_deepspeed_argv(argv)
+    parser = HfArgumentParser((ScriptArguments, ContinuedArguments, TrainingArguments))
+    script, continued, training_args = parser.parse_args_into_dataclasses(argv)
+    if continued.trainer not in TRAINERS:
+        parser.error(f"--trainer {continued.trainer!r}: one of {', '.join(TRAINERS)}")
+    tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name)
+    dataset = build_dataset(script, tokenizer, training_args)
+    set_seed(training_args.seed)  # the new MLM head's initialisation, as run_mlm.py seeds before building the model
+    model = AutoModelForMaskedLM.from_pretrained(continued.model_name_or_path)
+    trainer_class = BertOptTrainer if continued.trainer == "bertopt" else Trainer
+    trainer = trainer_class(
+        model=model,
+        args=training_args,
+        train_dataset=dataset,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=script.mlm_probability),
+        processing_class=tokenizer,
+        callbacks=[SnapshotCallback(script.snapshot_every, script.snapshot_dir, script.timing_file)],
+    )
+    if is_main():
+        print(
+            f"[continued] {trainer_class.__name__} from {continued.model_name_or_path}: {len(dataset)} training "
+            f"examples ({'line by line' if script.line_by_line else 'group_texts'}, seq {script.max_seq_length}); "
+            f"world {training_args.world_size}",
+            flush=True,
+        )
+    result = trainer.train()
+    if is_main():
+        print(f"[continued] done: {result.global_step} steps, train loss {result.training_loss:.4f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

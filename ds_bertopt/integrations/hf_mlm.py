@@ -1,0 +1,211 @@
+"""Unpadded masked-LM pretraining inside a Hugging Face ``Trainer``: ``"bertopt": {"model": {"unpadded": true}}``.
+
+:class:`~ds_bertopt.integrations.hf.BertOptTrainer` mixes :class:`UnpaddedMLMTrainerMixin` in. With the key set:
+
+1. ``model`` (a masked-LM model of a family in :mod:`ds_bertopt.model.families`) is wrapped in
+   :class:`TrainerUnpaddedMLM` before ``Trainer.__init__``, so DeepSpeed's engine (ZeRO 0–3) is built around it.
+   It is :class:`~ds_bertopt.model.unpadded.UnpaddedMLM` with the forward ``Trainer`` calls: the packed batch,
+   ``labels``, and ``num_items_in_batch`` (``accepts_loss_kwargs``: the sum of token losses divided by the step's
+   masked-token count, as the stock MLM models do under ``Trainer``).
+2. The training and evaluation loaders pack each micro-batch into one padding-free row and mask it
+   (:class:`PackedMLMFeatures`: the tokenizer and ``mlm_probability`` of the script's
+   ``DataCollatorForLanguageModeling``, torch's RNG as that collator uses it); the batches are still the user's
+   sampler's, or the length-aware planner's with ``sampler.strategy`` (``packed_node_balance`` packs micro-batches
+   of equal cost across ranks).
+3. Once the engine has placed the model, :meth:`UnpaddedMLM.choose_attention` decides the attention kernel, and
+   rank 0 logs it.
+4. ``save_model`` and checkpoints write the wrapped Hugging Face model (``from_pretrained``-loadable), and
+   ``resume_from_checkpoint`` loads it back.
+
+Evaluation returns ``(mlm_logits [1, M, vocab], mlm_labels [1, M])`` (the masked positions only) as the
+predictions; a
+``preprocess_logits_for_metrics`` / ``compute_metrics`` pair reads accuracy from them (``examples/run_mlm.py``'s
+work for both layouts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Optional
+
+import torch
+from transformers import TrainerCallback
+
+from ..data.collate import PackedMLMCollator
+from ..errors import ConfigError
+from ..log import print0
+from ..model.bert import PretrainOutput
+from ..model.families import FAMILIES
+from ..model.unpadded import UnpaddedMLM
+
+
+class TrainerUnpaddedMLM(UnpaddedMLM):
+    """:class:`UnpaddedMLM` as ``Trainer`` calls it (MLM only; ``labels`` is its one label argument)."""
+
+    accepts_loss_kwargs = True  # Trainer passes num_items_in_batch (and scales the loss as for stock MLM models)
+
+    @property
+    def config(self):
+        """The wrapped model's config (Trainer and DeepSpeed's "auto" values read it)."""
+        return self.model.config
+
+    def activation_checkpointing_enable(self, *args, **kwargs):
+        return self.model.activation_checkpointing_enable(*args, **kwargs)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        labels: torch.Tensor,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        max_seqlen: Optional[int] = None,
+        seq_lengths: Optional[tuple] = None,
+        masked_positions: Optional[torch.Tensor] = None,
+        num_items_in_batch=None,
+    ):
+        flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731 - [1, T] rows (see PackedMLMFeatures)
+        out = UnpaddedMLM.forward(
+            self,
+            flat(input_ids),
+            token_type_ids=flat(token_type_ids),
+            position_ids=flat(position_ids),
+            cu_seqlens=cu_seqlens,
+            labels=flat(labels),
+            max_seqlen=max_seqlen,
+            seq_lengths=seq_lengths,
+            masked_positions=masked_positions,
+            loss_normalizer=num_items_in_batch,
+        )
+        # no mean_loss: Trainer gathers every output but the loss as a prediction, padding dim 1 across ranks
+        return PretrainOutput(loss=out.loss, mlm_logits=out.mlm_logits[None], mlm_labels=out.mlm_labels[None])
+
+
+class PackedMLMFeatures:
+    """A ``Trainer`` collator: a list of features (mappings with ``input_ids``, optionally ``token_type_ids``) →
+    one packed, masked row (:class:`~ds_bertopt.data.collate.PackedMLMCollator` with torch's RNG). The token-wise
+    tensors are ``[1, T]``: Trainer takes a batch's first dimension for its size when it gathers evaluation
+    losses and labels across ranks, which must agree (``T`` differs from rank to rank)."""
+
+    def __init__(self, tokenizer, mlm_probability: float):
+        self.packer = PackedMLMCollator(tokenizer, mlm_probability=mlm_probability, pad_multiple=1, max_length=1 << 30)
+
+    def __call__(self, features: list) -> dict:
+        samples = []
+        for feature in features:
+            if not isinstance(feature, Mapping) or "input_ids" not in feature:
+                raise ConfigError("model.unpadded: training examples must be mappings with input_ids")
+            ids = list(feature["input_ids"])
+            types = feature.get("token_type_ids")
+            samples.append({"input_ids": ids, "token_type_ids": list(types) if types is not None else [0] * len(ids)})
+        batch = self.packer(samples, generator=None)
+        for key in ("input_ids", "token_type_ids", "position_ids", "labels"):
+            batch[key] = batch[key][None]
+        return batch
+
+
+def packing_collator(collator) -> PackedMLMFeatures:
+    """The packing collator that takes the place of the script's ``DataCollatorForLanguageModeling``."""
+    from transformers import DataCollatorForLanguageModeling
+
+    if not isinstance(collator, DataCollatorForLanguageModeling) or not collator.mlm:
+        raise ConfigError(
+            f"model.unpadded: the Trainer's data_collator is a {type(collator).__name__}; pass a "
+            "DataCollatorForLanguageModeling (mlm=True): its tokenizer and mlm_probability pack and mask the batches"
+        )
+    if getattr(collator, "whole_word_mask", False):
+        raise ConfigError("model.unpadded: whole-word masking is not supported; masking is per token (80/10/10)")
+    return PackedMLMFeatures(collator.tokenizer, collator.mlm_probability)
+
+
+class _ChooseAttention(TrainerCallback):
+    """Once the engine has placed the model (train begin): the attention kernel, decided eagerly, logged by rank 0."""
+
+    def __init__(self, wrapper: TrainerUnpaddedMLM):
+        self.wrapper = wrapper
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        print0(f"model.unpadded: {self.wrapper.choose_attention()}")
+
+
+class UnpaddedMLMTrainerMixin:
+    """The ``model.unpadded`` part of :class:`~ds_bertopt.integrations.hf.BertOptTrainer` (placed before
+    ``BertOptTrainerMixin``, whose ``_bertopt`` config and ``_bertopt_prepare`` it extends)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(self.model, TrainerUnpaddedMLM):
+            self._bertopt_packing = packing_collator(self.data_collator)
+            self.add_callback(_ChooseAttention(self.model))
+            print0(
+                f"model.unpadded: {type(self.model.model).__name__} ({self.model.family.name}) trains on packed, "
+                f"padding-free MLM batches (mlm_probability {self._bertopt_packing.packer.mlm_probability})"
+            )
+
+    def _bertopt_prepare(self, model):
+        if not self._bertopt.bertopt.model.unpadded or isinstance(model, TrainerUnpaddedMLM):
+            return super()._bertopt_prepare(model)
+        wtacrs = self._bertopt.bertopt.wtacrs
+        if wtacrs.enabled or wtacrs.kit.any or wtacrs.lora.enabled:
+            raise ConfigError(
+                "model.unpadded: not with wtacrs (its memory kit, WTA-CRS and LoRA are for fine-tuning); drop one"
+            )
+        model = super()._bertopt_prepare(model)
+        try:
+            return TrainerUnpaddedMLM(model, attention=self._bertopt.bertopt.model.unpadded_attention)
+        except (TypeError, ValueError) as exc:
+            supported = ", ".join(f.mlm_class for f in FAMILIES if not f.unpadded_blocker)
+            raise ConfigError(
+                f"model.unpadded: {type(model).__name__} cannot run unpadded ({exc}); it takes {supported}"
+            ) from None
+
+    @contextlib.contextmanager
+    def _bertopt_packing_loader(self):
+        collator = self.data_collator
+        if isinstance(self.model, TrainerUnpaddedMLM):
+            self.data_collator = self._bertopt_packing
+        try:
+            yield
+        finally:
+            self.data_collator = collator
+
+    def get_train_dataloader(self):
+        with self._bertopt_packing_loader():
+            return super().get_train_dataloader()
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        with self._bertopt_packing_loader():
+            return super().get_eval_dataloader(eval_dataset)
+
+    @contextlib.contextmanager
+    def _bertopt_hf_model(self):
+        """``self.model`` is the wrapped Hugging Face model for the duration (what is saved and loaded)."""
+        wrapper = self.model
+        if isinstance(wrapper, TrainerUnpaddedMLM):
+            self.model = wrapper.model
+        try:
+            yield
+        finally:
+            self.model = wrapper
+
+    def _save(self, output_dir=None, state_dict=None):
+        if isinstance(self.model, TrainerUnpaddedMLM) and state_dict is not None:
+            prefix = "model."  # the wrapper's state dict (ZeRO-3 gathers it) is the Hugging Face model's, prefixed
+            state_dict = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
+        with self._bertopt_hf_model():
+            return super()._save(output_dir, state_dict)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if model is None and isinstance(self.model, TrainerUnpaddedMLM):
+            model = self.model.model
+        with self._bertopt_hf_model():
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+
+__all__ = [
+    "PackedMLMFeatures",
+    "TrainerUnpaddedMLM",
+    "UnpaddedMLMTrainerMixin",
+    "packing_collator",
+]

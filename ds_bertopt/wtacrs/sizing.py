@@ -1,0 +1,278 @@
+"""Sizing fine-tuning to a memory budget: which setup, at which micro-batch, fits and runs fastest.
+
+Pure part (no measuring): :func:`fit_largest_batch` (a linear fit of peaks against the batch),
+:func:`largest_fitting_batch` (a secant search on measured peaks),
+:func:`choose` (the fastest setup whose measured peak fits), :func:`candidate_config` (a ``preset: "auto"``
+config as one candidate sees it). Glue: :func:`measure` (peak and step time of one setup, in fresh children,
+through :mod:`ds_bertopt.wtacrs.memory`) and :func:`resolve_auto` (``wtacrs.preset: "auto"`` at start-up).
+
+"Fastest" is sequences per second at the setup's own batch; at one fixed micro-batch (the training run's) that
+is the shortest step. A peak *fits* when it is at most the budget.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, fields
+from typing import Callable, Optional
+
+from ..configlib import load_section
+from ..errors import ConfigError
+from .config import KIT_DEFAULTS, WTACRS_DEFAULTS, KitConfig, WtaCrsConfig
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One setup measured at one micro-batch."""
+
+    setup: str
+    """Its name (``full``, ``preset exact``, …)."""
+    batch: int
+    """Micro-batch (sequences); 0 when not even one sequence fits."""
+    peak: int
+    """Whole-step peak in bytes (see :func:`ds_bertopt.wtacrs.memory.measure_step`)."""
+    step_s: float
+    """Median seconds per training step at ``batch`` (``inf`` when not measured)."""
+
+    def __post_init__(self) -> None:
+        if self.batch < 0 or self.peak < 0 or not self.step_s > 0:
+            raise ValueError(f"Measured: batch, peak >= 0 and step_s > 0, got {self}")
+
+    @property
+    def rate(self) -> float:
+        """Sequences per second."""
+        return self.batch / self.step_s if math.isfinite(self.step_s) else 0.0
+
+
+def fit_largest_batch(points: dict[int, int], budget: float) -> tuple[int, float, float]:
+    """``(largest batch, slope, intercept)`` of the line through two ``{batch: peak}`` points at ``budget``
+    (0 when the line does not rise: nothing to extrapolate)."""
+    (b1, p1), (b2, p2) = sorted(points.items())[-2:]
+    slope = (p2 - p1) / (b2 - b1)
+    intercept = p1 - slope * b1
+    return (max(0, math.floor((budget - intercept) / slope)) if slope > 0 else 0), slope, intercept
+
+
+def largest_fitting_batch(
+    peak_at: Callable[[int], int], budget: float, probe: int, max_batch: int, tries: int = 4
+) -> tuple[int, dict[int, int]]:
+    """The largest micro-batch ``≤ max_batch`` whose *measured* peak fits ``budget``, and every peak measured.
+
+    Peaks at ``probe // 2`` and ``probe`` start it. Then, ``tries`` times at most: while no measured batch above
+    the largest that fits is over the budget, the line through the two largest measured batches is extrapolated
+    (a line that does not rise, as RSS noise at small batches can make it, tries ``max_batch``); once one is
+    over, the line through the bracket (the largest that fits, the smallest over it) is interpolated. Each guess
+    is measured. Returns ``(0, peaks)`` when even a batch of 1 does not fit.
+    """
+    peaks: dict[int, int] = {}
+
+    def measure(batch: int) -> None:
+        if batch not in peaks:
+            peaks[batch] = int(peak_at(batch))
+
+    def largest_fitting() -> int:
+        return max((b for b, p in peaks.items() if p <= budget and b <= max_batch), default=0)
+
+    probe = min(probe, max_batch)
+    measure(max(1, probe // 2))
+    measure(max(2, probe))
+    for _ in range(tries):
+        best = largest_fitting()
+        over = min((b for b, p in peaks.items() if b > best and p > budget), default=None)
+        if over is None:  # everything measured fits: extrapolate
+            if best >= max_batch:
+                break
+            line, slope, _ = fit_largest_batch({b: peaks[b] for b in sorted(peaks)[-2:]}, budget)
+            guess = min(max_batch, line) if slope > 0 else max_batch
+        elif over - best <= 1:
+            break
+        else:  # bracketed (with nothing fitting yet: by the two smallest measured)
+            pair = (best, over) if best else sorted(peaks)[:2]
+            line, slope, _ = fit_largest_batch({b: peaks[b] for b in pair}, budget)
+            guess = max(1, min(over - 1, line)) if slope > 0 else max(1, best)
+        if guess <= best or guess in peaks:
+            break
+        measure(guess)
+    return largest_fitting(), peaks
+
+
+def choose(measured: list[Measured], budget: float) -> Measured:
+    """The setup with the highest throughput among those whose peak fits ``budget`` (ties: the first listed);
+    a one-line :class:`~ds_bertopt.errors.ConfigError` naming the smallest peak when none fits."""
+    fitting = [m for m in measured if m.batch > 0 and m.peak <= budget]
+    if not fitting:
+        smallest = min(measured, key=lambda m: m.peak)
+        raise ConfigError(
+            f"memory budget {budget / GiB:.2f} GiB: no setup fits; the smallest peak is {smallest.setup}'s "
+            f"{smallest.peak / GiB:.2f} GiB at batch {max(smallest.batch, 1)} (raise the budget, shorten the "
+            f"sequences or lower the micro-batch)"
+        )
+    return max(fitting, key=lambda m: (m.rate, -measured.index(m)))
+
+
+def describe(m: Measured, budget: float) -> str:
+    """``"preset exact: batch 64, peak 1.23 GiB (fits 2.00), 0.412 s/step, 155.3 sequences/s"``."""
+    verdict = "fits" if m.peak <= budget else "over"
+    speed = f"{m.step_s:.3f} s/step, {m.rate:.1f} sequences/s" if math.isfinite(m.step_s) else "not timed"
+    return f"{m.setup}: batch {m.batch}, peak {m.peak / GiB:.2f} GiB ({verdict} {budget / GiB:.2f}), {speed}"
+
+
+def recommendation(chosen: Measured, measured: list[Measured], budget: float) -> str:
+    """The one line saying what was chosen and why (against the runner-up that fits)."""
+    others = [m for m in measured if m is not chosen and m.batch > 0 and m.peak <= budget]
+    runner = max(others, key=lambda m: m.rate, default=None)
+    against = (
+        f"; next: {runner.setup} at {runner.rate:.1f} ({chosen.rate / runner.rate:.2f}x slower)"
+        if runner is not None and runner.rate > 0
+        else ""
+    )
+    return (
+        f"fastest that fits {budget / GiB:.2f} GiB: {chosen.setup} (batch {chosen.batch}, peak "
+        f"{chosen.peak / GiB:.2f} GiB, {chosen.rate:.1f} sequences/s{against})"
+    )
+
+
+# ---------------------------------------------------------------- preset "auto": the candidates as configs
+def _as_given(section, dataclass_type, fillable: dict) -> dict:
+    """The fields of ``section`` as the user gave them: fillable ones only when given (so a preset can fill them)."""
+    given = getattr(section, "_given", frozenset())
+    raw = {}
+    for f in fields(dataclass_type):
+        if f.name in fillable and f.name not in given:
+            continue
+        value = getattr(section, f.name)
+        raw[f.name] = list(value) if isinstance(value, tuple) else value
+    return raw
+
+
+def candidate_config(cfg: WtaCrsConfig, candidate: str) -> dict:
+    """The ``wtacrs`` config dict that ``candidate`` (one of :data:`~ds_bertopt.wtacrs.config.AUTO_CANDIDATES`)
+    stands for under ``cfg`` (``preset: "auto"``): the fields given next to ``auto`` plus the candidate's preset, or
+    none (``checkpointing``: activation checkpointing of every layer unless ``kit.checkpoint_every`` was given)."""
+    raw = _as_given(cfg, WtaCrsConfig, WTACRS_DEFAULTS)
+    kit = _as_given(cfg.kit, KitConfig, KIT_DEFAULTS)
+    for name in ("memory_budget", "budget_seq_length", "auto_candidates"):
+        raw.pop(name)
+    raw["preset"] = candidate if candidate in ("exact", "balanced", "max_saving") else None
+    if candidate == "checkpointing":
+        kit.setdefault("checkpoint_every", 1)
+    raw["kit"] = kit
+    raw["lora"] = {f.name: _plain(getattr(cfg.lora, f.name)) for f in fields(type(cfg.lora))}
+    return raw
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+CANDIDATE_LABELS = {"none": "no preset", "checkpointing": "checkpointing"}
+
+
+# ---------------------------------------------------------------- glue: measuring
+def measure(
+    spec: dict,
+    setup: str,
+    budget: float,
+    batch: Optional[int] = None,
+    probe: int = 16,
+    max_batch: int = 256,
+    steps: int = 2,
+) -> Measured:
+    """``setup`` (``spec["wtacrs"]``) measured in fresh children: at ``batch`` when given (the run's micro-batch),
+    else at the largest batch ``≤ max_batch`` that fits (:func:`largest_fitting_batch` from ``probe``); then the
+    median of ``steps`` timed steps there (default allocator, one warm-up). Not timed when it does not fit."""
+    from .memory import measure_step_in_child, time_steps_in_child
+
+    def peak_at(b: int) -> int:
+        return measure_step_in_child({**spec, "batch": b})["step_peak"]
+
+    if batch is not None:
+        found, peaks = batch, {batch: peak_at(batch)}
+    else:
+        found, peaks = largest_fitting_batch(peak_at, budget, probe, max_batch)
+    if found == 0:
+        return Measured(setup, 0, min(peaks.values()), math.inf)
+    if peaks[found] > budget:
+        return Measured(setup, found, peaks[found], math.inf)
+    times = time_steps_in_child({**spec, "batch": found, "steps": steps, "warmup": 1})["step_s"]
+    return Measured(setup, found, peaks[found], statistics.median(times))
+
+
+def resolve_auto(
+    cfg: WtaCrsConfig,
+    *,
+    model_dir: str,
+    batch: int,
+    seq: int,
+    precision: str = "fp32",
+    device: str = "cpu",
+    num_labels: int = 2,
+    threads: int = 1,
+    search_batch: bool = False,
+) -> tuple[WtaCrsConfig, int, list[str]]:
+    """``cfg`` with ``preset: "auto"`` replaced by the fastest of its ``auto_candidates`` that fits
+    ``memory_budget``; returns ``(config, micro-batch, log lines)``. Any other ``cfg`` comes back as it is.
+
+    Each candidate is measured at ``batch`` × ``seq`` in ``precision`` on ``device`` (fresh children; minutes on a
+    CPU). With ``search_batch`` (``TrainingArguments.auto_find_batch_size``) each gets the largest batch up to
+    ``batch`` that fits, and the fastest in sequences per second wins. Under ``torch.distributed`` rank 0
+    measures and every rank takes its choice. One-line :class:`~ds_bertopt.errors.ConfigError`: a device whose
+    peak cannot be measured here, a budget nothing fits.
+    """
+    if cfg.preset != "auto":
+        return cfg, batch, []
+    import torch.distributed as torch_dist
+
+    from .memory import peak_unmeasurable
+
+    budget = cfg.memory_budget * GiB
+    why = peak_unmeasurable(device)
+    if why is not None:
+        raise ConfigError(
+            f"wtacrs.memory_budget: cannot measure peak memory on {device}: {why}; set wtacrs.preset yourself"
+        )
+    shared = torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1
+    outcome: list = [None]
+    if not shared or torch_dist.get_rank() == 0:
+        try:
+            outcome[0] = _measure_candidates(
+                cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch
+            )
+        except ConfigError as exc:
+            outcome[0] = exc
+    if shared:
+        torch_dist.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], ConfigError):
+        raise ConfigError(str(outcome[0]))
+    name, found, lines = outcome[0]
+    chosen = load_section(WtaCrsConfig, candidate_config(cfg, name), "wtacrs")
+    return chosen, found, lines
+
+
+def _measure_candidates(cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch):
+    base = {
+        "model": model_dir,
+        "seq": seq,
+        "precision": precision,
+        "device": device,
+        "num_labels": num_labels,
+        "threads": threads,
+    }
+    results = []
+    for name in cfg.auto_candidates:
+        spec = {**base, "wtacrs": candidate_config(cfg, name)}
+        label = CANDIDATE_LABELS.get(name, f"preset {name}")
+        if search_batch:
+            results.append(measure(spec, label, budget, probe=batch, max_batch=batch))
+        else:
+            results.append(measure(spec, label, budget, batch=batch))
+    shape = f"up to batch {batch}" if search_batch else f"batch {batch}"
+    lines = [f"wtacrs: preset auto, memory budget {cfg.memory_budget} GiB: measured {shape} × seq {seq}, {precision}"]
+    lines += [f"wtacrs: preset auto: {describe(m, budget)}" for m in results]
+    chosen = choose(results, budget)
+    name = cfg.auto_candidates[results.index(chosen)]
+    lines.append(f"wtacrs: preset auto chose {chosen.setup}: {recommendation(chosen, results, budget)}")
+    return name, chosen.batch, lines

@@ -1,0 +1,43 @@
+"""``docs/benchmarks.md`` is generated from the recorded results (``bench/_report.py``), never retyped."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench import _report  # noqa: E402
+
+
+def test_verdicts_and_runs_come_from_the_records(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    lines = ["speed x vs y: 1.30x (median of 3) (target >= 1.5x: NOT met)", "a plain figure: 2.0x (median of 3)"]
+    (raw / "balance_probe.json").write_text(
+        json.dumps({"name": "balance_probe", "time": "2026-01-02 03:04:05", "summary": lines, "note": "2 seeds"})
+    )
+    (raw / "other_probe.json").write_text(
+        json.dumps({"name": "other_probe", "time": "t", "ratio": 1.25, "seconds": {}})
+    )
+    (raw / "_runs.json").write_text("{}")  # the run log is not a result
+    runs = {"balance_probe": {"mode": "quick", "status": "ok", "seconds": 12.0, "command": "bench/balance.py --quick"}}
+    doc = _report.benchmarks_doc(raw, runs)
+    verdicts = doc.split("## Verdicts", 1)[1].split("\n## ", 1)[0]
+    assert lines[0] in verdicts and lines[1] not in verdicts  # only lines with a verdict, NOT met kept
+    section = doc.split("### balance_probe", 1)[1].split("\n## ", 1)[0]
+    assert all(line in section for line in lines) and "`python bench/balance.py --quick`" in section
+    assert "2 seeds" in section
+    assert "### other_probe" in doc.split("## Other measurements", 1)[1] and "ratio: 1.25" in doc
+    assert "_runs" not in doc
+
+
+def test_docs_benchmarks_md_is_up_to_date():
+    raw = REPO / "bench" / "report" / "raw"
+    runs_path = raw / "_runs.json"
+    runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
+    expected = _report.benchmarks_doc(raw, runs)
+    actual = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert actual == expected, "docs/benchmarks.md differs from bench/report/raw: run `python bench/_report.py`"

@@ -1,0 +1,206 @@
+"""Sizing to a memory budget (ds_bertopt.wtacrs.sizing): the batch search, the choice, ``preset: "auto"`` as a
+config and at start-up, and the faster kernels that removed the kit's fixed per-step costs (each still exact)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from wtacrs_common import tiny_bert  # noqa: E402
+
+from ds_bertopt.configlib import load_section  # noqa: E402
+from ds_bertopt.errors import ConfigError  # noqa: E402
+from ds_bertopt.wtacrs import sizing  # noqa: E402
+from ds_bertopt.wtacrs.sizing import (  # noqa: E402
+    GiB,
+    Measured,
+    candidate_config,
+    choose,
+    fit_largest_batch,
+    largest_fitting_batch,
+    resolve_auto,
+)
+from ds_bertopt.wtacrs.config import KitConfig, LoraConfig, WtaCrsConfig  # noqa: E402
+from ds_bertopt.wtacrs.convert import prepare_model  # noqa: E402
+from ds_bertopt.wtacrs.kit import keep_mask, keep_threshold, layernorm_backward  # noqa: E402
+
+
+# ---------------------------------------------------------------- the batch search and the choice (pure)
+def test_largest_batch_fit():
+    # peaks 100 + 10·b: a budget of 355 fits b = 25, not 26; a flat or falling fit fits nothing
+    assert fit_largest_batch({8: 180, 16: 260}, 355.0)[:2] == (25, 10.0)
+    assert fit_largest_batch({8: 180, 16: 180}, 355.0)[0] == 0
+
+
+CURVES = {
+    "convex": lambda b: 100 + 10 * b + b * b // 20,
+    "linear": lambda b: 100 + 10 * b,
+    "proportional": lambda b: 50 * b,
+    # flat at small batches (the weights and AdamW state dominate; RSS noise can even make it fall): the line
+    # through the two probes does not rise, and the search must still go up (it used to stop at the probe)
+    "flat, then rising": lambda b: max(400, 10 * b) - (b == 16),
+}
+
+
+@pytest.mark.parametrize("curve", list(CURVES))
+@pytest.mark.parametrize("budget_bytes,max_batch", [(1000, 256), (1000, 20), (60, 256), (40, 256)])
+def test_the_search_returns_a_measured_batch_that_fits(curve, budget_bytes, max_batch):
+    """Whatever the (convex) peak curve: the answer was measured and fits, is at most max_batch, and is within a
+    few percent of the true largest (never more than a handful of measurements)."""
+    curve = CURVES[curve]
+    calls = []
+
+    def peak_at(b):
+        calls.append(b)
+        return curve(b)
+
+    found, peaks = largest_fitting_batch(peak_at, budget_bytes, probe=16, max_batch=max_batch)
+    truth = max((b for b in range(1, max_batch + 1) if curve(b) <= budget_bytes), default=0)
+    assert len(calls) == len(set(calls)) <= 7, calls
+    if truth == 0:
+        assert found == 0
+        return
+    assert found in peaks and peaks[found] <= budget_bytes and found <= max_batch
+    assert found >= 0.9 * truth, (found, truth, peaks)
+
+
+def test_choose_takes_the_fastest_that_fits_and_says_why_nothing_does():
+    runs = [
+        Measured("full", 8, 5 * GiB, 1.0),  # over
+        Measured("preset exact", 32, 2 * GiB, 2.0),  # 16 /s
+        Measured("preset balanced", 32, 2 * GiB, 1.6),  # 20 /s: fastest that fits
+        Measured("checkpointing", 64, 3 * GiB, 5.0),  # 12.8 /s
+    ]
+    assert choose(runs, 4 * GiB).setup == "preset balanced"
+    assert choose(runs, 6 * GiB).setup == "preset balanced"  # full fits now but runs 8 /s
+    line = sizing.recommendation(choose(runs, 4 * GiB), runs, 4 * GiB)
+    assert "preset balanced" in line and "next: preset exact" in line, line
+    with pytest.raises(ConfigError, match=r"no setup fits; the smallest peak is preset exact's 2\.00 GiB") as info:
+        choose(runs, 1 * GiB)
+    assert "\n" not in str(info.value)
+    assert Measured("x", 0, GiB, math.inf).rate == 0.0
+
+
+# ---------------------------------------------------------------- preset "auto" as a config
+def test_auto_candidates_keep_what_was_given_and_take_their_preset():
+    cfg = WtaCrsConfig(
+        preset="auto", memory_budget=2.0, ratio=0.2, kit=KitConfig(recompute_qkv=False), lora=LoraConfig(enabled=True)
+    )
+    assert not cfg.enabled and not cfg.kit.any  # nothing chosen yet
+    built = {name: load_section(WtaCrsConfig, candidate_config(cfg, name), "wtacrs") for name in cfg.auto_candidates}
+    assert built["none"].preset is None and not built["none"].kit.any and built["none"].lora.enabled
+    assert built["checkpointing"].kit.checkpoint_every == 1 and built["checkpointing"].preset is None
+    balanced = built["balanced"]
+    assert balanced.preset == "balanced" and balanced.enabled and balanced.targets == ("all",)
+    assert balanced.ratio == 0.2 and not balanced.kit.recompute_qkv and balanced.kit.recompute_ffn  # given wins
+    assert built["max_saving"].kit.checkpoint_every == 1 and all(b.memory_budget is None for b in built.values())
+    with pytest.raises(ConfigError, match='"auto" must be resolved'):
+        prepare_model(tiny_bert(), cfg)
+
+
+@pytest.mark.parametrize(
+    "raw,message",
+    [
+        ({"preset": "auto"}, 'preset: "auto" needs memory_budget'),
+        ({"memory_budget": 4}, 'memory_budget: only used with preset "auto"'),
+        ({"preset": "auto", "memory_budget": 0}, "memory_budget: must be a positive number of GiB"),
+        ({"preset": "auto", "memory_budget": 4, "auto_candidates": ["fast"]}, "auto_candidates: 'fast' is not one"),
+        ({"preset": "auto", "memory_budget": 4, "budget_seq_length": 0}, "budget_seq_length: must be at least 1"),
+    ],
+)
+def test_bad_budget_settings_are_one_line(raw, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_section(WtaCrsConfig, raw, "wtacrs")
+    assert "\n" not in str(info.value)
+
+
+def _fake_measure(table):
+    """``budget.measure`` answering from ``{setup label: (peak GiB, step s)}``; records what it was asked."""
+    asked = []
+
+    def measure(spec, setup, budget_bytes, batch=None, probe=16, max_batch=256, steps=2):
+        asked.append((setup, spec["wtacrs"].get("preset"), batch, max_batch))
+        peak, step = table[setup]
+        return Measured(setup, batch or max_batch, int(peak * GiB), step)
+
+    return measure, asked
+
+
+def test_resolve_auto_picks_the_fastest_that_fits_and_logs_why(monkeypatch):
+    table = {
+        "no preset": (6.0, 1.0),
+        "checkpointing": (3.0, 1.4),
+        "preset exact": (2.5, 1.05),
+        "preset balanced": (2.4, 1.02),
+        "preset max_saving": (1.5, 1.3),
+    }
+    measure, asked = _fake_measure(table)
+    monkeypatch.setattr(sizing, "measure", measure)
+    cfg = WtaCrsConfig(preset="auto", memory_budget=4.0)
+    chosen, batch, lines = resolve_auto(cfg, model_dir="unused", batch=16, seq=64)
+    assert chosen.preset == "balanced" and chosen.enabled and batch == 16
+    assert [a[0] for a in asked] == list(table) and all(a[2] == 16 for a in asked)
+    assert "preset auto chose preset balanced" in lines[-1] and "next: preset exact" in lines[-1], lines
+    assert sum("over 4.00" in line for line in lines) == 1  # "no preset" (full fine-tuning) is over the budget
+    exact_only = WtaCrsConfig(preset="auto", memory_budget=4.0, auto_candidates=("none", "checkpointing", "exact"))
+    assert resolve_auto(exact_only, model_dir="unused", batch=16, seq=64)[0].preset == "exact"
+    with pytest.raises(ConfigError, match="no setup fits") as info:
+        resolve_auto(WtaCrsConfig(preset="auto", memory_budget=1.0), model_dir="unused", batch=16, seq=64)
+    assert "\n" not in str(info.value)
+    plain = WtaCrsConfig(preset="exact")
+    assert resolve_auto(plain, model_dir="unused", batch=16, seq=64) == (plain, 16, [])
+
+
+def test_a_budget_on_a_device_we_cannot_measure_is_one_line():
+    with pytest.raises(ConfigError, match="cannot measure peak memory on mps: no peak-memory counter") as info:
+        resolve_auto(WtaCrsConfig(preset="auto", memory_budget=4.0), model_dir="x", batch=4, seq=8, device="mps")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.timeout(300)
+def test_resolve_auto_measures_for_real(tmp_path):
+    """The one real measurement (two fresh children on a tiny saved model: the peak, then the timed steps): the
+    candidate's config is built, stepped and timed at the run's batch, and comes back resolved."""
+    model_dir = tmp_path / "model"
+    tiny_bert(hidden=64, layers=2, vocab=1000).save_pretrained(str(model_dir))
+    cfg = WtaCrsConfig(preset="auto", memory_budget=64.0, auto_candidates=("exact",))
+    chosen, batch, lines = resolve_auto(cfg, model_dir=str(model_dir), batch=8, seq=32)
+    assert chosen.preset == "exact" and chosen.kit.recompute_qkv and not chosen.enabled and batch == 8
+    (measured,) = [line for line in lines if "preset exact: batch 8, peak" in line]
+    assert "(fits 64.00)" in measured and " s/step, " in measured, lines  # timed, not "not timed"
+    assert "preset auto chose preset exact" in lines[-1], lines
+
+
+# ---------------------------------------------------------------- the fixed per-step costs, removed exactly
+def test_dropout_mask_threshold_is_the_keep_rate():
+    assert keep_threshold(0.9) == round(0.9 * 2**31) and keep_threshold(1.0) == 2**31 and keep_threshold(0.0) == 0
+    gen = torch.Generator().manual_seed(0)
+    mask = keep_mask((200_000,), 0.9, "cpu", gen)
+    assert mask.dtype == torch.bool and abs(float(mask.float().mean()) - 0.9) < 0.003
+    again = keep_mask((200_000,), 0.9, "cpu", torch.Generator().manual_seed(0))
+    assert torch.equal(mask, again)  # what backward regenerates from the same state
+    # the edges: keep 1 (and a keep that rounds to it) keeps everything, keep 0 nothing (2^31 overflows int32)
+    assert keep_mask((1000,), 1.0, "cpu").all() and keep_mask((1000,), 1 - 1e-12, "cpu").all()
+    assert not keep_mask((1000,), 0.0, "cpu").any()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("affine", ["both", "weight", "none"])
+def test_layernorm_backward_from_the_output_matches_autograd(dtype, tol, affine):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 16, generator=gen, dtype=dtype) * 2 + 1).requires_grad_()
+    weight = (torch.rand(16, generator=gen, dtype=dtype) + 0.5).requires_grad_() if affine != "none" else None
+    bias = torch.randn(16, generator=gen, dtype=dtype).requires_grad_() if affine == "both" else None
+    y = F.layer_norm(x, (16,), weight, bias, 1e-5)
+    grad = torch.randn(y.shape, generator=gen, dtype=dtype)
+    expected = torch.autograd.grad(y, [t for t in (x, weight, bias) if t is not None], grad)
+    _, _, rstd = torch.native_layer_norm(x.detach(), (16,), weight, bias, 1e-5)
+    ours = layernorm_backward(grad, y.detach(), rstd, weight, bias, 1)
+    for got, want in zip([g for g in ours if g is not None], expected):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
