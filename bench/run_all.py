@@ -62,10 +62,10 @@ BENCHES: dict[str, tuple[str, list[str], list[str], int, int]] = {
     "mfu": ("mfu", [], [], 900, 1800),
     "time_to_train_continued": (
         "time_to_train",
-        ["--scenarios", "continued128", "--seeds", "1", "--steps", "60", "--points", "4", "--masks", "2"]
+        ["--scenarios", "continued128", "--seeds", "1", "2", "--steps", "80", "--points", "4", "--masks", "2"]
         + ["--record-as", "time_to_train_continued"],
         ["--scenarios", "continued128", "continued512", "--record-as", "time_to_train_continued"],
-        2400,
+        4800,
         14400,
     ),
 }

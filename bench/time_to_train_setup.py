@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -225,15 +226,22 @@ def prepare(scenario: Scenario, work: Path, masks: int, min_tokens: int) -> Prep
     from ds_bertopt.config import load_config
     from ds_bertopt.data.corpus import load_documents
     from ds_bertopt.data.pipeline import build_pretrain_data, split_documents
+    from ds_bertopt.model.pretrained import resolve_checkpoint
 
     cfg = load_config(str(scenario.config), scenario.data_overrides())
-    b = cfg.bertopt
+    # the checkpoint's tokenizer (a continued scenario), settled as the launcher settles it: the yardstick and the HF
+    # contenders must read the vocabulary ours trains with
+    model_cfg, data_cfg, _, _ = resolve_checkpoint(cfg.bertopt.model, cfg.bertopt.data)
+    b = dataclasses.replace(cfg.bertopt, model=model_cfg, data=data_cfg)
     data = build_pretrain_data(b)
     cache_dir = os.path.abspath(os.path.expanduser(b.data.cache_dir))
     documents = load_documents(b.data, cache_dir)
     train_docs, _ = split_documents(documents, b.data.eval_fraction, b.data.seed)
-    # content-addressed, so datasets' caches of the HF contenders stay valid from one invocation to the next
-    identity = json.dumps([documents._fingerprint, b.data.eval_fraction, b.data.seed])
+    # content-addressed, so datasets' caches of the HF contenders stay valid from one invocation to the next; the
+    # vocabulary is part of it: a continued scenario (the checkpoint's tokenizer) shares its corpus with one that
+    # trains a WordPiece on it, and must not get that one's exported tokenizer and token caches
+    vocab = hashlib.sha1(json.dumps(sorted(data.tokenizer.get_vocab().items())).encode()).hexdigest()
+    identity = json.dumps([documents._fingerprint, b.data.eval_fraction, b.data.seed, vocab])
     key = hashlib.sha1(identity.encode()).hexdigest()[:12]
     shared = Path(cache_dir) / "time_to_train" / key
     shared.mkdir(parents=True, exist_ok=True)

@@ -417,6 +417,28 @@ def describe_dead_peers(rank: int) -> str:
     ) + " stopped responding"
 
 
+def shutdown() -> None:
+    """Destroy the process group while the interpreter is still whole, once this rank's collectives are over.
+
+    Left to interpreter finalisation, gloo's worker threads can still hold finished work whose tensors reference
+    Python objects; destroying them then aborts the process ("terminate called without an active exception",
+    SIGABRT, pytorch/pytorch#190489) after training succeeded, and the launcher reports the job failed. Not for a
+    rank whose peer died: a worker blocked in a collective would hold the join until the timeout.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    import deepspeed.comm
+
+    if deepspeed.comm.is_initialized():
+        # DeepSpeed's own teardown (deepspeed.comm.destroy_process_group) also drops the groups it cached
+        # (utils.groups._release_process_group_references), so a later run in this process builds fresh ones
+        deepspeed.comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

@@ -202,8 +202,9 @@ def check_deepspeed_config(ds: dict) -> None:
 
 
 def zero_stage(ds: dict) -> int:
-    """The ZeRO stage DeepSpeed's part asks for (0 when absent)."""
-    return int((ds.get("zero_optimization") or {}).get("stage", 0) or 0)
+    """The ZeRO stage DeepSpeed's part asks for (0 when absent, or not a number: DeepSpeed's own parser names it)."""
+    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+    return int(stage) if isinstance(stage, (int, float)) or str(stage).isdigit() else 0
 
 
 def optimizer_offload(ds: dict) -> Optional[str]:

@@ -49,19 +49,22 @@ def _as_run_config(config: Any) -> RunConfig:
     raise TypeError(f"config must be a path, a dict or a RunConfig, got {type(config).__name__}")
 
 
-def check_combinations(bertopt: BertOptConfig, ds: dict) -> None:
+def check_combinations(bertopt: BertOptConfig, ds: dict, our_optimizer: bool = True) -> None:
     """Refuse, before anything starts, feature combinations that cannot work together (the rows refused in the
-    GPU conformance matrix of docs/gpu.md, in its order)."""
+    GPU conformance matrix of docs/gpu.md, in its order). Every entry point calls it: the launcher's pre-flight,
+    ``ds-bertopt config`` and the Hugging Face integration (``our_optimizer`` False when the Trainer builds its
+    own optimizer, so ``bertopt.optimizer`` is not applied)."""
     stage = zero_stage(ds)
     offload = optimizer_offload(ds)
-    if bertopt.optimizer.type == "lamb":
+    lamb = our_optimizer and bertopt.optimizer.type == "lamb"
+    if lamb:
         refuse_lamb_under_zero3(stage)
     if offload and stage == 0:
         raise ConfigError(
             f"zero_optimization.offload_optimizer: device {offload!r} needs ZeRO stage 1, 2 or 3 (at stage 0 "
             "the optimizer stays on the accelerator); set zero_optimization.stage, or drop offload_optimizer"
         )
-    if offload and bertopt.optimizer.type == "lamb":
+    if offload and lamb:
         raise ConfigError(LAMB_OFFLOAD_REFUSAL)
     if bertopt.bucket_clip.enabled:
         refuse_bucket_clip_under_zero3(stage)

@@ -1,4 +1,4 @@
-"""``docs/benchmarks.md`` is generated from the recorded results (``bench/_report.py``), never retyped."""
+"""``docs/benchmarks.md`` and its pages come from the recorded results (``bench/_report.py``), never retyped."""
 
 from __future__ import annotations
 
@@ -24,20 +24,35 @@ def test_verdicts_and_runs_come_from_the_records(tmp_path):
     )
     (raw / "_runs.json").write_text("{}")  # the run log is not a result
     runs = {"balance_probe": {"mode": "quick", "status": "ok", "seconds": 12.0, "command": "bench/balance.py --quick"}}
-    doc = _report.benchmarks_doc(raw, runs)
-    verdicts = doc.split("## Verdicts", 1)[1].split("\n## ", 1)[0]
+    docs = _report.benchmarks_docs(raw, runs)
+    verdicts = docs["benchmarks.md"].split("## Verdicts", 1)[1]
     assert lines[0] in verdicts and lines[1] not in verdicts  # only lines with a verdict, NOT met kept
-    section = doc.split("### balance_probe", 1)[1].split("\n## ", 1)[0]
+    assert "(benchmarks/balance.md#balance_probe)" in verdicts
+    section = docs["benchmarks/balance.md"].split("## balance_probe", 1)[1]
     assert all(line in section for line in lines) and "`python bench/balance.py --quick`" in section
     assert "2 seeds" in section
-    assert "### other_probe" in doc.split("## Other measurements", 1)[1] and "ratio: 1.25" in doc
-    assert "_runs" not in doc
+    assert "## other_probe" in docs["benchmarks/other.md"] and "ratio: 1.25" in docs["benchmarks/other.md"]
+    assert sorted(docs) == ["benchmarks.md", "benchmarks/balance.md", "benchmarks/other.md"]
+    assert not any("_runs" in text for text in docs.values())
+
+
+def test_stale_pages_are_removed(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "optim_probe.json").write_text(json.dumps({"name": "optim_probe", "time": "t", "summary": ["x"]}))
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "balance.md").write_text("a capability with no runs any more")
+    _report.write_benchmarks_doc(raw, {}, docs_dir=tmp_path)
+    assert sorted(p.name for p in (tmp_path / "benchmarks").iterdir()) == ["optim.md"]
 
 
 def test_docs_benchmarks_md_is_up_to_date():
     raw = REPO / "bench" / "report" / "raw"
     runs_path = raw / "_runs.json"
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
-    expected = _report.benchmarks_doc(raw, runs)
-    actual = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
-    assert actual == expected, "docs/benchmarks.md differs from bench/report/raw: run `python bench/_report.py`"
+    expected = _report.benchmarks_docs(raw, runs)
+    actual = {
+        str(path.relative_to(REPO / "docs")): path.read_text(encoding="utf-8")
+        for path in [REPO / "docs" / "benchmarks.md", *(REPO / "docs" / "benchmarks").glob("*.md")]
+    }
+    assert actual == expected, "docs/benchmarks*.md differ from bench/report/raw: run `python bench/_report.py`"

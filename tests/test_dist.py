@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_bertopt.dist import Topology, topology_from_env, verify_topology
+from ds_bertopt.dist import Topology, shutdown, topology_from_env, verify_topology
 from ds_bertopt.errors import BertOptError
 from ds_bertopt.testing.distributed import spawn_ranks
 
@@ -80,6 +80,24 @@ def test_verify_topology_on_real_ranks():
     assert spawn_ranks(_verify, 2, False) == ["ok", "ok"]
     results = spawn_ranks(_verify, 2, True)
     assert all(r.startswith("inconsistent topology") for r in results), results
+
+
+def _gather_async_then_shut_down(rank, world_size):
+    import torch.distributed as dist
+
+    out = [torch.empty(1) for _ in range(world_size)]
+    work = dist.all_gather(out, torch.tensor([float(rank)]), async_op=True)  # the work gloo's threads hold
+    work.wait()
+    shutdown()
+    shutdown()  # a second call (an error path after a clean end) is a no-op
+    return [t.item() for t in out], dist.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_destroys_the_group_before_the_interpreter_exits():
+    """A run that ends cleanly destroys its process group itself: left to interpreter finalisation, gloo's
+    threads can abort the process after training succeeded (the launcher then reports exit -6)."""
+    assert spawn_ranks(_gather_async_then_shut_down, 2) == [([0.0, 1.0], False)] * 2
 
 
 class _Accelerator:

@@ -160,6 +160,12 @@ def test_bad_sections_fail_in_one_line(source, message, tmp_path, monkeypatch):
             {},
             'optimizer.type: "lamb" is not supported under ZeRO stage 3',
         ),
+        (  # the launcher's own combination check (engine.check_combinations), not a copy of it
+            {"optimizer": {"type": "lamb"}},
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+            {},
+            'optimizer.type: "lamb" is not supported with zero_optimization.offload_optimizer',
+        ),
         ({"bucket_clip": {"enabled": True}}, None, {}, "bucket_clip: needs DeepSpeed"),
         (
             {"bucket_clip": {"enabled": True}},

@@ -354,6 +354,11 @@ def _peak_rss_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def _shape(job: dict) -> dict:
+    """The job's world and batch shape, as the sampler and ``plan_epoch`` take it."""
+    return {key: job[key] for key in ("world_size", "ranks_per_node", "micro_batch", "grad_accum")}
+
+
 def _window_view(job: dict) -> dict:
     """In a fresh process: the training sampler of one rank on the corpus in ``job["path"]``. The first step, then
     ``windows`` windows' steps each after a simulated step of ``step_time`` s (the next window is planned
@@ -364,14 +369,7 @@ def _window_view(job: dict) -> dict:
     lengths = np.load(job["path"])
     started = time.perf_counter()
     sampler = PlanBatchSampler(
-        lengths,
-        rank=job["rank"],
-        world_size=job["world_size"],
-        ranks_per_node=job["ranks_per_node"],
-        micro_batch=job["micro_batch"],
-        grad_accum=job["grad_accum"],
-        cfg=SamplerConfig(strategy=job["strategy"]),
-        seed=job["seed"],
+        lengths, rank=job["rank"], cfg=SamplerConfig(strategy=job["strategy"]), seed=job["seed"], **_shape(job)
     )
     set_up = time.perf_counter() - started
     steps = [sampler.next_step()]
@@ -405,16 +403,7 @@ def _global_view(job: dict) -> dict:
     before = _peak_rss_mib()
     lengths = np.load(job["path"])
     started = time.perf_counter()
-    plan = plan_epoch(
-        lengths,
-        world_size=job["world_size"],
-        ranks_per_node=job["ranks_per_node"],
-        micro_batch=job["micro_batch"],
-        grad_accum=job["grad_accum"],
-        strategy=job["strategy"],
-        seed=job["seed"],
-        epoch=0,
-    )
+    plan = plan_epoch(lengths, strategy=job["strategy"], seed=job["seed"], epoch=0, **_shape(job))
     seconds = time.perf_counter() - started
     rows = {}
     for first, count in job["rows"].items():

@@ -56,10 +56,10 @@ from transformers import Trainer, TrainerCallback
 
 from .. import optim
 from ..config import BertOptConfig
-from ..comm.config import refuse_bucket_clip_under_zero3
 from ..configlib import load_section
 from ..data.sampler import PlanBatchSampler
-from ..engine import attach_extensions
+from ..dsconfig import zero_stage
+from ..engine import attach_extensions, check_combinations
 from ..errors import ConfigError
 from ..wtacrs import prepare_model
 from ..wtacrs.sizing import resolve_auto
@@ -354,14 +354,9 @@ def load_bertopt(source: Any = None, *, args: Any = None) -> HfBertOptConfig:
     return _from_section(data, label)
 
 
-def _zero_stage(ds_config: Optional[dict]) -> int:
-    stage = ((ds_config or {}).get("zero_optimization") or {}).get("stage", 0)
-    return int(stage) if isinstance(stage, (int, float)) or str(stage).isdigit() else 0
-
-
 def check_compatibility(cfg: HfBertOptConfig, ds_config: Optional[dict], args: Any) -> None:
     """Refuse, in one line, what this Trainer setup cannot apply. ``ds_config``: ``None`` without DeepSpeed."""
-    b, stage = cfg.bertopt, _zero_stage(ds_config)
+    b = cfg.bertopt
     if cfg.uses_our_optimizer:
         for block in ("optimizer", "scheduler"):
             if ds_config is not None and block in ds_config:
@@ -369,15 +364,14 @@ def check_compatibility(cfg: HfBertOptConfig, ds_config: Optional[dict], args: A
                     f'the DeepSpeed "{block}" block and {SECTION}.optimizer/schedule both set the '
                     f"optimizer; drop one (from {cfg.source})"
                 )
-        if b.optimizer.type == "lamb":
-            optim.refuse_lamb_under_zero3(stage)
+    if ds_config is not None:
+        check_combinations(b, ds_config, our_optimizer=cfg.uses_our_optimizer)
     if b.bucket_clip.enabled:
         if ds_config is None:
             raise ConfigError(
                 "bucket_clip: needs DeepSpeed (TrainingArguments(deepspeed=...) or accelerate launch "
                 "--use_deepspeed); without it use TrainingArguments.max_grad_norm"
             )
-        refuse_bucket_clip_under_zero3(stage)
         if getattr(args, "auto_find_batch_size", False):
             raise ConfigError(
                 "bucket_clip: not supported with TrainingArguments.auto_find_batch_size (Trainer "
@@ -796,7 +790,7 @@ class BertOptTrainerMixin:
     def _bertopt_zero_stage(self) -> int:
         if not self.is_deepspeed_enabled:
             return 0
-        return _zero_stage(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+        return zero_stage(self.accelerator.state.deepspeed_plugin.deepspeed_config or {})
 
     def create_optimizer(self, model=None):
         if not self._bertopt.uses_our_optimizer:

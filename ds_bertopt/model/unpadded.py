@@ -451,6 +451,12 @@ class UnpaddedMLM(torch.nn.Module):
             inputs["token_type_ids"] = token_type_ids[None]
         if self.family.layer_type_masks:  # no mask to build for any layer type (ModernBERT builds one per type)
             inputs["attention_mask"] = dict.fromkeys(self.model.config.layer_types)
+        else:
+            # A 4-D mask is taken as already built (masking_utils._preprocess_mask_arguments returns it at once), so
+            # transformers neither builds a [T, T] mask our attention ignores nor, from 5.25 on, reads the restarting
+            # position_ids back on the host to detect packing (find_packed_sequence_indices). hf_packed_attention
+            # ignores it: the packing carries the sequence bounds.
+            inputs["attention_mask"] = input_ids.new_ones((1, 1, 1, 1), dtype=torch.bool)
         hidden = self.model.base_model(**inputs).last_hidden_state[0]
 
         target = labels.index_select(0, masked_positions)

@@ -15,7 +15,7 @@ import queue as queue_mod
 import traceback
 from typing import Any, Callable
 
-from ..dist import free_port, release_shm_buffer
+from ..dist import free_port, release_shm_buffer, shutdown
 
 __all__ = ["free_port", "spawn_ranks"]
 
@@ -51,10 +51,7 @@ def _worker(fn, rank, world_size, ranks_per_node, port, env, args, results):
         results.put((rank, "error", traceback.format_exc()))
     finally:
         try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            shutdown()
         except Exception:  # noqa: BLE001 - shutting down anyway
             pass
 

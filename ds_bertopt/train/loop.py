@@ -437,8 +437,11 @@ def main(task, argv: Optional[list[str]] = None) -> int:
         dist.init_distributed(topo, timeout_s=train.dist_timeout_s, init_timeout_s=train.dist_init_timeout_s)
         dist.verify_topology(topo)
         history = Trainer(plan, topo, task).run()
-    except Preempted as exc:
+        print0(task.done_line(history))  # before the group goes: without a launcher's RANK, rank comes from it
+        dist.shutdown()
+    except Preempted as exc:  # every rank checkpointed together: their collectives are over
         print0(str(exc))
+        dist.shutdown()
         return PREEMPTED_EXIT
     except BertOptError as exc:
         # after the pre-flight an error may be specific to this rank: every rank that hits it says so (a verdict
@@ -468,5 +471,4 @@ def main(task, argv: Optional[list[str]] = None) -> int:
             file=sys.stderr,
         )
         return 1
-    print0(task.done_line(history))
     return 0
