@@ -194,6 +194,12 @@ def _scalars(record: dict) -> list[str]:
     ]
 
 
+def _checkout_relative(command: str) -> str:
+    """A recorded command with the script's path relative to the checkout: the same text wherever the repository is
+    cloned (a run records the absolute path it was started with)."""
+    return re.sub(r"(?<!\S)\S*/(bench/[\w./-]+\.py)", r"\1", command)
+
+
 def _page(prefix: str) -> str:
     """The file, under ``docs/benchmarks/``, of a capability's runs."""
     return f"{prefix or 'other'}.md"
@@ -247,7 +253,7 @@ def benchmarks_docs(raw: Path, runs: dict) -> dict[str, str]:
         page.append(f"Machine and stack, unless a run says otherwise: {common}.")
         for name in (n for n in order if _capability(n) == prefix):
             record, run = records[name], runs.get(name, {})
-            command = run.get("command", "").replace(str(ROOT) + "/", "").replace("/tmp/ci/repo/", "")
+            command = _checkout_relative(run.get("command", ""))
             facts = [f"recorded {record.get('time', '?')}"]
             if run:
                 facts.append(f"mode {run.get('mode', '?')}, {run.get('status', '?')} in {run.get('seconds', 0):.0f} s")

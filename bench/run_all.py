@@ -109,7 +109,7 @@ def run_bench(name: str, script: str, extra: list[str], timeout: int, raw_dir: P
         "name": name,
         "status": status,
         "seconds": round(seconds, 1),
-        "command": " ".join(cmd[2:]),
+        "command": " ".join([f"bench/{script}.py", *extra]),  # checkout-relative: the same in every clone
         "ratio_lines": _report.ratio_lines(lines),
     }
 

@@ -23,12 +23,14 @@ def test_verdicts_and_runs_come_from_the_records(tmp_path):
         json.dumps({"name": "other_probe", "time": "t", "ratio": 1.25, "seconds": {}})
     )
     (raw / "_runs.json").write_text("{}")  # the run log is not a result
-    runs = {"balance_probe": {"mode": "quick", "status": "ok", "seconds": 12.0, "command": "bench/balance.py --quick"}}
+    run = {"mode": "quick", "status": "ok", "seconds": 12.0, "command": "/elsewhere/clone/bench/balance.py --quick"}
+    runs = {"balance_probe": run}
     docs = _report.benchmarks_docs(raw, runs)
     verdicts = docs["benchmarks.md"].split("## Verdicts", 1)[1]
     assert lines[0] in verdicts and lines[1] not in verdicts  # only lines with a verdict, NOT met kept
     assert "(benchmarks/balance.md#balance_probe)" in verdicts
     section = docs["benchmarks/balance.md"].split("## balance_probe", 1)[1]
+    # the command as the checkout sees it, wherever the recording run was cloned
     assert all(line in section for line in lines) and "`python bench/balance.py --quick`" in section
     assert "2 seeds" in section
     assert "## other_probe" in docs["benchmarks/other.md"] and "ratio: 1.25" in docs["benchmarks/other.md"]
