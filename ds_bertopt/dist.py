@@ -115,6 +115,9 @@ def set_cpu_thread_default(topo: Topology) -> None:
 _own_master = False
 """This process chose its own single-rank rendezvous (see :func:`init_distributed`)."""
 
+_shut_down = False
+"""This process destroyed a process group (:func:`shutdown`): the store of its rendezvous may still hold the port."""
+
 
 def init_distributed(topo: Topology, timeout_s: int = 120, init_timeout_s: int = 60) -> None:
     """Create the default process group (gloo on CPU, nccl on CUDA) and hand it to DeepSpeed.
@@ -132,11 +135,11 @@ def init_distributed(topo: Topology, timeout_s: int = 120, init_timeout_s: int =
     if dist.is_available() and dist.is_initialized():
         return
     # A single rank started without a launcher gets its own rendezvous on a fresh port, also when an
-    # earlier run in this process set one (its store may still hold the old port).
+    # earlier run in this process set one or ended (its store may still hold the old port).
     # (A module flag, not an environment variable: a child process this one starts must not take a
     # MASTER_PORT its own launcher gave it for ours.)
     global _own_master
-    if topo.world_size == 1 and ("MASTER_ADDR" not in os.environ or _own_master):
+    if topo.world_size == 1 and ("MASTER_ADDR" not in os.environ or _own_master or _shut_down):
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
         )
@@ -427,8 +430,10 @@ def shutdown() -> None:
     """
     import torch.distributed as dist
 
+    global _shut_down
     if not (dist.is_available() and dist.is_initialized()):
         return
+    _shut_down = True
     import deepspeed.comm
 
     if deepspeed.comm.is_initialized():
