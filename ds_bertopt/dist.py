@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from .buildlocks import clear_stale_build_locks
 from .errors import BertOptError, JobError
 
 
@@ -148,6 +149,8 @@ def init_distributed(topo: Topology, timeout_s: int = 120, init_timeout_s: int =
         if not os.environ.get(name):
             raise BertOptError(f"{name} is not set: start the job with the deepspeed launcher or torchrun")
     bind_device(topo, get_accelerator())
+    if topo.local_rank == 0:  # before the group forms: no other rank of this node has started its build yet
+        clear_stale_build_locks()
     backend = get_accelerator().communication_backend_name()
     store = _rendezvous(topo, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), init_timeout_s)
     dist.init_process_group(

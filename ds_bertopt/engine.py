@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 from typing import Any
 
 import torch
 
+from .buildlocks import clear_stale_build_locks
 from .comm import install_bucket_clip
 from .comm.config import refuse_bucket_clip_under_zero3
 from .config import BertOptConfig, RunConfig, apply_precision, load_config, resolve_batch
@@ -124,6 +126,8 @@ def initialize(*, config: Any, model, **kwargs):
 
     run = _as_run_config(config)
     if not dist.is_initialized():
+        if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+            clear_stale_build_locks()  # DeepSpeed's process group builds its shm op first thing
         deepspeed.init_distributed(verbose=False)
     world = dist.get_world_size()
     if run.resolved_for == world:

@@ -46,3 +46,26 @@ def small_corpus(tmp_path_factory) -> Path:
         for doc in islice(stdlib_docstring_documents(), 80):
             fh.write(json.dumps(doc) + "\n")
     return path
+
+
+def pytest_sessionstart(session):
+    """Build DeepSpeed's CPU shm op once, before any test and outside every per-test timeout: on a fresh machine
+    the first process group would otherwise build it (about a minute) inside whichever test comes first."""
+    from ds_bertopt.buildlocks import clear_stale_build_locks
+
+    clear_stale_build_locks()
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
+
+    if get_accelerator().device_name() == "cpu":
+        build_shm_op()
+
+
+@pytest.fixture(autouse=True)
+def _no_stale_build_lock():
+    """A test that kills a rank mid-build (a launcher tearing down its job) leaves torch's build lock behind;
+    clear it before the next test, which would otherwise wait on it until its timeout."""
+    from ds_bertopt.buildlocks import clear_stale_build_locks
+
+    clear_stale_build_locks()
+    yield

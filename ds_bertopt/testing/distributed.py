@@ -15,6 +15,7 @@ import queue as queue_mod
 import traceback
 from typing import Any, Callable
 
+from ..buildlocks import clear_stale_build_locks
 from ..dist import free_port, release_shm_buffer, shutdown
 
 __all__ = ["free_port", "spawn_ranks"]
@@ -43,6 +44,8 @@ def _worker(fn, rank, world_size, ranks_per_node, port, env, args, results):
         import torch
 
         torch.set_num_threads(1)
+        if rank % ranks_per_node == 0:
+            clear_stale_build_locks()
         deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120), verbose=False)
         torch.distributed.barrier()  # every rank has mapped every peer's shm buffer: unlink ours
         release_shm_buffer(rank)
