@@ -475,6 +475,7 @@ def main() -> int:
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--lock", help="flock this file around every timed run (shared machines)")
+    p.add_argument("--record-as", default="balance", help="name of the recorded results (report section)")
     args = p.parse_args()
     print(environment_line(), flush=True)
     parts = args.part or (
@@ -517,7 +518,7 @@ def main() -> int:
         convergence_part([1, 2], 60 if args.quick else 300, args.quick)
     print(f"done in {time.perf_counter() - started:.0f} s")
     record_results(
-        "balance",
+        args.record_as,
         {
             "summary": SUMMARY,
             "figures": FIGURES,

@@ -301,6 +301,7 @@ def main() -> None:
     )
     parser.add_argument("--skip-convergence", action="store_true")
     parser.add_argument("--skip-step-time", action="store_true")
+    parser.add_argument("--record-as", default="optim", help="name of the recorded results (report section)")
     parser.add_argument(
         "--run-prefix",
         default="",
@@ -353,7 +354,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|"
     )
     record_results(
-        "optim",
+        args.record_as,
         {
             "summary": SUMMARY,
             "figures": figures,
