@@ -198,6 +198,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=12, help="fp32 rows (BERT-base: 12)")
     parser.add_argument("--bf16_layers", type=int, default=None, help="bf16 rows (default: 12, or 1 when emulated)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--record-as", default="mfu", help="name of the recorded results (report section)")
     args = parser.parse_args(argv)
     from ds_bertopt.testing.measure import record_results
 
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
     printed = all(len(results[name]["mfu"]) == 2 for name in ("fp32", "bf16"))
     say(f"MFU printed for both precisions, both contenders: {'met' if printed else 'NOT met'}")
     record_results(
-        "mfu",
+        args.record_as,
         {
             "device": where,
             "results": results,
