@@ -67,8 +67,13 @@ def run_overrides(model: str, mix: str, micro: int, accum: int, steps: int, log_
     ]
 
 
-STRATEGY_OVERRIDES = {"packed_node_balance": ["model.unpadded=true"]}  # kernels that skip padding
-UNPADDED_KERNELS = {s for s, o in STRATEGY_OVERRIDES.items() if "model.unpadded=true" in o}
+UNPADDED_KERNELS = {"packed_node_balance"}  # measured on kernels that skip padding; every other strategy on padded ones
+
+
+def kernel_overrides(strategy: str) -> list[str]:
+    """``model.unpadded`` set for every strategy, never left to the config: bert.json turns it on, and from a91b611
+    to this fix the "padded" peers silently ran unpadded too (the ratio then measured the sampler alone)."""
+    return [f"model.unpadded={'true' if strategy in UNPADDED_KERNELS else 'false'}"]
 
 
 def one_run(strategy: str, nodes: int, ranks_per_node: int, overrides: list[str], lock: str | None) -> float:
@@ -83,7 +88,7 @@ def one_run(strategy: str, nodes: int, ranks_per_node: int, overrides: list[str]
             "--sampler",
             strategy,
         ]
-        for o in [*overrides, *STRATEGY_OVERRIDES.get(strategy, [])]:
+        for o in [*overrides, *kernel_overrides(strategy)]:
             args += ["-o", o]
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
         with maybe_lock(lock):
@@ -239,7 +244,7 @@ def convergence_part(seeds: list[int], steps: int, quick: bool) -> None:
                     "--seed",
                     str(seed),
                 ]
-                for o in [*overrides, *STRATEGY_OVERRIDES.get(strategy, [])]:
+                for o in [*overrides, *kernel_overrides(strategy)]:
                     args += ["-o", o]
                 cmd = [*deepspeed_launcher(2), *args]
                 env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
