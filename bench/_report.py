@@ -200,16 +200,39 @@ def _checkout_relative(command: str) -> str:
     return re.sub(r"(?<!\S)\S*/(bench/[\w./-]+\.py)", r"\1", command)
 
 
-def _page(prefix: str) -> str:
-    """The file, under ``docs/benchmarks/``, of a capability's runs."""
-    return f"{prefix or 'other'}.md"
+PAGE_BYTES = 14 * 1024  # a generated page stays reference-sized (tests/test_house.py: every doc <= 15 KB)
+NOT_MET = re.compile(r"\bNOT met\b|NOT reachable")
+
+
+def _page(prefix: str, part: int = 1) -> str:
+    """The file, under ``docs/benchmarks/``, of part ``part`` of a capability's runs."""
+    return f"{prefix or 'other'}{'' if part == 1 else f'_{part}'}.md"
+
+
+def _paginate(head: list[str], blocks: list[tuple[str, list[str]]]) -> list[tuple[list[str], list[str]]]:
+    """``blocks`` (name, lines) packed in order onto pages of at most ``PAGE_BYTES`` with ``head`` on each: a list of
+    (names, lines) per page. A block is never split."""
+    pages: list[tuple[list[str], list[str]]] = [([], list(head))]
+    for name, lines in blocks:
+        names, page = pages[-1]
+        if names and len("\n".join(page + lines).encode()) > PAGE_BYTES:
+            pages.append(([], list(head)))
+            names, page = pages[-1]
+        names.append(name)
+        page += lines
+    return pages
+
+
+def _verdict_row(name: str, record: dict, line: str, link: str = "") -> str:
+    run = f"[{name}]({link})" if link else f"`{name}`"
+    return f"| {run} | {record.get('time', '?')[:10]} | {line.replace('|', '/')} |"
 
 
 def benchmarks_docs(raw: Path, runs: dict) -> dict[str, str]:
-    """``docs/benchmarks.md`` and its pages, by path relative to ``docs/``: the index holds the verdict lines (met /
-    NOT met) of every recorded run; ``benchmarks/<capability>.md`` each run's command, settings and summary lines,
-    oldest first. One page per capability keeps each reference-sized. Only what the benchmarks recorded; nothing
-    retyped."""
+    """``docs/benchmarks.md`` and its pages, by path relative to ``docs/``: the index holds every verdict that falls
+    short (NOT met) of every recorded run; ``benchmarks/<capability>.md`` (continued in ``<capability>_2.md``, ...
+    where one page would pass ``PAGE_BYTES``) every verdict of the capability, then each run's command, settings and
+    summary lines, oldest first. Only what the benchmarks recorded; nothing retyped."""
     records = _records(raw)
     order = sorted(
         records, key=lambda n: ([p for p, _ in CAPABILITIES].index(_capability(n)), records[n].get("time", ""))
@@ -221,6 +244,38 @@ def benchmarks_docs(raw: Path, runs: dict) -> dict[str, str]:
         "benchmarks recorded in `bench/report/raw/*.json`; do not edit by hand.",
     ]
     present = [(prefix, heading) for prefix, heading in CAPABILITIES if any(_capability(n) == prefix for n in order)]
+    verdicts = {name: [line for line in records[name].get("summary", []) if VERDICT.search(line)] for name in order}
+    docs: dict[str, str] = {}
+    index_links, page_of = [], {}
+    for prefix, heading in present:
+        names = [n for n in order if _capability(n) == prefix]
+        blocks = []
+        for name in names:
+            record, run = records[name], runs.get(name, {})
+            command = _checkout_relative(run.get("command", ""))
+            facts = [f"recorded {record.get('time', '?')}"]
+            if run:
+                facts.append(f"mode {run.get('mode', '?')}, {run.get('status', '?')} in {run.get('seconds', 0):.0f} s")
+            block = ["", f"## {name}", "", "; ".join(facts) + (f": `python {command}`" if command else "") + "."]
+            env = _environment_caption(record.get("environment", {}))
+            settings = (f"{env}. " if env != common else "") + record.get("note", "")
+            block += ["", settings] if settings else []
+            block += ["", "```", *(record.get("summary") or _scalars(record)), "```"]
+            blocks.append((name, block))
+        head = [f"# {heading}", "", *generated, "Shortfalls of every run: [benchmarks.md](../benchmarks.md).", ""]
+        head.append(f"Machine and stack, unless a run says otherwise: {common}.")
+        rows = [_verdict_row(n, records[n], line) for n in names for line in verdicts[n]]
+        table = ["", "## Verdicts", "", "| run | recorded | line |", "|---|---|---|", *rows] if rows else []
+        pages = _paginate(head, [("", table), *blocks])
+        for part, (held, lines) in enumerate(pages, 1):
+            for name in held:
+                page_of[name] = _page(prefix, part)
+            if len(pages) > 1:
+                others = ", ".join(f"[{k}]({_page(prefix, k)})" for k in range(1, len(pages) + 1) if k != part)
+                lines.insert(1, f"\nPart {part} of {len(pages)} (also {others}).")
+            docs[f"benchmarks/{_page(prefix, part)}"] = "\n".join(lines) + "\n"
+        parts = ", ".join(f"[{k}](benchmarks/{_page(prefix, k)})" for k in range(2, len(pages) + 1))
+        index_links.append(f"- [{heading}](benchmarks/{_page(prefix)})" + (f" (continued: {parts})" if parts else ""))
     out = [
         "# Benchmark results and run history",
         "",
@@ -231,39 +286,23 @@ def benchmarks_docs(raw: Path, runs: dict) -> dict[str, str]:
         "",
         f"Machine and stack, unless a run says otherwise: {common}.",
         "",
-        "Each run's command, settings and printed lines, by capability:",
+        "Each run's command, settings, printed lines and every verdict (met or not), by capability:",
         "",
-        *(f"- [{heading}](benchmarks/{_page(prefix)})" for prefix, heading in present),
+        *index_links,
         "",
         "## Verdicts",
         "",
-        "Every line a run printed with a verdict against a target, `NOT met` included.",
+        "Every line a run printed with a verdict that falls short of its target (`NOT met`); the capability pages",
+        "hold every verdict, met ones included.",
         "",
         "| run | recorded | line |",
         "|---|---|---|",
     ]
     for name in order:
-        for line in records[name].get("summary", []):
-            if VERDICT.search(line):
-                link = f"benchmarks/{_page(_capability(name))}#{name}"
-                out.append(f"| [{name}]({link}) | {records[name].get('time', '?')[:10]} | {line.replace('|', '/')} |")
-    docs = {"benchmarks.md": "\n".join(out) + "\n"}
-    for prefix, heading in present:
-        page = [f"# {heading}", "", *generated, "Verdicts of every run: [benchmarks.md](../benchmarks.md).", ""]
-        page.append(f"Machine and stack, unless a run says otherwise: {common}.")
-        for name in (n for n in order if _capability(n) == prefix):
-            record, run = records[name], runs.get(name, {})
-            command = _checkout_relative(run.get("command", ""))
-            facts = [f"recorded {record.get('time', '?')}"]
-            if run:
-                facts.append(f"mode {run.get('mode', '?')}, {run.get('status', '?')} in {run.get('seconds', 0):.0f} s")
-            page += ["", f"## {name}", "", "; ".join(facts) + (f": `python {command}`" if command else "") + "."]
-            env = _environment_caption(record.get("environment", {}))
-            settings = (f"{env}. " if env != common else "") + record.get("note", "")
-            page += ["", settings] if settings else []
-            lines = record.get("summary") or _scalars(record)
-            page += ["", "```", *lines, "```"]
-        docs[f"benchmarks/{_page(prefix)}"] = "\n".join(page) + "\n"
+        for line in verdicts[name]:
+            if NOT_MET.search(line):
+                out.append(_verdict_row(name, records[name], line, f"benchmarks/{page_of[name]}#{name}"))
+    docs["benchmarks.md"] = "\n".join(out) + "\n"
     return docs
 
 

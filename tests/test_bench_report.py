@@ -58,3 +58,24 @@ def test_docs_benchmarks_md_is_up_to_date():
         for path in [REPO / "docs" / "benchmarks.md", *(REPO / "docs" / "benchmarks").glob("*.md")]
     }
     assert actual == expected, "docs/benchmarks*.md differ from bench/report/raw: run `python bench/_report.py`"
+
+
+def test_a_capability_with_many_runs_continues_on_more_pages(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    filler = [f"figure {i}: " + "x" * 100 for i in range(40)]  # ~4.5 KB a run
+    for run in range(8):
+        summary = [*filler, f"run {run} speed vs peer: 1.1x (median of 3) (target >= 1.5x: NOT met)"]
+        (raw / f"optim_r{run}.json").write_text(
+            json.dumps({"name": f"optim_r{run}", "time": f"2026-01-0{run + 1}", "summary": summary})
+        )
+    docs = _report.benchmarks_docs(raw, {})
+    pages = sorted(name for name in docs if name.startswith("benchmarks/"))
+    assert pages[0] == "benchmarks/optim.md" and len(pages) >= 3
+    assert all(len(docs[name].encode()) <= 15 * 1024 for name in pages)
+    held = {f"optim_r{run}": [name for name in pages if f"## optim_r{run}\n" in docs[name]] for run in range(8)}
+    assert all(len(where) == 1 for where in held.values())  # every run on exactly one page, never split
+    # the index links each shortfall to the page that holds its run
+    index = docs["benchmarks.md"]
+    assert f"({held['optim_r7'][0]}#optim_r7)" in index and held["optim_r7"][0] != "benchmarks/optim.md"
+    assert "(benchmarks/optim_2.md)" in index

@@ -3,6 +3,7 @@ block of code written twice in the package."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,15 @@ def test_no_block_of_ten_lines_is_repeated_under_the_package():
     found = repeated_blocks({str(p.relative_to(REPO)): p.read_text(encoding="utf-8") for p in modules})
     pairs = "; ".join(f"{first} / {again}" for first, again in found[:5])
     assert not found, f"blocks of {REPEATED_BLOCK}+ lines written twice (first / again): {pairs}"
+
+
+def test_links_to_generated_benchmark_pages_find_their_run():
+    """A generated page moves a run to its continuation when it fills up: a link must name the page that holds it."""
+    link = re.compile(r"\]\(((?:\.\./)?(?:docs/)?benchmarks/\w+\.md)#(\w+)\)")
+    broken = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for path, run in link.findall(doc.read_text(encoding="utf-8")):
+            page = (doc.parent / path).resolve()
+            if not page.exists() or f"## {run}\n" not in page.read_text(encoding="utf-8"):
+                broken.append(f"{doc.relative_to(REPO)} -> {path}#{run}")
+    assert not broken, "links to a run its page does not hold: " + "; ".join(broken)
