@@ -65,18 +65,16 @@ def test_row_takes_the_steps_zero0_takes(matrix, row):
     got = torch.load(workdir / f"{row.id}.params.pt")
     want = torch.load(workdir / f"{reference_row(row).id}.params.pt")
     assert all(torch.equal(got["initial"][n], want["initial"][n]) for n in want["initial"]), "not the same start"
-    if row.precision == "fp32":  # reduction order only
-        for name, value in want["after_step2"].items():
-            assert torch.allclose(got["after_step2"][name], value, rtol=1e-5, atol=1e-7), f"{row.id}: {name} differs"
-        return
-    # bf16: gradients are rounded to bf16 in a different order, and Adam turns an element whose gradient is near eps
-    # into a visibly different update; the updates as a whole must agree (a wrong clip, average or bias correction
-    # moves them by 10 % or more: e.g. 26 % for a bias correction off by one step)
+    # Gradients are summed in another order, and Adam turns an element whose gradient is near eps into a visibly
+    # different update: in fp32 one element of an update can move by a few 1e-5 of itself (seen on an AVX512 CPU),
+    # in bf16 by much more. The updates as a whole must agree: a wrong clip, average or bias correction moves them by
+    # 10 % or more (e.g. 26 % for a bias correction off by one step); fp32's reduction order alone moves them by ~1e-7.
     moved = [got["after_step2"][n] - got["initial"][n] for n in want["initial"]]
     expected = [want["after_step2"][n] - want["initial"][n] for n in want["initial"]]
     error = sum(float((m - e).abs().sum()) for m, e in zip(moved, expected))
     size = sum(float(e.abs().sum()) for e in expected)
-    assert error <= 0.02 * size, f"{row.id}: its updates differ from ZeRO 0's by {error / size:.1%}"
+    tolerance = 1e-4 if row.precision == "fp32" else 0.02
+    assert error <= tolerance * size, f"{row.id}: its updates differ from ZeRO 0's by {error / size:.2g} of them"
 
 
 REFUSED = [row for row in all_rows() if cuda_choice(row).refusal]
