@@ -1,7 +1,8 @@
-"""BERT-base-shaped training step, Hugging Face padded vs ours unpadded: tokens/s and MFU, in fp32 and bf16.
+"""BERT-base-shaped training step, Hugging Face padded vs ours unpadded (eager and compiled): tokens/s, MFU, and where
+the step's time goes (GEMMs, attention, the rest), in fp32 and, on a CPU with native bf16 (or CUDA), in bf16.
 
     flock /tmp/ds_heavy.lock .venv/bin/python bench/mfu.py        # ~6 min on 2 AVX2 cores
-    .venv/bin/python bench/mfu.py --sequences 8 --layers 2        # a quick look
+    .venv/bin/python bench/mfu.py --sequences 8 --layers 2 --epoch-batches 20   # a quick look
 
 One process, every available core as torch threads (on CUDA: the GPU). The batch is 16 sequences drawn (seed 0)
 from the seq-128 mix of ``../shared/data/wiki_sample.jsonl`` built as pretraining builds it (MiniLM-L6's WordPiece
@@ -12,21 +13,35 @@ vocabulary 30,522; dropout 0.1, training mode), with
 * **HF padded**: the stock model on the batch padded to its longest sequence (SDPA attention, the MLM head on
   every position, the loss over the masked ones), what ``Trainer`` runs;
 * **ours unpadded**: ``ds_bertopt.model.unpadded.UnpaddedMLM`` on the same samples packed into one row (attention
-  per sequence, the MLM head on the masked positions only).
+  per sequence, the MLM head on the masked positions only), eager;
+* **ours unpadded, compiled**: the same with ``model.compile`` (where this checkout has it).
 
-bf16 is ``torch.autocast`` (fp32 weights) on both. **Model FLOPs** are what the batch needs on its real tokens,
-the same figure for both contenders: ``3 × [layers × (2·T·(4h² + 2h·ffn) + 4h·ΣL²) + M·(2h² + 2h·vocab)]`` (forward
+bf16 is ``torch.autocast`` (fp32 weights) on all. **Model FLOPs** are what the batch needs on its real tokens,
+the same figure for every contender: ``3 × [layers × (2·T·(4h² + 2h·ffn) + 4h·ΣL²) + M·(2h² + 2h·vocab)]`` (forward
 + backward; T real tokens, L the sequence lengths, M masked tokens: the MLM objective needs the head there only).
 **MFU** = model FLOPs / step time / the GEMM peak, the best ``torch.mm`` or ``F.linear`` rate of square matrices
-(512–2048; to 4096 on CUDA) measured in the same run in the same precision. On a CPU without native bf16 (AVX2,
-AVX512 without BF16) bf16 is emulated (its backward matmuls take a slow path: minutes per step): the bf16 rows
-then run 1 of the 12 layers (``--bf16_layers``), one step without warm-up, and the line says so. Elsewhere, medians
-of ``--repeats`` steps after one warm-up step, the contenders interleaved.
+(512–2048; to 4096 on CUDA) measured in the same run in the same precision. Medians of ``--repeats`` steps after a
+warm-up step (the compiled contender's warm-up compiles), the contenders interleaved. On a CPU without native bf16
+(AVX2, AVX512 without BF16) bf16 is emulated (minutes per step): only fp32 is measured, and the bf16 lines say so.
+
+**The split** (``ds_bertopt.testing.step_split``): ``--repeats`` more steps of each contender under ``torch.profiler``
+(interleaved; each part the median over them); every
+op's self time goes to GEMMs (matrix multiplies outside attention), attention (everything inside an attention call
+and its backward) or the rest (dropout, LayerNorm, GELU, adds, copies, casts, embeddings, the loss, and the host
+time no op accounts for: the profiled step's wall time minus the other two). **Non-GEMM time per real token** is
+attention + the rest, over the real tokens; ``--baseline NAME`` compares it with the recorded
+run ``bench/report/raw/NAME.json`` (``mfu_baseline``: main before issue 40's changes, on this CPU).
+
+**Recompiles over an epoch**: the compiled unpadded model (tiny width, the same code) runs forward + backward on every
+micro-batch of one epoch of the seq-128 mix (all its sequences, shuffled, ``--sequences`` per micro-batch, so every
+packed length the real mix makes); the line counts the graphs compiled and the padding the packed length costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import json
 import random
 import statistics
 import sys
@@ -37,10 +52,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from _common import say, status, SUMMARY  # noqa: E402
 from _cpu import cpu_kind  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+RAW = Path(__file__).resolve().parent / "report" / "raw"
 BASE = dict(hidden=768, heads=12, ffn=3072, vocab=30522)
+HF, OURS, COMPILED = "HF padded", "ours unpadded", "ours unpadded, compiled"
+TARGETS = {"mfu_fp32": 0.85, "non_gemm_vs_baseline": 0.5, "recompiles": 8, "compiled_bf16": 1.15}
+BF16_MFU_TARGETS = {"AVX512-BF16": 0.80, "AMX": 0.45}
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -53,14 +73,15 @@ def native_bf16(device: torch.device) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def seq128_mix(count: int, seed: int = 0) -> list[list[int]]:
-    """``count`` training sequences (token ids) of wiki_sample at max_seq_length 128, as pretraining builds them."""
+def seq128_sequences(seed: int = 0) -> list[list[int]]:
+    """Every training sequence (token ids) of wiki_sample at max_seq_length 128, as pretraining builds them (a uniform
+    20–128 stand-in of 4,000 sequences without the shared data)."""
     rng = random.Random(seed)
     from ds_bertopt.model.local import default_model_dir
 
     corpus, model_dir = SHARED / "wiki_sample.jsonl", default_model_dir()
     if not corpus.is_file() or model_dir is None:
-        return [[rng.randrange(1000, 30000) for _ in range(rng.randint(20, 128))] for _ in range(count)]
+        return [[rng.randrange(1000, 30000) for _ in range(rng.randint(20, 128))] for _ in range(4000)]
     import tempfile
 
     import datasets
@@ -77,7 +98,7 @@ def seq128_mix(count: int, seed: int = 0) -> list[list[int]]:
             documents, load_tokenizer(model_dir), max_seq_length=128, short_seq_prob=0.1, nsp=False, seed=1234,
             cache_dir=cache, split="train",
         )  # fmt: skip
-        return [built[i]["input_ids"] for i in rng.sample(range(len(built)), count)]
+        return [list(row) for row in built["input_ids"]]
 
 
 def mask(sequences: list[list[int]], seed: int = 1) -> list[dict]:
@@ -123,35 +144,24 @@ def gemm_peak(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
     return best
 
 
-def step_times(step, device: torch.device, repeats: int, warmup: bool) -> list[float]:
-    if warmup:
-        step()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def measure(
-    samples: list[dict], layers: int, dtype: torch.dtype, device: torch.device, repeats: int, warmup: bool
-) -> dict:
-    from transformers import BertConfig, BertForMaskedLM
-
-    from ds_bertopt.data.collate import pack_sequences
+def compile_supported() -> bool:
     from ds_bertopt.model.unpadded import UnpaddedMLM
+
+    return "compile" in inspect.signature(UnpaddedMLM).parameters
+
+
+def bert(layers: int, device: torch.device, width: dict = BASE):
+    from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=BASE["vocab"], hidden_size=BASE["hidden"], num_hidden_layers=layers,
-        num_attention_heads=BASE["heads"], intermediate_size=BASE["ffn"], attn_implementation="sdpa",
+        vocab_size=width["vocab"], hidden_size=width["hidden"], num_hidden_layers=layers,
+        num_attention_heads=width["heads"], intermediate_size=width["ffn"], attn_implementation="sdpa",
     )  # fmt: skip
-    stock = BertForMaskedLM(config).to(device).train()
-    ours_model = BertForMaskedLM(config).to(device).train()
-    ours = UnpaddedMLM(ours_model)
+    return BertForMaskedLM(config).to(device).train()
+
+
+def padded_batch(samples: list[dict], device: torch.device) -> dict:
     longest = max(len(s["input_ids"]) for s in samples)
     padded = {k: torch.full((len(samples), longest), -100 if k == "labels" else 0) for k in ("input_ids", "labels")}
     padded["attention_mask"] = torch.zeros(len(samples), longest, dtype=torch.long)
@@ -160,44 +170,165 @@ def measure(
         padded["input_ids"][row, :n] = torch.tensor(s["input_ids"])
         padded["labels"][row, :n] = torch.tensor(s["labels"])
         padded["attention_mask"][row, :n] = 1
-    padded = {k: v.to(device) for k, v in padded.items()}
-    packed = {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack_sequences(samples).items()}
-    ours.choose_attention(device, dtype)
+    return {k: v.to(device) for k, v in padded.items()}
+
+
+def contenders(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """name -> one training step (forward + backward, gradients dropped)."""
+    from ds_bertopt.data.collate import pack_sequences
+    from ds_bertopt.model.unpadded import UnpaddedMLM
+
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    padded = padded_batch(samples, device)
+    packed = {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack_sequences(samples).items()}
 
-    def hf_step():
-        with torch.autocast(**autocast):
-            loss = stock(**padded).loss
-        loss.backward()
-        stock.zero_grad(set_to_none=True)
+    def step_of(model, batch):
+        def step():
+            with torch.autocast(**autocast):
+                loss = model(**batch).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
 
-    def our_step():
-        with torch.autocast(**autocast):
-            loss = ours(**packed).loss
-        loss.backward()
-        ours_model.zero_grad(set_to_none=True)
+        return step
 
+    steps = {HF: step_of(bert(layers, device), padded)}
+    ours = UnpaddedMLM(bert(layers, device))
+    ours.choose_attention(device, dtype)
+    steps[OURS] = step_of(ours, packed)
+    if compile_supported():
+        compiled = UnpaddedMLM(bert(layers, device), compile=True)
+        compiled.choose_attention(device, dtype)
+        steps[COMPILED] = step_of(compiled, packed)
+    return steps
+
+
+def profiled_split(step, device: torch.device) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from ds_bertopt.testing.step_split import split_step
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        wall = time.perf_counter() - start
+    return split_step(prof.events(), wall_s=wall, device=device.type == "cuda")
+
+
+def measure(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.device, repeats: int) -> dict:
+    steps = contenders(samples, layers, dtype, device)
+    warm = {}
+    for name, step in steps.items():
+        start = time.perf_counter()
+        step()  # warm-up; the compiled contender compiles here
+        warm[name] = time.perf_counter() - start
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_index in range(repeats):  # interleaved rounds: drift on a shared machine hits all alike
+        order = list(steps.items())
+        for name, step in order[::-1] if round_index % 2 else order:
+            sync(device)
+            start = time.perf_counter()
+            step()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
     lengths = [len(s["input_ids"]) for s in samples]
     masked = sum(label != -100 for s in samples for label in s["labels"])
-    times = {"HF padded": [], "ours unpadded": []}
-    for _ in range(repeats):  # interleaved rounds: drift on a shared machine hits both alike
-        times["HF padded"] += step_times(hf_step, device, 1, warmup)
-        times["ours unpadded"] += step_times(our_step, device, 1, warmup)
     return {
         "tokens": sum(lengths),
-        "padded_tokens": len(lengths) * longest,
+        "padded_tokens": len(lengths) * max(lengths),
         "masked": masked,
         "flops": model_flops(lengths, masked, layers),
         "seconds": {k: statistics.median(v) for k, v in times.items()},
+        "first_step_s": warm,
+        "split": median_splits(steps, device, repeats),
     }
+
+
+def median_splits(steps: dict, device: torch.device, repeats: int) -> dict:
+    """Each contender's split, part by part the median of ``repeats`` profiled steps (interleaved rounds)."""
+    splits: dict[str, list[dict]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            splits[name].append(profiled_split(step, device))
+    return {name: {part: statistics.median(s[part] for s in runs) for part in runs[0]} for name, runs in splits.items()}
+
+
+def epoch_recompiles(sequences: list[list[int]], per_batch: int, limit: int) -> dict:
+    """Graphs compiled while the compiled unpadded model (tiny, same code) trains on every micro-batch of an epoch."""
+    import torch._dynamo
+
+    from ds_bertopt.data.collate import pack_sequences
+    from ds_bertopt.model.unpadded import UnpaddedMLM
+
+    order = list(range(len(sequences)))
+    random.Random(2).shuffle(order)
+    batches = [order[i : i + per_batch] for i in range(0, len(order), per_batch)][: limit or None]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = UnpaddedMLM(
+        bert(2, torch.device("cpu"), dict(hidden=64, heads=4, ffn=128, vocab=BASE["vocab"])), compile=True
+    )
+    lengths, start = set(), time.perf_counter()
+    for index in batches:
+        packed = pack_sequences(mask([sequences[i] for i in index], seed=len(lengths)))
+        lengths.add(int(packed["input_ids"].numel()))
+        model(**packed).loss.backward()
+        model.zero_grad(set_to_none=True)
+    graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    return {
+        "micro_batches": len(batches),
+        "distinct_lengths": len(lengths),
+        "graphs": graphs,
+        "recompiles": max(0, graphs - 1),
+        "padding_tokens": 0,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def baseline_non_gemm(name: str, where: str):
+    """(µs per real token, its CPU) of the recorded run ``name``'s eager unpadded fp32 step, or None."""
+    path = RAW / f"{name}.json"
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    fp32 = record["results"]["fp32"]
+    return fp32["non_gemm_us_per_token"][OURS], record["device"]
+
+
+def report_precision(name: str, run: dict, peak: float, repeats: int, note: str, results: dict, bars: list) -> None:
+    say(
+        f"{name}: {run['sequences']} sequences of the seq-128 mix, {run['tokens']} real tokens "
+        f"({run['padded_tokens']} padded), {run['masked']} masked; GEMM peak {peak / 1e9:.1f} GFLOP/s{note}"
+    )
+    rates = {}
+    for contender, seconds in run["seconds"].items():
+        rates[contender] = run["tokens"] / seconds
+        mfu = run["flops"] / seconds / peak
+        split = run["split"][contender]
+        non_gemm = (split["attention"] + split["rest"]) / run["tokens"] * 1e6
+        results.setdefault("mfu", {})[contender] = mfu
+        results.setdefault("non_gemm_us_per_token", {})[contender] = non_gemm
+        bars.append({"label": f"{name}, {contender}", "MFU": mfu})
+        say(
+            f"  {contender}: {rates[contender]:,.0f} tokens/s, MFU {mfu:.2f} ({seconds:.2f} s/step, median of "
+            f"{repeats}; first step {run['first_step_s'][contender]:.1f} s)"
+        )
+        say(
+            f"    profiled step (medians of {repeats}): {split['total']:.2f} s; GEMMs {split['gemm']:.2f} s, "
+            f"attention {split['attention']:.2f} s, rest {split['rest']:.2f} s; non-GEMM {non_gemm:.0f} us/real token"
+        )
+    say(f"  {name} tokens/s, ours unpadded vs HF padded: {rates[OURS] / rates[HF]:.2f}x (median of {repeats})")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=12, help="fp32 rows (BERT-base: 12)")
-    parser.add_argument("--bf16_layers", type=int, default=None, help="bf16 rows (default: 12, or 1 when emulated)")
+    parser.add_argument("--layers", type=int, default=12, help="BERT-base: 12")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline", default="mfu_baseline", help="recorded run whose non-GEMM time is the baseline")
+    parser.add_argument("--epoch-batches", type=int, default=0, help="cap the epoch's micro-batches (0: all)")
     parser.add_argument("--record-as", default="mfu", help="name of the recorded results (report section)")
     args = parser.parse_args(argv)
     from ds_bertopt.testing.measure import record_results
@@ -207,53 +338,80 @@ def main(argv=None) -> int:
         from ds_bertopt.data.parallel import available_cores
 
         torch.set_num_threads(available_cores())
-    emulated = not native_bf16(device)
-    bf16_layers = args.bf16_layers or (1 if emulated else args.layers)
-    slow = emulated and device.type == "cpu"  # emulated bf16: one step, no warm-up (minutes per step)
-    samples = mask(seq128_mix(args.sequences))
     where = torch.cuda.get_device_name(0) if device.type == "cuda" else cpu_kind()
-    summary: list[str] = []
-
-    def say(line: str) -> None:
-        print(line, flush=True)
-        summary.append(line)
-
+    sequences = seq128_sequences()
+    samples = mask([sequences[i] for i in random.Random(0).sample(range(len(sequences)), args.sequences)])
     say(f"{where}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    precisions = [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if native_bf16(device) else [])
     results, bars = {}, []
-    for name, dtype, layers, repeats, warmup in (
-        ("fp32", torch.float32, args.layers, args.repeats, True),
-        ("bf16", torch.bfloat16, bf16_layers, 1 if slow else args.repeats, not slow),
-    ):
+    for name, dtype in precisions:
         peak = gemm_peak(device, dtype, repeats=3)
-        run = measure(samples, layers, dtype, device, repeats, warmup)
-        results[name] = {**run, "gemm_peak": peak, "layers": layers}
-        note = f", {layers} of BERT-base's 12 layers" + (" (bf16 emulated)" if emulated and name == "bf16" else "")
-        note = note if layers != 12 else ""
+        run = {**measure(samples, args.layers, dtype, device, args.repeats), "sequences": args.sequences}
+        results[name] = {**run, "gemm_peak": peak, "layers": args.layers}
+        note = f", {args.layers} of BERT-base's 12 layers" if args.layers != 12 else ""
+        report_precision(name, run, peak, args.repeats, note, results[name], bars)
+
+    fp32 = results["fp32"]
+    best = COMPILED if COMPILED in fp32["mfu"] else OURS
+    mfu = fp32["mfu"][best]
+    say(f"fp32 MFU, {best}: {mfu:.2f} (target >= {TARGETS['mfu_fp32']}: {status(mfu >= TARGETS['mfu_fp32'])})")
+    recorded = baseline_non_gemm(args.baseline, where) if args.baseline != args.record_as else None
+    if recorded is None:
+        say(f"non-GEMM time per real token, fp32, {OURS} (eager): {fp32['non_gemm_us_per_token'][OURS]:.0f} us "
+            f"(no recorded baseline {args.baseline!r}: this run is one)")  # fmt: skip
+    else:
+        base_us, base_where = recorded
+        ours_us = min(fp32["non_gemm_us_per_token"][c] for c in (OURS, COMPILED) if c in fp32["non_gemm_us_per_token"])
+        ratio = ours_us / base_us
+        same = base_where == where
+        verdict = status(same and ratio <= TARGETS["non_gemm_vs_baseline"]) + ("" if same else ", other CPU")
         say(
-            f"{name}: {args.sequences} sequences of the seq-128 mix, {run['tokens']} real tokens "
-            f"({run['padded_tokens']} padded), {run['masked']} masked; GEMM peak {peak / 1e9:.1f} GFLOP/s{note}"
+            f"non-GEMM time per real token, fp32, ours vs recorded baseline {args.baseline} ({base_where}): "
+            f"{ours_us:.0f} vs {base_us:.0f} us = {ratio:.2f}x (median of {args.repeats}) "
+            f"(target <= {TARGETS['non_gemm_vs_baseline']}x: {verdict})"
         )
-        rates = {}
-        for contender, seconds in run["seconds"].items():
-            rates[contender] = run["tokens"] / seconds
-            mfu = run["flops"] / seconds / peak
-            results[name].setdefault("mfu", {})[contender] = mfu
-            bars.append({"label": f"{name}, {contender}", "MFU": mfu})
-            say(
-                f"  {contender}: {rates[contender]:,.0f} tokens/s, MFU {mfu:.2f} ({seconds:.2f} s/step, median of "
-                f"{repeats}{'' if warmup else ', no warm-up'})"
-            )
-        say(f"  {name} tokens/s, ours unpadded vs HF padded: {rates['ours unpadded'] / rates['HF padded']:.2f}x")
-    printed = all(len(results[name]["mfu"]) == 2 for name in ("fp32", "bf16"))
-    say(f"MFU printed for both precisions, both contenders: {'met' if printed else 'NOT met'}")
+    if COMPILED in fp32["seconds"]:
+        ratio = fp32["seconds"][OURS] / fp32["seconds"][COMPILED]
+        say(f"fp32 tokens/s, compiled vs eager: {ratio:.2f}x (median of {args.repeats}) "
+            f"(target >= 1.00x, never slower: {status(ratio >= 1.0)})")  # fmt: skip
+        epoch = epoch_recompiles(sequences, args.sequences, args.epoch_batches)
+        results["epoch"] = epoch
+        say(
+            f"recompiles over an epoch of the seq-128 mix ({epoch['micro_batches']} micro-batches of "
+            f"{args.sequences}, {epoch['distinct_lengths']} distinct packed lengths; dynamic shapes, padding "
+            f"{epoch['padding_tokens']} tokens): {epoch['recompiles']} ({epoch['graphs']} graphs compiled) "
+            f"(target <= {TARGETS['recompiles']}: {status(epoch['recompiles'] <= TARGETS['recompiles'])})"
+        )
+    else:
+        say("model.compile: not in this checkout (compiled contender, recompiles: not measured)")
+    if "bf16" in results:
+        bf16 = results["bf16"]
+        kind = "AMX" if "AMX" in where else "AVX512-BF16" if "AVX512-BF16" in where else None
+        mfu = bf16["mfu"][best]
+        if kind is not None:
+            target = BF16_MFU_TARGETS[kind]
+            say(f"bf16 MFU, {best} on {kind}: {mfu:.2f} (target >= {target}: {status(mfu >= target)})")
+        else:
+            say(f"bf16 MFU, {best}: {mfu:.2f} (targets are for AVX512-BF16 / AMX CPUs: not judged here)")
+        if COMPILED in bf16["seconds"]:
+            ratio = bf16["seconds"][OURS] / bf16["seconds"][COMPILED]
+            target = TARGETS["compiled_bf16"]
+            say(f"bf16 tokens/s, compiled vs eager: {ratio:.2f}x (median of {args.repeats}) "
+                f"(target >= {target}x: {status(ratio >= target)})")  # fmt: skip
+    else:
+        say(
+            "bf16: not measured on this CPU (no native bf16: emulated, minutes per step); its targets, MFU >= 0.80 "
+            "on AVX512-BF16 and >= 0.45 on AMX, compiled >= 1.15x eager: not measured"
+        )
     record_results(
         args.record_as,
         {
             "device": where,
             "results": results,
-            "summary": summary,
+            "summary": SUMMARY,
             "note": f"{args.sequences} sequences of the seq-128 mix, BERT-base shape, forward + backward, one process; "
-            f"MFU = model FLOPs on real tokens / step time / the GEMM peak measured in the same run and precision",
+            "MFU = model FLOPs on real tokens / step time / the GEMM peak measured in the same run and precision; "
+            "split: the medians of profiled steps per contender (torch.profiler op self times)",
             "figures": [
                 {
                     "kind": "bars",
@@ -262,7 +420,18 @@ def main(argv=None) -> int:
                     "unit": "model FLOPs / GEMM peak",
                     "stack": ["MFU"],
                     "series": bars,
-                }
+                },
+                {
+                    "kind": "bars",
+                    "title": "Where a step's time goes, fp32 (profiled steps, medians, seconds)",
+                    "file": "split",
+                    "unit": "seconds",
+                    "stack": ["GEMMs", "attention", "rest"],
+                    "series": [
+                        {"label": c, "GEMMs": s["gemm"], "attention": s["attention"], "rest": s["rest"]}
+                        for c, s in fp32["split"].items()
+                    ],
+                },
             ],
         },
     )
