@@ -596,8 +596,15 @@ def corpus_lengths(path: str, max_seq_len: int, tokenizer: Optional[str], cache_
     """Lengths of the training sequences pretraining builds from ``path`` (cached by the pipeline)."""
     from ..config import BertOptConfig
     from ..configlib import load_section
+    from ..data.corpus import check_cache_dir, expand_train_files
     from ..data.pipeline import build_pretrain_data
+    from ..data.tokenizer import check_tokenizer_location
 
+    expand_train_files([path])  # every path checked before the cache is written
+    if tokenizer:
+        check_tokenizer_location(tokenizer, "--tokenizer")
+    if cache_dir:
+        check_cache_dir(cache_dir, "--cache-dir")
     data = {"train_files": [path], "max_seq_length": max_seq_len}
     if tokenizer:
         data["tokenizer"] = tokenizer

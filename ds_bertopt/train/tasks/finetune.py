@@ -57,7 +57,7 @@ class FinetuneTask:
     }
     global_loss_normalizer = False
 
-    def preflight(self, cfg: RunConfig, topo: Topology) -> None:  # noqa: ARG002
+    def preflight(self, cfg: RunConfig, topo: Topology, training: bool = True) -> None:  # noqa: ARG002
         f = cfg.bertopt.finetune
         self.model_dir, model_config = resolve_model_dir(f.model_name_or_path, "finetune.model_name_or_path")
         positions = model_config.get("max_position_embeddings")
