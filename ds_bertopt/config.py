@@ -306,14 +306,26 @@ def load_config(path: str, overrides: tuple[str, ...] | list[str] = ()) -> RunCo
             set_dotted(ours, key[len("bertopt.") :] if key.startswith("bertopt.") else key, value)
     _point_to_other_sections(ours)
     bertopt = load_section(BertOptConfig, ours, "bertopt")
-    return RunConfig(path=path, deepspeed=raw, bertopt=bertopt, given=frozenset(_leaf_keys(ours, "")))
+    return RunConfig(path=path, deepspeed=raw, bertopt=bertopt, given=frozenset(leaf_keys(ours, "")))
 
 
-def _leaf_keys(tree: dict, prefix: str):
+def overridden_keys(overrides) -> list[str]:
+    """The dotted keys of our section that ``overrides`` (``key=value`` strings) set (DeepSpeed's are left out)."""
+    keys: list[str] = []
+    for text in overrides:
+        key, value = parse_override(text)
+        if key.startswith("deepspeed."):
+            continue
+        key = key[len("bertopt.") :] if key.startswith("bertopt.") else key
+        keys += [f"{key}.{leaf}" for leaf in leaf_keys(value, "")] if isinstance(value, dict) and value else [key]
+    return keys
+
+
+def leaf_keys(tree: dict, prefix: str):
     """Dotted keys of the leaves of a nested dict (an empty section sets nothing)."""
     for key, value in tree.items():
         if isinstance(value, dict) and value:
-            yield from _leaf_keys(value, f"{prefix}{key}.")
+            yield from leaf_keys(value, f"{prefix}{key}.")
         elif not isinstance(value, dict):
             yield f"{prefix}{key}"
 

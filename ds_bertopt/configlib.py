@@ -173,8 +173,10 @@ def parse_override(text: str) -> tuple[str, Any]:
 # ------------------------------------------------------------------------------------------------
 # The command line, generated from the dataclasses: every field is a flag, its docstring the help.
 # ------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
-    """``{field: docstring}`` of a config dataclass, read from the string literal after each field."""
+    """``{field: docstring}`` of a config dataclass, read from the string literal after each field (parsed once per
+    class: every command line is generated from them)."""
 
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
@@ -191,7 +193,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def iter_fields(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, Any, Any, str]]:
     """``(dotted key, annotation, default, docstring)`` of every leaf field below ``cls``."""
-    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    hints, docs = _type_hints(cls), field_docs(cls)
     for f in dataclasses.fields(cls):
         key, tp = f"{prefix}{f.name}", hints[f.name]
         if dataclasses.is_dataclass(tp):

@@ -367,3 +367,23 @@ def generated_count() -> dict[str, int]:
         kind = case.id.split("-", 1)[0] if not case.id.startswith("path-") else "path"
         kinds[kind] = kinds.get(kind, 0) + 1
     return kinds
+
+
+def test_shipped_configs_set_no_dead_key():
+    """Every shipped config passes the dead-key check as it is (a dead key there would refuse the README's command)."""
+    from ds_bertopt.config import load_config
+
+    for path in sorted((ROOT / "ds_configs").glob("*.json")):
+        cfg = load_config(str(path))
+        dead = dead_keys(cfg)
+        assert not [k for k in cfg.given if k in dead], (path.name, {k: dead[k] for k in cfg.given if k in dead})
+
+
+def test_the_trainer_integration_refuses_dead_keys_too():
+    from ds_bertopt.integrations.hf import load_bertopt
+
+    with pytest.raises(
+        ConfigError, match=r"bertopt\.bucket_clip\.max_norm: has no effect: bucket_clip\.enabled is false"
+    ):
+        load_bertopt({"bucket_clip": {"max_norm": 2.0}})
+    assert load_bertopt({"bucket_clip": {"enabled": True, "max_norm": 2.0}}).bertopt.bucket_clip.max_norm == 2.0

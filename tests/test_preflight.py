@@ -200,3 +200,23 @@ def test_packed_planning_for_a_padded_model_gets_a_note(capsys, tmp_path):
     assert "note: sampler.strategy packed_node_balance balances real tokens, for kernels that skip padding" in err
     assert cli_main(["config", CONFIG, *out]) == 0  # bert.json: unpadded, no note
     assert "packed_node_balance balances" not in capsys.readouterr().err
+
+
+def test_dead_keys_are_refused_and_a_command_line_switch_only_notes_the_files(capsys, tmp_path):
+    """Silently ignored before: bucket_clip.* with bucket clip off, sampler.bins with the random strategy. Typed (or
+    written in the file) beside the setting that kills them: one line. A file's key that this run's command-line
+    switch kills (turning bert.json's bucket clip off): a note, and the run goes on."""
+    out = ["--output_dir", str(tmp_path / "new")]
+    cases = [
+        (["-o", "bucket_clip.enabled=false", "-o", "bucket_clip.max_norm=2"], "bertopt.bucket_clip.max_norm: has no "),
+        (["-o", 'sampler.strategy="random"', "-o", "sampler.bins=[64]"], "bertopt.sampler.bins: has no effect: "),
+    ]
+    for argv, fragment in cases:
+        assert cli_main(["config", CONFIG, *argv, *out]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert len(lines) == 1 and fragment in lines[0], lines
+    assert cli_main(["config", CONFIG, "-o", "bucket_clip.enabled=false", *out]) == 0
+    assert (
+        f"note: the command line makes {CONFIG}'s bertopt.bucket_clip.max_norm (bucket_clip.enabled is false) have no "
+        "effect in this run" in capsys.readouterr().err
+    )

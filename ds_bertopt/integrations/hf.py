@@ -55,8 +55,8 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 from .. import optim
-from ..config import BertOptConfig
-from ..configlib import load_section
+from ..config import BertOptConfig, leaf_keys
+from ..configlib import dead_fields_of, load_section
 from ..data.sampler import PlanBatchSampler
 from ..dsconfig import zero_stage
 from ..engine import attach_extensions, check_combinations
@@ -294,7 +294,13 @@ def _from_section(section: Any, source: str) -> HfBertOptConfig:
         section = {}
     if not isinstance(section, dict):
         raise ConfigError(f"{SECTION}: expected an object in {source}, got {type(section).__name__}")
-    return HfBertOptConfig(load_section(BertOptConfig, section, SECTION), frozenset(section), source)
+    bertopt = load_section(BertOptConfig, section, SECTION)
+    # dead keys of the sections Trainer's path reads (the others are named by ignored_sections)
+    dead = {k: why for k, why in dead_fields_of(bertopt).items() if k.split(".")[0] not in LOOP_ONLY_SECTIONS}
+    hit = sorted(k for k in leaf_keys(section, "") if k in dead)
+    if hit:
+        raise ConfigError(f"{SECTION}.{hit[0]}: has no effect: {dead[hit[0]]} (in {source}); remove it")
+    return HfBertOptConfig(bertopt, frozenset(section), source)
 
 
 def _section_from_plugin(plugin) -> Any:

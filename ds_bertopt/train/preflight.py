@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from ..config import RunConfig, dead_keys, describe, load_config
+from ..config import RunConfig, dead_keys, describe, load_config, overridden_keys
 from ..dist import Topology
 from ..engine import prepare_deepspeed_config, refuse_deepspeed_optimizer_blocks
 from ..errors import ConfigError
@@ -76,7 +76,7 @@ def preflight(
     config``, which writes nothing): the output directory is neither judged nor read."""
     cfg = load_config(config_path, overrides)
     check_keys_are_read(task, cfg)
-    check_dead_keys(cfg)
+    check_dead_keys(cfg, overrides)
     refuse_deepspeed_optimizer_blocks(cfg.deepspeed)
     train = cfg.bertopt.train
     if train.max_steps is None and train.epochs is None:
@@ -140,12 +140,29 @@ def check_keys_are_read(task, cfg: RunConfig) -> None:
     _refuse_or_note(cfg, unread, why, f"{task.title} does not read")
 
 
-def check_dead_keys(cfg: RunConfig) -> None:
+def check_dead_keys(cfg: RunConfig, overrides: list[str]) -> None:
     """A key the user set whose value cannot matter under the rest of the config (``dead_fields()`` of its section,
     beside the field; :func:`ds_bertopt.config.dead_keys`) is refused in one line naming it and why, or, with
-    ``train.allow_unread_keys``, named in one note line."""
+    ``train.allow_unread_keys``, named in one note line. A key of the file that only the command line's
+    ``overrides`` make dead (``-o bucket_clip.enabled=false`` on a file that tunes ``bucket_clip.max_norm``) is
+    named in a note: the switch was this run's choice, and the file is checked as it stands."""
     dead = dead_keys(cfg)
-    _refuse_or_note(cfg, sorted(k for k in cfg.given if k in dead), lambda k: f"has no effect: {dead[k]}", "ignoring")
+    keys = sorted(k for k in cfg.given if k in dead)
+    if not keys or not overrides:
+        _refuse_or_note(cfg, keys, lambda k: f"has no effect: {dead[k]}", "ignoring")
+        return
+    typed = set(overridden_keys(overrides))
+    try:
+        alone = load_config(cfg.path)
+        dead_alone = {k for k in dead_keys(alone) if k in alone.given}
+    except ConfigError:
+        dead_alone = set(keys)
+    switched_off = [k for k in keys if k not in typed and k not in dead_alone]
+    if switched_off:
+        lines = "; ".join(f"bertopt.{k} ({dead[k]})" for k in switched_off)
+        print0(f"note: the command line makes {cfg.path}'s {lines} have no effect in this run")
+    refused = [k for k in keys if k not in switched_off]
+    _refuse_or_note(cfg, refused, lambda k: f"has no effect: {dead[k]}", "ignoring")
 
 
 def with_total_steps(cfg: RunConfig, total_steps: int) -> RunConfig:
