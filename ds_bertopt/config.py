@@ -48,10 +48,12 @@ class TrainConfig:
     """Passes over the training data (each sample once per epoch; the last partial global batch of an epoch
     is left out, different samples each epoch)."""
     output_dir: str = "runs/bert"
-    """Checkpoints, metrics, monitor logs and the final model go here. An existing non-empty directory is
-    refused unless ``--resume`` continues it or ``overwrite_output_dir`` replaces it."""
+    """Checkpoints, metrics, monitor logs and the final model go here (``run.json`` lists what the run writes). A
+    directory holding an earlier run is refused unless ``--resume`` continues it or ``overwrite_output_dir``
+    replaces it; one holding anything no run wrote is refused."""
     overwrite_output_dir: bool = False
-    """Remove an existing ``output_dir`` (after every check passed) and start afresh."""
+    """Remove what the earlier run in ``output_dir`` recorded writing (after every check passed), nothing else, and
+    start afresh."""
     eval_every: int = 0
     """Evaluate every this many optimizer steps, at step 0 and at the end; 0: no step-based evaluation."""
     eval_each_epoch: bool = False

@@ -2,8 +2,9 @@
 anything is written. It runs identically on every rank (its error is printed once, exit status 2) and in
 ``ds-bertopt config``. In order: our section (strict dataclasses; a key the task does not read is refused unless
 ``train.allow_unread_keys``), DeepSpeed's part (``engine.prepare_deepspeed_config`` and DeepSpeed's own parser),
-the run directory (a non-empty ``output_dir`` is refused unless ``--resume`` continues it or
-``train.overwrite_output_dir`` replaces it, once the run starts and holds the directory's lock), the checkpoint
+the run directory (:mod:`.rundir`: an earlier run is refused unless ``--resume`` continues it or
+``train.overwrite_output_dir`` replaces it, once the run starts and holds the directory's lock; anything no run
+wrote is refused either way), the checkpoint
 to resume and its identity (task, world size, config), then the task's own inputs (corpus or labelled files,
 model directory).
 """
