@@ -15,6 +15,7 @@ from deepspeed.accelerator import get_accelerator
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from ...compat.deepspeed import zero3_numel
 from ...config import RunConfig
 from ...data.collate import pad_classification_batch
 from ...data.identity import DataFingerprint, array_digest, vocabulary_digest
@@ -181,7 +182,7 @@ class FinetuneTask:
 
     def describe_model(self, engine) -> str:
         # ZeRO-3 leaves partitioned params with numel 0; DeepSpeed keeps the full size in ds_numel
-        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
+        trainable = sum(zero3_numel(p) for p in engine.module.parameters() if p.requires_grad)
         return f"model: {self.model_dir}: {trainable / 1e6:.2f}M trainable parameters"
 
     def save_final(self, engine, path: str, topo: Topology) -> None:
