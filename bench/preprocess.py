@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cpu import cpu_kind  # noqa: E402
+from bench._common import SUMMARY, say  # noqa: E402
 
 TARGET = 1.8
 
@@ -104,12 +105,6 @@ def main(argv=None) -> int:
         best = {n: min(range(len(s)), key=s.__getitem__) for n, s in seconds.items()}
         rate = {n: words / seconds[n][best[n]] for n in seconds}
         ratio = rate[2] / rate[1]
-        summary: list[str] = []
-
-        def say(line: str) -> None:
-            print(line, flush=True)
-            summary.append(line)
-
         say(cpu_kind())
         say(
             f"corpus: {args.corpus}: {len(documents)} documents, {words:,} words; {len(built):,} sequences of at most "
@@ -134,7 +129,7 @@ def main(argv=None) -> int:
                 "words_per_s": rate,
                 "ratio": ratio,
                 "met": verdict == "met",
-                "summary": summary,
+                "summary": SUMMARY,
                 "note": f"MiniLM-L6's WordPiece tokenizer, sequences of {args.max_seq_length} tokens, best of "
                 f"{args.repeats} interleaved builds per process count, each in a fresh cache",
                 "figures": [

@@ -45,10 +45,16 @@ def version() -> str:
     return deepspeed.__version__
 
 
+def version_at_least(release: str) -> bool:
+    """Whether the installed DeepSpeed is ``release`` (``"0.17"``) or later."""
+    have = tuple(int(part) for part in version().split("+")[0].split(".")[:3] if part.isdigit())
+    return have >= tuple(int(part) for part in release.split("."))
+
+
 def _refusal(hook: "Hook", problem: str) -> DeepSpeedIncompatible:
     return DeepSpeedIncompatible(
         f"DeepSpeed {version()}: hook {hook.name} ({hook.owner}) {problem}; {hook.capability} is known to work with "
-        f"DeepSpeed {', '.join(KNOWN_GOOD)} (pip install 'deepspeed{SUPPORTED}')"
+        f"DeepSpeed {', '.join(hook.checked)}"
     )
 
 
@@ -69,7 +75,7 @@ class Hook:
     when_missing: str = "refuse"
     """``refuse``: the run stops before training; ``off``: the capability turns off with a note (safe to go without)."""
     checked: tuple[str, ...] = KNOWN_GOOD
-    """The releases whose source this hook was read in."""
+    """The releases whose source this hook was read in and where it holds (named when it is refused)."""
 
 
 def _zero_optimizer_class():
@@ -206,6 +212,25 @@ def _check_checkpoint_writer() -> Optional[str]:
     )
 
 
+def _check_zero3_overflow() -> Optional[str]:
+    if _zero3_step_checks_norm():
+        return None
+    cls = _zero3_optimizer_class()
+    if callable(getattr(cls, "_overflow_check_and_loss_scale_update", None)) and callable(
+        getattr(cls, "check_overflow", None)
+    ):
+        return None
+    return "has neither a norm check in step (0.19) nor _overflow_check_and_loss_scale_update / check_overflow"
+
+
+def _check_bf16_zero0() -> Optional[str]:
+    from deepspeed import DeepSpeedEngine
+
+    if "DDP_BFLOAT16" in inspect.getsource(DeepSpeedEngine._do_optimizer_sanity_check):
+        return None
+    return "runs BF16_Optimizer for bf16 at ZeRO 0 (bf16 gradient accumulation there comes with 0.17)"
+
+
 def _check_step_overflow() -> Optional[str]:
     from deepspeed import DeepSpeedEngine
 
@@ -302,6 +327,24 @@ HOOKS: tuple[Hook, ...] = (
         "non-finite step skipping at ZeRO 1/2",
         ("check_grad_overflow", "check_overflow"),
         _check_zero_overflow,
+    ),
+    Hook(
+        "zero3.overflow_check",
+        "DeepSpeedZeroOptimizer_Stage3's step norm check (0.19) or _overflow_check_and_loss_scale_update + "
+        "check_overflow (before)",
+        "skipping a ZeRO 3 step whose gradients are not finite under bf16/fp32 (DeepSpeed does under fp16)",
+        "non-finite step skipping at ZeRO 3",
+        ("_overflow_check_and_loss_scale_update",),
+        _check_zero3_overflow,
+    ),
+    Hook(
+        "engine.bf16_zero0",
+        "DeepSpeedEngine._do_optimizer_sanity_check: bf16 at ZeRO 0 without BF16_Optimizer (DDP_BFLOAT16)",
+        "bf16 at ZeRO 0 through the unfused wrapper, whose gradients are the model's own (what bucket_clip hooks)",
+        "bucket_clip under bf16 at ZeRO 0",
+        (),
+        _check_bf16_zero0,
+        checked=("0.17.6", "0.18.9", "0.19.8"),
     ),
     Hook(
         "engine.step_overflow",
@@ -416,12 +459,16 @@ def _problems_cached() -> dict[str, str]:
 def needed_hooks(*, stage: int, precision: str, bucket_clip: bool, lamb: bool) -> tuple[str, ...]:
     """The hooks a run of this shape goes through (``precision``: fp32, bf16 or fp16)."""
     names = ["runtime.config", "engine.checkpoint_engine"]
-    if stage >= 1 and precision != "fp16":
+    if stage in (1, 2) and precision != "fp16":
         names.append("zero.overflow_check")
+    if stage == 3 and precision != "fp16":
+        names.append("zero3.overflow_check")
     if stage == 0:
         names.append("engine.step_overflow" if precision == "fp32" else "fp16_wrapper.initial_step")
     if bucket_clip:
         names += ["engine.allreduce_gradients"] if stage == 0 else ["zero.reduce_ipg_grads", "zero.ipg_bucket"]
+        if stage == 0 and precision == "bf16":
+            names.append("engine.bf16_zero0")
         if precision == "fp16":
             names.append("wrapper.loss_scale")
     if lamb and stage in (1, 2):
@@ -697,22 +744,44 @@ def register_as_producer(bucket: BucketView, accelerator, current) -> None:
 
 
 # ----------------------------------------------------------------------------------- overflow (non-finite steps)
+def _zero3_optimizer_class():
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    return DeepSpeedZeroOptimizer_Stage3
+
+
+def _zero3_step_checks_norm() -> bool:
+    """0.19: a ZeRO 3 step whose gradient norm is not finite is skipped under every precision."""
+    return "is_invalid_grad_norm" in inspect.getsource(_zero3_optimizer_class().step)
+
+
 def enable_zero_overflow_check(opt) -> Optional[str]:
     """Make a ZeRO 1/2/3 optimizer skip a step whose gradients are not finite under every precision; returns how,
-    or None for an optimizer that is not DeepSpeed's ZeRO optimizer."""
-    if hasattr(opt, "check_grad_overflow"):  # 0.17+: the step checks when told to
+    or None for an optimizer that is not DeepSpeed's ZeRO optimizer. Where a release checks only under fp16, the
+    fp16 path's own check (``check_overflow``: all-reduced over the data-parallel group, read by the step and by
+    ``DeepSpeedEngine._take_model_step``) runs before each step under bf16 and fp32 too."""
+    if hasattr(opt, "check_grad_overflow"):  # ZeRO 1/2 from 0.17: the step checks when told to
         opt.check_grad_overflow = True
         return "overflow check on"
-    if isinstance(opt, _zero_optimizer_class()) and opt.dtype != torch.float16:
-        # 0.16: the step checks under fp16 only; check_overflow sets .overflow (all-reduced), which the step reads
+    if opt.__class__.__name__ == "DeepSpeedZeroOptimizer" and opt.dtype != torch.float16:
+        # 0.16: the partitioned-gradients check (stage 1's per-parameter one reads gradients already moved away)
         step = opt.step
 
         def checked_step(*args, **kwargs):
-            opt.check_overflow(partition_gradients=opt.partition_gradients)
+            opt.check_overflow(partition_gradients=True)
             return step(*args, **kwargs)
 
         opt.step = checked_step
-        return "overflow check before each step"
+        return "overflow check before each step (as under fp16)"
+    if isinstance(opt, _zero3_optimizer_class()) and opt.dtype != torch.float16 and not _zero3_step_checks_norm():
+        update = opt._overflow_check_and_loss_scale_update  # before 0.19 it checks under fp16 only
+
+        def checked_update(*args, **kwargs):
+            opt.check_overflow()
+            return update(*args, **kwargs)
+
+        opt._overflow_check_and_loss_scale_update = checked_update
+        return "overflow check before each step (as under fp16)"
     return None
 
 

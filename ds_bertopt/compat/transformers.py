@@ -124,6 +124,12 @@ def untested_versions(deepspeed: bool) -> list[str]:
     ]
 
 
+TORCH_MODULES = {"use_kernels": False}
+"""``from_pretrained`` keyword arguments that keep torch's own modules: from 5.25 ``use_kernels`` defaults to True
+and ``kernelize`` may swap layers' forwards for hub kernels (the ``kernels`` package, a download), under the module
+swaps of ds_bertopt.wtacrs and the unpadded model; 5.24 takes the key and defaults it to False."""
+
+
 def attention_implementation(config) -> Optional[str]:
     """The attention backend a transformers config selects (``config._attn_implementation``)."""
     return getattr(config, "_attn_implementation", None)

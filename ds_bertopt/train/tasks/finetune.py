@@ -16,6 +16,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from ...compat.deepspeed import zero3_numel
+from ...compat.transformers import TORCH_MODULES
 from ...config import RunConfig
 from ...data.collate import pad_classification_batch
 from ...data.identity import DataFingerprint, array_digest, vocabulary_digest
@@ -107,7 +108,9 @@ class FinetuneTask:
         )
         self.pad_multiple, self.eval_batch = b.sampler.pad_multiple, f.eval_batch_size
         self.nominal_micro = cfg.deepspeed["train_micro_batch_size_per_gpu"]
-        model = AutoModelForSequenceClassification.from_pretrained(self.model_dir, num_labels=self.num_labels)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            self.model_dir, num_labels=self.num_labels, **TORCH_MODULES
+        )
         wtacrs, _, auto_lines = resolve_auto(  # wtacrs.preset "auto": the fastest setup that fits memory_budget
             b.wtacrs,
             model_dir=self.model_dir,
