@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .buildlocks import clear_stale_build_locks
-from .compat.deepspeed import check_release, fp16_wrapped_optimizer, needed_hooks
+from .compat.deepspeed import check_release, fp16_wrapped_optimizer, needed_hooks, settle_engine
 from .comm import install_bucket_clip
 from .comm.config import refuse_bucket_clip_under_zero3
 from .config import BertOptConfig, RunConfig, apply_precision, load_config, resolve_batch
@@ -194,6 +194,8 @@ def undo_state_initialising_step(engine) -> bool:
 
 def attach_extensions(engine, bertopt: BertOptConfig) -> None:
     """Install what ``bertopt`` asks for into an initialised engine."""
+    for note in settle_engine(engine):
+        print0(note)
     if undo_state_initialising_step(engine):
         print0(f"{type(engine.optimizer).__name__}: its state-creating zero-gradient step no longer counts")
     if bertopt.bucket_clip.enabled:

@@ -225,10 +225,13 @@ def _check_zero3_overflow() -> Optional[str]:
 
 def _check_bf16_zero0() -> Optional[str]:
     from deepspeed import DeepSpeedEngine
+    from deepspeed.runtime.fp16 import loss_scaler
 
-    if "DDP_BFLOAT16" in inspect.getsource(DeepSpeedEngine._do_optimizer_sanity_check):
-        return None
-    return "runs BF16_Optimizer for bf16 at ZeRO 0 (bf16 gradient accumulation there comes with 0.17)"
+    if "DDP_BFLOAT16" not in inspect.getsource(DeepSpeedEngine._do_optimizer_sanity_check):
+        return "runs BF16_Optimizer for bf16 at ZeRO 0 (bf16 gradient accumulation there comes with 0.17)"
+    if not hasattr(loss_scaler, "LossScaleConfig"):
+        return "scales bf16 gradients at ZeRO 0 by fp16's dynamic loss scale (2^16; no scaling under bf16 from 0.18)"
+    return None
 
 
 def _check_step_overflow() -> Optional[str]:
@@ -339,12 +342,13 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         "engine.bf16_zero0",
-        "DeepSpeedEngine._do_optimizer_sanity_check: bf16 at ZeRO 0 without BF16_Optimizer (DDP_BFLOAT16)",
-        "bf16 at ZeRO 0 through the unfused wrapper, whose gradients are the model's own (what bucket_clip hooks)",
-        "bucket_clip under bf16 at ZeRO 0",
+        "DeepSpeedEngine._do_optimizer_sanity_check (DDP_BFLOAT16) and fp16.loss_scaler.LossScaleConfig",
+        "bf16 at ZeRO 0 through DeepSpeed's fp16 wrappers with unscaled bf16 gradients (0.16: BF16_Optimizer; "
+        "0.17: fp16's dynamic loss scale on bf16, which broke the bucket clip's reference, LAMB's steps and resume)",
+        "bf16 at ZeRO 0",
         (),
         _check_bf16_zero0,
-        checked=("0.17.6", "0.18.9", "0.19.8"),
+        checked=("0.18.9", "0.19.8"),
     ),
     Hook(
         "engine.step_overflow",
@@ -372,6 +376,7 @@ HOOKS: tuple[Hook, ...] = (
             "real_dp_process_group",
             "_global_grad_norm",
             "fp16_groups",
+            "bit16_groups_flat",
         ),
         _check_hp_mapping,
     ),
@@ -465,10 +470,10 @@ def needed_hooks(*, stage: int, precision: str, bucket_clip: bool, lamb: bool) -
         names.append("zero3.overflow_check")
     if stage == 0:
         names.append("engine.step_overflow" if precision == "fp32" else "fp16_wrapper.initial_step")
+        if precision == "bf16":
+            names.append("engine.bf16_zero0")
     if bucket_clip:
         names += ["engine.allreduce_gradients"] if stage == 0 else ["zero.reduce_ipg_grads", "zero.ipg_bucket"]
-        if stage == 0 and precision == "bf16":
-            names.append("engine.bf16_zero0")
         if precision == "fp16":
             names.append("wrapper.loss_scale")
     if lamb and stage in (1, 2):
@@ -743,7 +748,28 @@ def register_as_producer(bucket: BucketView, accelerator, current) -> None:
         bucket.ready_events[current] = event  # the newest on this stream: later than the copy's
 
 
+# --------------------------------------------------------------------------- after deepspeed.initialize, always
+def settle_engine(engine) -> list[str]:
+    """What every engine gets right after ``deepspeed.initialize``; returns what was done (for the log).
+
+    0.18 leaves a ZeRO 1/2 optimizer's flat bit16 buffers (``bit16_groups_flat``) requiring grad; the step's
+    all-gather writes into them, which torch 2.13's gloo ``all_gather_into_tensor`` (split views of the output)
+    refuses. 0.19 detaches them where it builds them; here the same detach (same storage: the parameters are views
+    of it)."""
+    done = []
+    flats = getattr(engine.optimizer, "bit16_groups_flat", None)
+    if flats and any(getattr(flat, "requires_grad", False) for flat in flats):
+        engine.optimizer.bit16_groups_flat = [flat.detach() for flat in flats]
+        done.append("ZeRO flat bit16 buffers detached (as DeepSpeed 0.19 builds them)")
+    return done
+
+
 # ----------------------------------------------------------------------------------- overflow (non-finite steps)
+def _zero_overflow_agreed() -> bool:
+    """0.18+: ``has_overflow`` all-reduces its verdict at every ZeRO stage (before, only when partitioning grads)."""
+    return "if partition_gradients:" not in inspect.getsource(_zero_optimizer_class().has_overflow)
+
+
 def _zero3_optimizer_class():
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
@@ -760,11 +786,16 @@ def enable_zero_overflow_check(opt) -> Optional[str]:
     or None for an optimizer that is not DeepSpeed's ZeRO optimizer. Where a release checks only under fp16, the
     fp16 path's own check (``check_overflow``: all-reduced over the data-parallel group, read by the step and by
     ``DeepSpeedEngine._take_model_step``) runs before each step under bf16 and fp32 too."""
-    if hasattr(opt, "check_grad_overflow"):  # ZeRO 1/2 from 0.17: the step checks when told to
-        opt.check_grad_overflow = True
+    zero12 = opt.__class__.__name__ == "DeepSpeedZeroOptimizer"
+    if zero12 and hasattr(opt, "check_grad_overflow") and _zero_overflow_agreed():
+        opt.check_grad_overflow = True  # 0.18+: the step checks when told to, every rank the same verdict
         return "overflow check on"
-    if opt.__class__.__name__ == "DeepSpeedZeroOptimizer" and opt.dtype != torch.float16:
-        # 0.16: the partitioned-gradients check (stage 1's per-parameter one reads gradients already moved away)
+    if zero12 and opt.dtype != torch.float16:
+        # 0.16 and 0.17: the step's own check all-reduces its verdict at ZeRO 2 only (0.16: and reads gradients
+        # already moved away at ZeRO 1), so at ZeRO 1 ranks would disagree and one would wait in the next
+        # collective forever; the partitioned check, all-reduced, runs before the step instead of it
+        if hasattr(opt, "check_grad_overflow"):
+            opt.check_grad_overflow = False
         step = opt.step
 
         def checked_step(*args, **kwargs):
