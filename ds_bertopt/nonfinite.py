@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .compat.deepspeed import checks_overflow_itself, enable_zero_overflow_check, set_step_overflow
+from .compat.deepspeed import enable_zero_overflow_check, set_step_overflow, wrapper_overflow_skip
 
 
 def _all_finite(optimizer) -> bool:
@@ -53,7 +53,8 @@ def install_nonfinite_guard(engine) -> str:
     how = enable_zero_overflow_check(opt)
     if how:
         return f"{type(opt).__name__}: {how}"
-    if checks_overflow_itself(opt):  # DeepSpeed's fp16/bf16 wrapper at ZeRO 0 checks by itself
-        return f"{type(opt).__name__}: DeepSpeed's overflow check"
+    how = wrapper_overflow_skip(opt)  # DeepSpeed's fp16/bf16 wrapper at ZeRO 0 checks by itself
+    if how:
+        return f"{type(opt).__name__}: {how}"
     guard_optimizer_step(opt)
     return f"{type(opt).__name__}: ds_bertopt finite-gradient guard"

@@ -48,7 +48,8 @@ def install_bucket_clip(engine, cfg: BucketClipConfig):
     _refuse_unsupported(engine)
     stage = engine.zero_optimization_stage()
     precision = "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
-    ds_compat.check_release(ds_compat.needed_hooks(stage=stage, precision=precision, bucket_clip=True, lamb=False))
+    shape = dict(stage=stage, precision=precision, bucket_clip=True, lamb=False)
+    ds_compat.check_release(ds_compat.needed_hooks(**shape, accumulation=engine.gradient_accumulation_steps()))
     if stage == 0:
         from .zero0 import ZeroStage0BucketClip
 

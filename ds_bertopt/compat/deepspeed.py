@@ -197,7 +197,7 @@ def _check_fp16_wrappers() -> Optional[str]:
     for cls in _fp16_wrapper_classes():
         if not callable(getattr(cls, "initialize_optimizer_states", None)):
             return f"{cls.__name__} has no initialize_optimizer_states"
-        missing = _source_sets(cls, "optimizer", "fp16_groups")
+        missing = _source_sets(cls, "optimizer", "fp16_groups", "overflow_checker")
         if missing:
             return f"{cls.__name__} sets no {', '.join(missing)}"
     return None
@@ -231,6 +231,15 @@ def _check_bf16_zero0() -> Optional[str]:
         return "runs BF16_Optimizer for bf16 at ZeRO 0 (bf16 gradient accumulation there comes with 0.17)"
     if not hasattr(loss_scaler, "LossScaleConfig"):
         return "scales bf16 gradients at ZeRO 0 by fp16's dynamic loss scale (2^16; no scaling under bf16 from 0.18)"
+    return None
+
+
+def _check_zero2_accumulation() -> Optional[str]:
+    # Measured, not read: plain deepspeed.initialize, 2 gloo ranks, ZeRO 2 (contiguous_gradients, overlap_comm),
+    # 2 micro-batches: 0.17.6's step is 0.02 (2 x lr) off an exact AdamW step on the accumulated average;
+    # 0.16.9 and 0.18.9 agree to 1e-7. Its epilogue's accumulation changed in 0.18 (all_grad_tensors).
+    if version_at_least("0.17") and not version_at_least("0.18"):
+        return "steps ZeRO 2 with gradient accumulation on a wrong gradient (0.17 only)"
     return None
 
 
@@ -351,6 +360,15 @@ HOOKS: tuple[Hook, ...] = (
         checked=("0.18.9", "0.19.8"),
     ),
     Hook(
+        "zero.accumulation",
+        "DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue's accumulation of micro-batches at ZeRO 2",
+        "exact gradient accumulation at ZeRO 2 (DeepSpeed's own)",
+        "ZeRO 2 with gradient_accumulation_steps > 1",
+        (),
+        _check_zero2_accumulation,
+        checked=("0.16.9", "0.18.9", "0.19.8"),
+    ),
+    Hook(
         "engine.step_overflow",
         "DeepSpeedEngine._take_model_step reads optimizer.overflow",
         "telling DeepSpeed that a ZeRO 0 fp32 step was skipped (no LR-scheduler step, counted as skipped)",
@@ -377,6 +395,7 @@ HOOKS: tuple[Hook, ...] = (
             "_global_grad_norm",
             "fp16_groups",
             "bit16_groups_flat",
+            "parallel_partitioned_bit16_groups",
         ),
         _check_hp_mapping,
     ),
@@ -393,7 +412,7 @@ HOOKS: tuple[Hook, ...] = (
         "FP16_Optimizer / FP16_UnfusedOptimizer .optimizer and initialize_optimizer_states' zero-gradient step",
         "an optimizer whose first real step is step 1 (Adam's bias correction) at ZeRO 0 under bf16/fp16",
         "exact Adam steps at ZeRO 0 under bf16/fp16",
-        ("initialize_optimizer_states",),
+        ("initialize_optimizer_states", "overflow_checker", "loss_scale_config", "_skip_invalid_grad_norm"),
         _check_fp16_wrappers,
     ),
     Hook(
@@ -461,9 +480,13 @@ def _problems_cached() -> dict[str, str]:
     return _checked
 
 
-def needed_hooks(*, stage: int, precision: str, bucket_clip: bool, lamb: bool) -> tuple[str, ...]:
+def needed_hooks(
+    *, stage: int, precision: str, bucket_clip: bool, lamb: bool, accumulation: int = 1
+) -> tuple[str, ...]:
     """The hooks a run of this shape goes through (``precision``: fp32, bf16 or fp16)."""
     names = ["runtime.config", "engine.checkpoint_engine"]
+    if stage == 2 and accumulation > 1:
+        names.append("zero.accumulation")
     if stage in (1, 2) and precision != "fp16":
         names.append("zero.overflow_check")
     if stage == 3 and precision != "fp16":
@@ -756,10 +779,25 @@ def settle_engine(engine) -> list[str]:
     all-gather writes into them, which torch 2.13's gloo ``all_gather_into_tensor`` (split views of the output)
     refuses. 0.19 detaches them where it builds them; here the same detach (same storage: the parameters are views
     of it)."""
+    precision = "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
+    check_release(  # again with what the engine resolved ("auto" values under Hugging Face Trainer)
+        needed_hooks(
+            stage=engine.zero_optimization_stage(),
+            precision=precision,
+            bucket_clip=False,
+            lamb=False,
+            accumulation=engine.gradient_accumulation_steps(),
+        )
+    )
     done = []
-    flats = getattr(engine.optimizer, "bit16_groups_flat", None)
+    opt = engine.optimizer
+    flats = getattr(opt, "bit16_groups_flat", None)
     if flats and any(getattr(flat, "requires_grad", False) for flat in flats):
-        engine.optimizer.bit16_groups_flat = [flat.detach() for flat in flats]
+        opt.bit16_groups_flat = [flat.detach() for flat in flats]
+        # the all-gather's inputs: this rank's slices of the same buffers (views, the same storage)
+        opt.parallel_partitioned_bit16_groups = [
+            [part.detach() for part in parts] for parts in opt.parallel_partitioned_bit16_groups
+        ]
         done.append("ZeRO flat bit16 buffers detached (as DeepSpeed 0.19 builds them)")
     return done
 
@@ -816,9 +854,31 @@ def enable_zero_overflow_check(opt) -> Optional[str]:
     return None
 
 
-def checks_overflow_itself(opt) -> bool:
-    """DeepSpeed's fp16/bf16 wrappers at ZeRO 0 carry and check their own ``overflow``."""
-    return hasattr(opt, "overflow")
+def wrapper_overflow_skip(opt) -> Optional[str]:
+    """How DeepSpeed's fp16/bf16 wrapper at ZeRO 0 skips a non-finite step (None: ``opt`` is no such wrapper).
+
+    0.18's fused ``FP16_Optimizer`` under bf16 finds the overflow (``overflow_checker.has_overflow``) but skips only
+    when it scales the loss (fp16): the step went ahead on NaN gradients. There the same check runs first and the
+    step is skipped as under fp16 (gradients cleared, ``overflow`` set for ``DeepSpeedEngine._take_model_step``)."""
+    if not hasattr(opt, "overflow"):
+        return None
+    scaling = getattr(getattr(opt, "loss_scale_config", None), "use_grad_scaling", True)
+    if type(opt).__name__ != "FP16_Optimizer" or scaling or hasattr(opt, "_skip_invalid_grad_norm"):
+        return "DeepSpeed's overflow check"
+    step = opt.step
+
+    def checked_step(*args, **kwargs):
+        params = [p for group in opt.fp16_groups for p in group if p.grad is not None]
+        if opt.overflow_checker.has_overflow(params):
+            opt.overflow = True
+            for group in opt.fp16_groups:
+                for param in group:
+                    param.grad = None
+            return True
+        return step(*args, **kwargs)
+
+    opt.step = checked_step
+    return "DeepSpeed's overflow check, skipping under bf16 too"
 
 
 def set_step_overflow(optimizer, overflow: bool) -> None:
