@@ -81,7 +81,7 @@ from ds_bertopt.data.peers import (  # noqa: E402
 from ds_bertopt.data.scale import SCALE_STEP_TIME, scale_lines, scale_view, synthetic_lengths  # noqa: E402
 from ds_bertopt.data.config import STRATEGIES as STRATEGIES_ALL, SamplerConfig  # noqa: E402
 from ds_bertopt.data.cost import CostModel  # noqa: E402
-from ds_bertopt.testing.measure import environment_line, record_results  # noqa: E402
+from bench._common import environment_line, record_results  # noqa: E402
 from bench.balance_ranks import MEASURED, SHARED, TOKEN_TARGETS, TOKENIZER, convergence_part, measured_part  # noqa: E402
 
 WORLD, RPN, LOCAL, SIM_STEPS = 1024, 8, 16, 50

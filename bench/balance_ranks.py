@@ -19,7 +19,7 @@ from bench._common import FIGURES, deepspeed_launcher, maybe_lock, say  # noqa: 
 from ds_bertopt.data.peers import evaluate  # noqa: E402
 from ds_bertopt.data.config import PEER_STRATEGIES, SamplerConfig  # noqa: E402
 from ds_bertopt.data.cost import CostModel  # noqa: E402
-from ds_bertopt.testing.measure import median, ratio_line  # noqa: E402
+from bench._common import median, ratio_line  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 TOKENIZER = str(

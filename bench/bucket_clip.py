@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from bench._common import deepspeed_launcher  # noqa: E402
 from ds_bertopt.compat.deepspeed import wrap_reductions  # noqa: E402
 from ds_bertopt.testing.distributed import free_port  # noqa: E402
-from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
+from bench._common import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
 from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers  # noqa: E402
 
 MODELS = {

@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--record-as", default="mfu", help="name of the recorded results (report section)")
     args = parser.parse_args(argv)
-    from ds_bertopt.testing.measure import record_results
+    from bench._common import record_results
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":

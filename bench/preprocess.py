@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     from ds_bertopt.data.pipeline import build_sequences
     from ds_bertopt.data.tokenizer import load_tokenizer
     from ds_bertopt.model.local import default_model_dir
-    from ds_bertopt.testing.measure import record_results
+    from bench._common import record_results
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", default=str(SHARED / "linux_docs.jsonl.gz"))
