@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .. import faults
+from ..compat.deepspeed import checkpoint_writer
 from ..dist import Topology, all_views, barrier
 from ..errors import BertOptError, JobError
 from ..log import print0
@@ -146,8 +147,8 @@ def _recorded(failures: list, path: str):
 def _writes_recorded(engine, failures: list, rank: int, step: int):
     """DeepSpeed's checkpoint writes record a failure in ``failures`` instead of raising it, so every rank still
     reaches the barriers inside ``engine.save_checkpoint``; once one failed, nothing more is written.
-    (``checkpoint_engine.save`` is DeepSpeed 0.19.8's one write path for model and ZeRO shard files.)"""
-    writer = engine.checkpoint_engine
+    (``checkpoint_engine.save`` is DeepSpeed's one write path for model and ZeRO shard files, 0.16-0.19.)"""
+    writer = checkpoint_writer(engine)
     own = "save" in vars(writer)
     original = writer.save
 

@@ -27,6 +27,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from .. import dist, dsconfig, faults, optim
+from ..compat.deepspeed import loss_scale
 from ..config import describe, run_arg_parser, run_overrides
 from ..data.sampler import PlanBatchSampler
 from ..engine import initialize
@@ -306,7 +307,7 @@ class Trainer:
         loss = float(torch.stack(losses).mean())
         if engine.fp16_enabled() and math.isfinite(loss):  # the dynamic loss scaler at work, not a broken run
             window.skipped += 1
-            scale = getattr(engine.optimizer, "loss_scale", "?")
+            scale = loss_scale(engine.optimizer, "?")
             print0(f"step {self.step}: skipped by the fp16 loss scaler (gradient overflow), loss scale now {scale}")
             return
         self._skipped(window, loss)
