@@ -52,8 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _common import say, status, SUMMARY  # noqa: E402
 from _cpu import cpu_kind  # noqa: E402
+from bench._common import SUMMARY, say, status  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 RAW = Path(__file__).resolve().parent / "report" / "raw"
@@ -331,7 +331,7 @@ def main(argv=None) -> int:
     parser.add_argument("--epoch-batches", type=int, default=0, help="cap the epoch's micro-batches (0: all)")
     parser.add_argument("--record-as", default="mfu", help="name of the recorded results (report section)")
     args = parser.parse_args(argv)
-    from ds_bertopt.testing.measure import record_results
+    from bench._common import record_results
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
