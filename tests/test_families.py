@@ -105,7 +105,7 @@ def grads(model) -> dict:
     return out
 
 
-def stock_and_unpadded(name: str, dtype: torch.dtype, layers: int):
+def stock_and_unpadded(name: str, dtype: torch.dtype, layers: int, fused_dropout: bool = False):
     """(stock loss, stock logits at the masked positions, grads), the same for ours."""
     model = make_model(name, layers)
     batch = samples()
@@ -115,7 +115,7 @@ def stock_and_unpadded(name: str, dtype: torch.dtype, layers: int):
         ref = model(**ref_batch)
     ref.loss.backward()
     ref_out = (ref.loss.detach().float(), ref.logits[selected].detach().float(), grads(model))
-    wrapper = UnpaddedMLM(model).eval()
+    wrapper = UnpaddedMLM(model, fused_dropout=fused_dropout).eval()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         out = wrapper(**pack_sequences(batch))
     out.loss.backward()
@@ -126,9 +126,13 @@ def stock_and_unpadded(name: str, dtype: torch.dtype, layers: int):
 UNPADDED = ["bert", "roberta", "xlm-roberta", "camembert", "distilbert", "electra", "modernbert"]
 
 
+@pytest.mark.parametrize("fused_dropout", [False, True], ids=["", "fused_dropout"])
 @pytest.mark.parametrize("name", UNPADDED)
-def test_fp32_logits_loss_and_every_gradient_match_the_stock_padded_model(name):
-    (ref_loss, ref_logits, ref_grads), (loss, logits, ours), wrapper = stock_and_unpadded(name, torch.float32, 2)
+def test_fp32_logits_loss_and_every_gradient_match_the_stock_padded_model(name, fused_dropout):
+    (ref_loss, ref_logits, ref_grads), (loss, logits, ours), wrapper = stock_and_unpadded(
+        name, torch.float32, 2, fused_dropout
+    )
+    assert (wrapper.fused is not None) == fused_dropout and (not fused_dropout or "dropout x" in wrapper.fused[0])
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
     assert ours.keys() == ref_grads.keys() and len(ours) == len(list(wrapper.model.parameters()))

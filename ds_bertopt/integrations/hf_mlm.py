@@ -152,8 +152,11 @@ class UnpaddedMLMTrainerMixin:
                 "model.unpadded: not with wtacrs (its memory kit, WTA-CRS and LoRA are for fine-tuning); drop one"
             )
         model = super()._bertopt_prepare(model)
+        model_cfg = self._bertopt.bertopt.model
         try:
-            return TrainerUnpaddedMLM(model, attention=self._bertopt.bertopt.model.unpadded_attention)
+            return TrainerUnpaddedMLM(
+                model, attention=model_cfg.unpadded_attention, fused_dropout=model_cfg.fused_dropout
+            )
         except (TypeError, ValueError) as exc:
             supported = ", ".join(f.mlm_class for f in FAMILIES if not f.unpadded_blocker)
             raise ConfigError(

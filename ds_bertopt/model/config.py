@@ -48,6 +48,11 @@ class ModelConfig:
     unpadded_attention: Literal["auto", "varlen", "sdpa_loop"] = "auto"
     """Unpadded attention kernel: ``varlen`` (CUDA flash varlen, fp16/bf16), ``sdpa_loop`` (one exact SDPA call
     per sequence, the fastest exact form measured on CPU), ``auto`` (varlen where it runs, else the loop)."""
+    fused_dropout: bool = False
+    """Unpadded model: dropout draws packed random bits (16 per element, four elements per 64-bit draw; keep
+    probability within 2⁻¹⁷ of ``1 - p``, rescaled exactly) and BERT's ``dense → dropout → LayerNorm(· + input)``
+    blocks fuse the dropout with the residual add (``ds_bertopt.model.fused``). Same parameters and state dict;
+    a different random stream than torch's ``bernoulli_`` (same distribution), so it is off by default."""
     init_checkpoint: Optional[str] = None
     """Directory of a Hugging Face checkpoint to start from instead of random init (``--model_name_or_path``): its
     own architecture (BERT, RoBERTa, XLM-R, CamemBERT, DistilBERT, ELECTRA, ModernBERT, DeBERTa; the size keys
@@ -65,6 +70,7 @@ class ModelConfig:
             dead["attn_implementation"] = "model.unpadded runs its own attention kernel (unpadded_attention)"
         else:
             dead["unpadded_attention"] = "model.unpadded is false: the padded model runs attn_implementation"
+            dead["fused_dropout"] = "model.unpadded is false: only the unpadded model fuses its dropout"
         if self.init_checkpoint or self.continued:
             for name in SIZE_FIELDS:
                 dead[name] = "the architecture is the checkpoint's (model.init_checkpoint or model.continued)"
@@ -83,6 +89,7 @@ class ModelConfig:
             self.hidden_size % self.num_attention_heads == 0,
             f"num_attention_heads: {self.num_attention_heads} does not divide hidden_size {self.hidden_size}",
         )
+        check(isinstance(self.fused_dropout, bool), f"fused_dropout: must be true or false, got {self.fused_dropout!r}")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             value = getattr(self, name)
             check(0.0 <= value < 1.0, f"{name}: must be in [0, 1), got {value}")

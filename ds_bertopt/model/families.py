@@ -87,6 +87,10 @@ class MlmFamily:
     """transformers runs its attention through SDPA (else eager only)."""
     layer_type_masks: bool = False
     """The base model takes ``attention_mask`` as a mapping per layer type (ModernBERT: full and sliding)."""
+    residual_norm_blocks: tuple[str, ...] = ()
+    """Module classes whose forward is ``LayerNorm(dropout(dense(h)) + input)`` (BERT's ``BertSelfOutput`` and
+    ``BertOutput``): their dropout fused with the residual add under ``model.fused_dropout``
+    (:func:`.fused.fuse_encoder`)."""
 
     def max_tokens(self, config) -> int:
         """The longest sequence its position table takes."""
@@ -94,6 +98,13 @@ class MlmFamily:
 
 
 _BERT_DROPPED = ("pooler.", "cls.seq_relationship.", "classifier.", "qa_outputs.")
+
+
+def _bert_layout(prefix: str) -> dict:
+    """The residual blocks of a family whose layer is BERT's (``<prefix>SelfOutput``, ``<prefix>Output``);
+    DistilBERT's and ModernBERT's layers differ (only their dropout modules are swapped)."""
+    return {"residual_norm_blocks": (f"{prefix}SelfOutput", f"{prefix}Output")}
+
 
 BERT = MlmFamily(
     "bert",
@@ -103,6 +114,7 @@ BERT = MlmFamily(
     head_prefixes=("cls.predictions.",),
     dropped_prefixes=_BERT_DROPPED,
     pretraining_class="BertForPreTraining",
+    **_bert_layout("Bert"),
 )
 ROBERTA = MlmFamily(
     "roberta",
@@ -112,6 +124,7 @@ ROBERTA = MlmFamily(
     head_prefixes=("lm_head.",),
     dropped_prefixes=("pooler.", "classifier.", "qa_outputs."),
     position_offset=_after_padding_idx,
+    **_bert_layout("Roberta"),
 )
 XLM_ROBERTA = MlmFamily(
     "xlm-roberta",
@@ -121,6 +134,7 @@ XLM_ROBERTA = MlmFamily(
     ROBERTA.head_prefixes,
     ROBERTA.dropped_prefixes,
     _after_padding_idx,
+    **_bert_layout("XLMRoberta"),
 )
 CAMEMBERT = MlmFamily(
     "camembert",
@@ -130,6 +144,7 @@ CAMEMBERT = MlmFamily(
     ROBERTA.head_prefixes,
     ROBERTA.dropped_prefixes,
     _after_padding_idx,
+    **_bert_layout("Camembert"),
 )
 DISTILBERT = MlmFamily(
     "distilbert",
@@ -148,6 +163,7 @@ ELECTRA = MlmFamily(
     _electra_head,
     head_prefixes=("generator_predictions.", "generator_lm_head."),
     dropped_prefixes=("discriminator_predictions.", "classifier.", "qa_outputs."),
+    **_bert_layout("Electra"),
 )
 MODERNBERT = MlmFamily(
     "modernbert",

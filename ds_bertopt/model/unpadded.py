@@ -49,6 +49,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from . import fused
 from .bert import IGNORE_INDEX, PretrainOutput, mlm_loss
 from .families import family_of
 
@@ -335,9 +336,11 @@ class UnpaddedMLM(torch.nn.Module):
     :data:`PACKED_ATTENTION` and the MLM head at the masked positions only; ``BertForPreTraining`` adds NSP from
     each sequence's first token. ``gradient_checkpointing_enable()`` / ``activation_checkpointing_enable()`` on
     the wrapped model work as in the stock model (transformers checkpoints its own layers).
+    ``fused_dropout``: the model's dropout from packed random bits, fused with the residual add
+    (:func:`.fused.fuse_encoder`, ``model.fused_dropout``).
     """
 
-    def __init__(self, model, attention: str = "auto"):
+    def __init__(self, model, attention: str = "auto", fused_dropout: bool = False):
         super().__init__()
         family = family_of(model)
         if family.unpadded_blocker:
@@ -360,6 +363,7 @@ class UnpaddedMLM(torch.nn.Module):
         self.window = local_window(config)
         self.dropout_p = float(getattr(config, family.attention_dropout, 0.0) or 0.0)
         self._backends: dict[tuple, str] = {}  # (device, dtype, with dropout) -> "varlen" | "sdpa_loop"
+        self.fused = fused.fuse_encoder(model, family) if fused_dropout else None  # None: HF's own modules
 
     def choose_attention(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> str:
         """Decide the attention kernel for ``device``/``dtype`` (default: the parameters'), probing flash varlen
@@ -373,9 +377,10 @@ class UnpaddedMLM(torch.nn.Module):
         names = {"varlen": "flash varlen", "sdpa_loop": "exact per-sequence SDPA loop"}
         what = " / ".join(dict.fromkeys(names[c] for c in chosen))
         local = f", local layers |i-j| <= {self.window}" if self.window is not None else ""
+        fused_what = f"; fused: {', '.join(self.fused) or 'nothing'}" if self.fused is not None else ""
         return (
             f"unpadded attention: {what} ({device.type}, {str(dtype).replace('torch.', '')}, head_dim "
-            f"{self.head_dim}{local})"
+            f"{self.head_dim}{local}){fused_what}"
         )
 
     def _backend(self, device: torch.device, dtype: torch.dtype, with_dropout: bool) -> str:

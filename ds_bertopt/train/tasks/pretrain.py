@@ -115,7 +115,7 @@ class PretrainTask:
         self.forward_keys = UNPADDED_KEYS if b.model.unpadded else FORWARD_KEYS
         model = build_pretraining_model(b.model, self.data.tokenizer, b.data.max_seq_length)
         if b.model.unpadded:
-            return UnpaddedMLM(model, attention=b.model.unpadded_attention)
+            return UnpaddedMLM(model, attention=b.model.unpadded_attention, fused_dropout=b.model.fused_dropout)
         return SparseMLMHead(model)
 
     # --- the step -----------------------------------------------------------------------------------

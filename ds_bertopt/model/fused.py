@@ -1,0 +1,126 @@
+"""The unpadded encoder's dropout made cheap (``model.fused_dropout``): packed random bits, and the dropout of
+BERT's ``dense → dropout → LayerNorm(· + input)`` blocks fused with the residual add.
+
+What a BERT step spends outside its GEMMs on CPU (``bench/mfu.py``'s split on main): dropout's ``bernoulli_`` (a
+float draw per element, then a division and a multiply, the float mask kept for backward) is its largest elementwise
+item, then LayerNorm, GELU, adds and copies.
+
+* :func:`keep_mask` — dropout's random numbers as one draw of packed bits: ``random_`` fills ``⌈n/4⌉`` 64-bit words
+  (one generator call per word), each word gives four 16-bit uniforms, and an element is kept when its uniform is
+  below ``k = round((1 - p)·2¹⁶)``. The keep probability is ``k/2¹⁶`` (within 2⁻¹⁷ of ``1 - p``) and kept values are
+  scaled by ``2¹⁶/k``, its exact inverse, so the output's expectation is the input. Elements are independent
+  (disjoint bits of torch's uniform 64-bit stream). The stream is torch's generator (the default one unless given):
+  deterministic under ``manual_seed``, restored by the checkpoint's RNG state, and replayed by activation
+  checkpointing (``torch.utils.checkpoint`` restores the CPU/device RNG state before recomputing). The mask kept
+  for backward is 1 byte per element, not 4.
+* :func:`dropout_add` — ``residual + dropout(x)`` as a ``where`` and an ``add`` whose ``alpha`` is the dropout scale:
+  two passes instead of ``bernoulli_``, a division, a multiply and the add.
+* :func:`fuse_encoder` — every ``nn.Dropout`` of the model becomes :class:`PackedBitsDropout`, and the family's
+  residual blocks (``MlmFamily.residual_norm_blocks``: ``BertSelfOutput``, ``BertOutput`` and their copies) run
+  ``LayerNorm(dropout_add(dense(h), input))``. The blocks still call their ``dense`` and ``LayerNorm`` modules, so
+  parameters, state dict, ZeRO-3's per-module gathering and any replaced linear (LoRA) work as before.
+  In eval mode (or ``p = 0``) a fused block computes exactly what the stock one does.
+
+Attention dropout (inside SDPA) keeps torch's own draw; bias + GELU stay in ``addmm`` + GELU (fusing them needs a
+compiler: ``model.compile`` is not in this module).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Optional
+
+import torch
+from torch import nn
+
+KEEP_LEVELS = 1 << 16
+"""Resolution of a keep decision: 16 bits of the generator's output per element."""
+
+
+def keep_levels(p: float) -> int:
+    """``k``: an element is kept with probability ``k / 2¹⁶`` (``round((1 - p)·2¹⁶)``, at least 1); ``2¹⁶`` means
+    nothing is dropped (``p`` below 2⁻¹⁷)."""
+    return min(KEEP_LEVELS, max(1, round((1.0 - p) * KEEP_LEVELS)))
+
+
+def keep_scale(p: float) -> float:
+    """What kept elements are multiplied by: the inverse of the actual keep probability (an unbiased dropout)."""
+    return KEEP_LEVELS / keep_levels(p)
+
+
+def packed_bits(count: int, device=None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """``count`` uniform 16-bit integers (``int16``, ``[-2¹⁵, 2¹⁵)``) from ``⌈count/4⌉`` draws of 64 random bits."""
+    words = torch.empty((count + 3) // 4, dtype=torch.int64, device=device)
+    words.random_(-(1 << 63), None, generator=generator)  # from int64 min, no bound: all 64 bits random
+    return words.view(torch.int16)[:count]
+
+
+def keep_mask(shape, p: float, device=None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Bool ``shape`` tensor, True where an element is kept, each independently with probability ``k/2¹⁶``
+    (:func:`keep_levels`)."""
+    levels = keep_levels(p)
+    if levels == KEEP_LEVELS:  # the threshold 2¹⁵ would wrap to -2¹⁵ as an int16 scalar: nothing is dropped
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    threshold = levels - KEEP_LEVELS // 2  # int16 values below it: k of the 2¹⁶
+    return packed_bits(math.prod(shape), device, generator).view(shape) < threshold
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """``F.dropout`` with :func:`keep_mask`'s bits (the same distribution up to 2⁻¹⁷ in the keep probability)."""
+    if not training or keep_levels(p) == KEEP_LEVELS:
+        return x
+    return torch.where(keep_mask(x.shape, p, x.device), x, 0) * keep_scale(p)
+
+
+def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """``residual + dropout(x)``: a ``where`` and an ``add`` whose ``alpha`` is the dropout scale (the backward
+    keeps the 1-byte mask)."""
+    if not training or keep_levels(p) == KEEP_LEVELS:
+        return residual + x
+    return torch.add(residual, torch.where(keep_mask(x.shape, p, x.device), x, 0), alpha=keep_scale(p))
+
+
+class PackedBitsDropout(nn.Dropout):
+    """``nn.Dropout`` whose random numbers are :func:`keep_mask`'s packed bits (same ``p``, no parameters)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Dropout's signature
+        return dropout(input, self.p, self.training)
+
+
+def _residual_norm_forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+    """``BertSelfOutput.forward`` / ``BertOutput.forward`` (``LayerNorm(dropout(dense(h)) + input)``), the dropout
+    fused with the residual add."""
+    x = self.dense(hidden_states)
+    return self.LayerNorm(dropout_add(x, input_tensor, self.dropout.p, self.training))
+
+
+def fuse_encoder(model: nn.Module, family) -> list[str]:
+    """Swap the fused dropout into ``model`` (a transformers model of ``family``) in place; returns what was fused,
+    for the log. Parameters, buffers and module names are untouched; a dropout that is not the stock class (the
+    memory kit's) is left as it is, and so is the block around it."""
+    fused = {"dropout": 0, "dropout + residual add": 0}
+    for module in model.modules():
+        if type(module) is nn.Dropout:
+            module.__class__ = PackedBitsDropout  # a subclass without state: same attributes, same state dict
+            fused["dropout"] += 1
+    for module in model.modules():
+        if type(module).__name__ in family.residual_norm_blocks and type(getattr(module, "dropout", None)) is (
+            PackedBitsDropout
+        ):
+            module.forward = types.MethodType(_residual_norm_forward, module)
+            fused["dropout + residual add"] += 1
+    return [f"{what} x{count}" for what, count in fused.items() if count]
+
+
+__all__ = [
+    "KEEP_LEVELS",
+    "PackedBitsDropout",
+    "dropout",
+    "dropout_add",
+    "fuse_encoder",
+    "keep_levels",
+    "keep_mask",
+    "keep_scale",
+    "packed_bits",
+]
