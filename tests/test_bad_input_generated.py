@@ -11,6 +11,7 @@ through the real launcher; the count is printed in the session summary (``tests/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import pytest
+
+from _permissions import permissions_apply
 
 from ds_bertopt.cli import main as cli_main
 from ds_bertopt.config import BertOptConfig, RunConfig, dead_keys
@@ -299,8 +302,6 @@ def _bad_path(tmp_path: Path, kind: str) -> Path:
 
 @pytest.mark.parametrize("name, kind", PATH_CASES)
 def test_every_path_argument_refuses_bad_paths_in_one_line(tmp_path, capsys, run_entry, tiny_model, name, kind):
-    if kind == "unreadable" and os.geteuid() == 0:
-        pytest.skip("root reads every file, so a permission-denied path cannot be made here (run as a user)")
     where, before, _ = PATH_ARGUMENTS[name]
     bad = _bad_path(tmp_path, kind)
     prose = tmp_path / "prose.txt"
@@ -308,31 +309,38 @@ def test_every_path_argument_refuses_bad_paths_in_one_line(tmp_path, capsys, run
     flag = [a.format(prose=prose) for a in before]
     argv = flag[:-1] + [f"{flag[-1]}{json.dumps(str(bad))}"] if flag and flag[-1].endswith("=") else flag + [str(bad)]
     try:
-        if where in ("pretrain", "finetune"):
-            if where == "finetune" and name != "finetune.model_name_or_path":
-                argv += ["--model_name_or_path", str(tiny_model)]
-            if where == "finetune" and name != "finetune.train_file":
-                argv += ["--train_file", str(prose.with_suffix(".csv"))]
-                prose.with_suffix(".csv").write_text("text,label\n" + "a b c,0\nd e f,1\n" * 10)
-            if name == "--deepspeed_config":
-                line = run_entry(where, [], deepspeed_config=str(bad))
-            else:
-                line = run_entry(where, argv)
-        else:
-            existing = sorted(os.listdir(tmp_path))
-            cache = ["--cache-dir", str(tmp_path / "cache")] if where == "balance" else []
-            cache += ["--world-size", "2", "--ranks-per-node", "1"] if where == "balance" else []
-            out = ["--output_dir", str(tmp_path / "out")] if where == "config" else []
-            code = cli_main([where, *argv, *cache, *out])
-            err = capsys.readouterr().err
-            lines = [x for x in err.splitlines() if "error:" in x]
-            assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
-            assert sorted(os.listdir(tmp_path)) == existing
-            line = lines[0]
+        with permissions_apply() if kind == "unreadable" else contextlib.nullcontext():
+            line = _refusal_line(where, name, argv, bad, prose, run_entry, tiny_model, tmp_path, capsys)
     finally:
         if kind == "unreadable":
             bad.parent.chmod(0o755)
     assert str(bad) in line or name.split(" ")[-1].lstrip("-") in line, line
+
+
+def _refusal_line(where, name, argv, bad, prose, run_entry, tiny_model, tmp_path, capsys) -> str:
+    """The one error line the entry point ``where`` prints for the bad path ``bad``."""
+    if where in ("pretrain", "finetune"):
+        if where == "finetune" and name != "finetune.model_name_or_path":
+            argv += ["--model_name_or_path", str(tiny_model)]
+        if where == "finetune" and name != "finetune.train_file":
+            argv += ["--train_file", str(prose.with_suffix(".csv"))]
+            prose.with_suffix(".csv").write_text("text,label\n" + "a b c,0\nd e f,1\n" * 10)
+        if name == "--deepspeed_config":
+            line = run_entry(where, [], deepspeed_config=str(bad))
+        else:
+            line = run_entry(where, argv)
+    else:
+        existing = sorted(os.listdir(tmp_path))
+        cache = ["--cache-dir", str(tmp_path / "cache")] if where == "balance" else []
+        cache += ["--world-size", "2", "--ranks-per-node", "1"] if where == "balance" else []
+        out = ["--output_dir", str(tmp_path / "out")] if where == "config" else []
+        code = cli_main([where, *argv, *cache, *out])
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if "error:" in x]
+        assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+        assert sorted(os.listdir(tmp_path)) == existing
+        line = lines[0]
+    return line
 
 
 # --- a handful through the real launcher -------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def check_cache_dir(path: str, key: str) -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise DataError(f"{key}: {path} is not a directory")
     existing = existing_parent(path)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK, effective_ids=True):
         raise DataError(f"{key}: cannot create or write {path} ({existing} is not a writable directory)")
 
 
@@ -79,7 +79,7 @@ def check_corpus_file(path: str) -> None:
         raise DataError(f"corpus file {path} is not a regular file")
     if os.path.getsize(path) == 0:
         raise DataError(f"corpus file {path} is empty")
-    if not os.access(path, os.R_OK):
+    if not os.access(path, os.R_OK, effective_ids=True):
         raise DataError(f"corpus file {path} is not readable (permission denied)")
     file_kind(path)
     try:

@@ -60,7 +60,7 @@ def check_output_dir(output_dir: str, resume: Optional[str], overwrite: bool, wr
             "with --overwrite_output_dir, or choose another --output_dir"
         )
     existing = existing_parent(output_dir)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK, effective_ids=True):
         raise ConfigError(f"train.output_dir: cannot create {output_dir} ({existing} is not a writable directory)")
 
 
