@@ -65,10 +65,7 @@ def _step_tensors(steps: Sequence[int], bias_correction: bool, device: torch.dev
 
 
 def directions(
-    params: Tensors,
-    grads: Tensors,
-    exp_avgs: Tensors,
-    exp_avg_sqs: Tensors,
+    tensors: tuple[Tensors, Tensors, Tensors, Tensors],
     steps: Sequence[int],
     *,
     beta1: float,
@@ -79,9 +76,11 @@ def directions(
     grad_scale: Union[float, torch.Tensor] = 1.0,
     out: Optional[Tensors] = None,
 ) -> list[torch.Tensor]:
-    """Advance the moments in place with ``grad_scale × grad``; return ``u = m̂/(√v̂ + ε) + λw`` per tensor (two
+    """``tensors``: (params, grads, exp_avgs, exp_avg_sqs). Advance the moments in place with ``grad_scale × grad``;
+    return ``u = m̂/(√v̂ + ε) + λw`` per tensor (two
     multi-tensor kernels; see the module docstring). ``out``: buffers shaped like ``params`` to hold ``u`` (on the
     CPU, where a fresh allocation page-faults every step; filled tensor by tensor there)."""
+    params, grads, exp_avgs, exp_avg_sqs = tensors
     device = params[0].device
     if out is None:
         updates = torch._foreach_mul(list(params), weight_decay)
