@@ -152,7 +152,6 @@ PLAIN = [
 
 @pytest.mark.slow
 @pytest.mark.shared_data
-@pytest.mark.precision
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not (SHARED / "rt_polarity").is_dir(), reason="../shared/data is absent")
 def test_launcher_finetunes_minilm_on_rt_polarity_at_zero_0_2_3(tmp_path):
