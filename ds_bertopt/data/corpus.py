@@ -98,8 +98,8 @@ def check_json_field(path: str, field: str) -> None:
         )
 
 
-def expand_train_files(patterns: tuple[str, ...] | list[str], text_field: str | None = None) -> list[str]:
-    """Expand globs (sorted, deduplicated) and check every file (and, for jsonl, ``text_field``)."""
+def expand_patterns(patterns: tuple[str, ...] | list[str]) -> list[str]:
+    """Expand globs (sorted, deduplicated), without reading the files."""
     files: list[str] = []
     for pattern in patterns:
         expanded = os.path.expanduser(pattern)
@@ -109,6 +109,12 @@ def expand_train_files(patterns: tuple[str, ...] | list[str], text_field: str | 
         for match in matches:
             if match not in files:
                 files.append(match)
+    return files
+
+
+def expand_train_files(patterns: tuple[str, ...] | list[str], text_field: str | None = None) -> list[str]:
+    """Expand globs (sorted, deduplicated) and check every file (and, for jsonl, ``text_field``)."""
+    files = expand_patterns(patterns)
     for path in files:
         check_corpus_file(path)
         if text_field is not None and file_kind(path) == "json":
