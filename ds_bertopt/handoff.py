@@ -36,6 +36,9 @@ REPORT_EVERY_S = 30.0
 """How often a waiting rank (or a worker without a store) prints a progress line."""
 FIRST_REPORT_S = 3.0
 """A wait shorter than this prints nothing."""
+LINGER_S = 3.0
+"""A worker that failed waits this long before raising: the waiting ranks poll at least every second, and the store
+may live in the worker's process (rank 0), which exits with the error."""
 _PREFIX = "ds_bertopt/work/"
 
 
@@ -173,6 +176,9 @@ class Work:
         except Exception:  # noqa: BLE001 - the store is gone too (rank 0 exited): the original error matters
             if exc is None:
                 raise
+            return
+        if exc is not None and self.store is not None:
+            time.sleep(LINGER_S)
 
 
 def wait_for(

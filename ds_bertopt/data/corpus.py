@@ -165,7 +165,12 @@ def embedded_corpus_path(cache_dir: str) -> str:
     if count == 0:
         os.unlink(tmp)
         raise DataError(f"no docstrings found under {sysconfig.get_paths()['stdlib']} for the embedded corpus")
-    os.replace(tmp, path)
+    try:
+        os.link(tmp, path)  # never replaces: another node sharing the cache may have recorded the first one's mtime
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
     return path
 
 

@@ -39,6 +39,11 @@ SAMPLE_COLUMNS = ("input_ids", "token_type_ids", "next_sentence_label")
 class Stale(Exception):
     """The stored build does not match (its one-line reason)."""
 
+    def __init__(self, reason: str, damaged: tuple[str, ...] = ()):
+        super().__init__(reason)
+        self.damaged = damaged
+        """Cache files that no longer hold what was built (removed before the rebuild, which would reuse them)."""
+
 
 def manifest_path(cache_dir: str, key: str) -> str:
     return os.path.join(cache_dir, BUILT_DIR, key, "manifest.json")
@@ -168,12 +173,13 @@ def verify(manifest: dict, cache_dir: str, inputs: list[dict], resample: bool = 
     if change:
         raise Stale(change)
     outputs = [*manifest["train"]["files"], *manifest["eval"]["files"], manifest["lengths"]]
+    damaged = tuple(os.path.join(cache_dir, f["path"]) for f in outputs)
     try:
         change = first_change(outputs, file_stats([f["path"] for f in outputs], cache_dir), "cache file")
     except FileNotFoundError as exc:
-        raise Stale(f"cache file {exc.filename} is gone since the cache was built") from None
+        raise Stale(f"cache file {exc.filename} is gone since the cache was built", damaged) from None
     if change:
-        raise Stale(change)
+        raise Stale(change, damaged)
     opened = []
     for name in ("train", "eval"):
         entry = manifest[name]
@@ -181,7 +187,8 @@ def verify(manifest: dict, cache_dir: str, inputs: list[dict], resample: bool = 
         if resample and sampled_digest(dataset, SAMPLE_COLUMNS, SAMPLED_SEQUENCES) != entry["sampled"]:
             raise Stale(
                 f"the {name} sequences in data.cache_dir no longer match their stored fingerprint ({SAMPLED_SEQUENCES} "
-                "sampled sequences re-hashed differ): a cache file was changed in place"
+                "sampled sequences re-hashed differ): a cache file was changed in place",
+                damaged,
             )
         opened.append(dataset)
     lengths = read_lengths(os.path.join(cache_dir, manifest["lengths"]["path"]))

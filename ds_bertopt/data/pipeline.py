@@ -453,6 +453,9 @@ def _node_data(cfg, cache_dir: str, crew: Crew, work: Work, say=print0) -> Pretr
             opened.append(_open_stored(cfg, cache_dir, key, resample=True))
             return ""
         except manifest.Stale as stale:
+            for path in stale.damaged:  # a rebuild would reuse these parts (found by name)
+                if os.path.exists(path):
+                    os.unlink(path)
             return str(stale)
 
     if crew.is_leader:
