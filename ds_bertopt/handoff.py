@@ -104,6 +104,8 @@ class Work:
         self.key = _PREFIX + name
         self.started = self.stage_started = clock()
         self.progress = {"stage": "", "done": 0, "total": 0, "unit": "shards"}
+        self.durations: dict[str, float] = {}
+        """Seconds spent in each finished stage (for the record)."""
         self.beat = 0
         self.ended = False
         self._lock = threading.Lock()
@@ -121,8 +123,13 @@ class Work:
     def stage(self, name: str, total: int = 0, unit: str = "shards") -> None:
         """A new stage of ``total`` units (0: not counted)."""
         with self._lock:
+            now = self.clock()
+            if self.progress["stage"]:
+                self.durations[self.progress["stage"]] = self.durations.get(self.progress["stage"], 0.0) + (
+                    now - self.stage_started
+                )
             self.progress = {"stage": name, "done": 0, "total": total, "unit": unit}
-            self.stage_started = self.clock()
+            self.stage_started = now
 
     def advance(self, count: int = 1) -> None:
         with self._lock:

@@ -114,9 +114,10 @@ def open_sequences(cache_dir: str, files: list[dict], rows: int):
 
 def record(
     cache_dir: str, key: str, *, settings: dict, inputs: list[dict], tokenizer: str, tokenizer_obj, train, evaluation,
-    extra: dict,
+    extra: dict, started: float,
 ) -> dict:  # fmt: skip
-    """Fingerprint the build (hashing every sample once) and write the manifest and the lengths; returns it."""
+    """Fingerprint the build (hashing every sample once) and write the manifest and the lengths; returns it.
+    ``started``: when the build started (``time.perf_counter``), for the record."""
     folder = os.path.dirname(manifest_path(cache_dir, key))
     os.makedirs(folder, exist_ok=True)
     write_lengths(os.path.join(folder, "lengths.arrow"), train.with_format("arrow")[:])
@@ -141,6 +142,7 @@ def record(
         "lengths": file_stats([os.path.relpath(os.path.join(folder, "lengths.arrow"), cache_dir)], cache_dir)[0],
         "built": time.strftime("%Y-%m-%d %H:%M:%S"),
         **extra,
+        "build_seconds": round(time.perf_counter() - started, 1),  # the fingerprinting included
     }
     path = manifest_path(cache_dir, key)
     tmp = f"{path}.tmp{os.getpid()}"

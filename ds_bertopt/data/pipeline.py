@@ -435,10 +435,10 @@ def _build(cfg, cache_dir: str, key: str, settings: dict, crew: Crew, work: Work
     if crew.is_leader:
         work.stage("fingerprinting the sequences")
         extra = {"source": source, "skipped": asdict(skipped), "nodes": list(crew.nodes), "num_proc": list(crew.procs)}
-        extra["build_seconds"] = round(time.perf_counter() - started, 1)
+        extra["stage_seconds"] = {name: round(seconds, 2) for name, seconds in work.durations.items()}
         manifest.record(
             cache_dir, key, settings=settings, inputs=inputs, tokenizer=tokenizer_location, tokenizer_obj=tokenizer,
-            train=train, evaluation=evaluation, extra=extra,
+            train=train, evaluation=evaluation, extra=extra, started=started,
         )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ back to ``##`` pieces afterwards. The result is saved as a Hugging Face fast tok
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections import Counter
 from typing import Iterable, Mapping
@@ -61,8 +62,16 @@ def load_tokenizer(name_or_path: str, key: str = "data.tokenizer"):
     return tok
 
 
+_ASCII_WORD = re.compile(r"[!-/:-@\[-`{-~]|[^ !-/:-@\[-`{-~]+")
+"""BERT's pre-tokenizer on normalized ASCII text: after the normalizer the only white space left is " ", and each
+ASCII punctuation character is a word of its own."""
+
+
 def count_words(texts: Iterable[str]) -> Counter:
-    """Words as BERT's lower-casing normaliser and pre-tokenizer split them, with their counts."""
+    """Words as BERT's lower-casing normaliser and pre-tokenizer split them, with their counts. The normalized text's
+    ASCII chunks (between spaces) are split by :data:`_ASCII_WORD` and counted in C; the other chunks by
+    ``BertPreTokenizer`` itself (Unicode punctuation), all of a document's in one call. The same counts as the
+    pre-tokenizer alone, in half the time or less."""
     from tokenizers import normalizers, pre_tokenizers
 
     normalizer = normalizers.BertNormalizer(
@@ -71,7 +80,13 @@ def count_words(texts: Iterable[str]) -> Counter:
     pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     counts: Counter = Counter()
     for text in texts:
-        counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+        normalized = normalizer.normalize_str(text)
+        if not normalized.isascii():
+            chunks = normalized.split(" ")
+            other = " ".join(chunk for chunk in chunks if not chunk.isascii())
+            counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(other))
+            normalized = " ".join(chunk for chunk in chunks if chunk.isascii())
+        counts.update(_ASCII_WORD.findall(normalized))
     return counts
 
 
