@@ -97,7 +97,8 @@ def sampled_rows(num_rows: int, count: int) -> np.ndarray:
 def sampled_digest(dataset, columns, count: int) -> str:
     """:func:`table_digest` of :func:`sampled_rows` of ``dataset``: a cheap check that a cache still holds what it
     held when it was fingerprinted."""
-    return table_digest(dataset.with_format("arrow")[sampled_rows(len(dataset), count)], columns)
+    sampled = dataset.with_format("arrow")[sampled_rows(len(dataset), count)]
+    return table_digest(sampled.combine_chunks(), columns)  # a gather gives a chunk per row
 
 
 def disagreement(views: list[tuple]) -> Optional[str]:

@@ -30,8 +30,8 @@ def split_sentences(text: str) -> list[str]:
     sentences = []
     for paragraph in _PARAGRAPH.split(text):
         paragraph = " ".join(paragraph.split())  # runs of white space as one space (str.split: the same as \s+)
-        if paragraph:
-            sentences.extend(s for s in _SENTENCE_END.split(paragraph) if s)
+        if paragraph:  # (stripped: no piece of the split is empty)
+            sentences.extend(_SENTENCE_END.split(paragraph))
     return sentences
 
 
