@@ -6,8 +6,8 @@
 ``raise@forward:…`` raises, ``hang@forward:…`` stops responding, ``nan@loss:rank=0:step>=2`` turns
 the loss into NaN, ``enospc@write:rank=0:step=4`` makes rank 0's first checkpoint file write of step 4
 fail as a full disk does (``OSError`` ENOSPC), ``sleep20@build:rank=0:step>=1`` makes every part of rank 0's data
-build 20 s slower (at ``build`` the step is the part's number). Real jobs never set it; the cost when unset is one
-dictionary lookup.
+build 20 s slower (at ``build`` the step is the part's number in the process's whole build). Real jobs never set
+it; the cost when unset is one dictionary lookup.
 """
 
 from __future__ import annotations

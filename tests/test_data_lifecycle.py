@@ -67,9 +67,10 @@ def test_a_wait_reports_progress_every_30_s_and_gives_up_on_a_silent_worker():
     assert "train.dist_timeout_s 120" in str(info.value) and "its process died or hung" in str(info.value)
 
 
-def test_the_workers_own_error_reaches_the_waiting_ranks():
+def test_the_workers_own_error_reaches_the_waiting_ranks(monkeypatch):
     import torch.distributed as dist
 
+    monkeypatch.setattr(handoff, "LINGER_S", 0.0)  # no waiting rank polls here
     store = dist.HashStore()
     with pytest.raises(OSError):
         with handoff.Work(store, "data/node0", "node 0's data build"):

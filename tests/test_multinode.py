@@ -226,8 +226,8 @@ def test_two_nodes_with_their_own_caches_train_on_the_same_data(tmp_path, repo_r
 
 @pytest.mark.timeout(300)
 def test_a_data_build_slower_than_the_collective_timeout_completes_on_two_nodes(tmp_path, repo_root):
-    """The first run of a corpus: its build outlasts train.dist_timeout_s (a part of node 0's share made 12 s
-    slower, the timeout 10 s). It died before, rank 1 saying "lost contact with the other ranks"; now the nodes,
+    """The first run of a corpus: its build outlasts train.dist_timeout_s (node 0's first part, counting words, made
+    12 s slower; the timeout 10 s). It died before, rank 1 saying "lost contact with the other ranks"; now the nodes,
     which share one cache directory, build it together and wait for each other on the store, saying so."""
     cache = tmp_path / "shared_cache"
     args = pretrain_args(

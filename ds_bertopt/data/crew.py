@@ -128,26 +128,10 @@ def sharing_nodes(store, node: int, num_nodes: int, cache_dir: str, stale_s: flo
     _remove_stale_probes(root, keep=job)
     mine = os.path.join(folder, f"node{node}")
     open(mine, "w").close()
-    store.set(f"{_KEY}probe/node{node}", "1")
+    everyone = Crew(tuple(range(num_nodes)), node, store, stale_s, say)
+    everyone.gather("probe", "1")  # every node's file is written
     others = [n for n in range(num_nodes) if n != node]
-    wait_for(
-        store,
-        [work_name(n) for n in others],
-        work_labels(num_nodes),
-        keys=[f"{_KEY}probe/node{n}" for n in others],
-        stale_s=stale_s,
-        say=say,
-    )
-    store.set(f"{_KEY}view/node{node}", json.dumps(visible_nodes(folder, node, others)))
-    wait_for(
-        store,
-        [work_name(n) for n in others],
-        work_labels(num_nodes),
-        keys=[f"{_KEY}view/node{n}" for n in others],
-        stale_s=stale_s,
-        say=say,
-    )
-    published = store.multi_get([f"{_KEY}view/node{n}" for n in range(num_nodes)])
+    published = everyone.gather("view", json.dumps(visible_nodes(folder, node, others)))
     views = {n: frozenset(json.loads(value)) for n, value in enumerate(published)}
     os.unlink(mine)  # every node has looked
     try:

@@ -72,11 +72,15 @@ class Share:
 _JOBS: list[tuple] = []
 """The jobs of the running :func:`run_parts`, set before its workers fork: they inherit them (the dataset, the
 function and its arguments, e.g. a loaded tokenizer) instead of unpickling a copy per part."""
+_RUN_BEFORE = [0]
+"""Parts this process ran in earlier :func:`run_parts` calls: the fault point ``build``'s step is a part's number in
+this process's whole build (1: its first part, whichever stage)."""
 
 
 def _run_job(index: int):
     function, args = _JOBS[index]
-    faults.inject("build", int(os.environ.get("RANK", "0") or 0), index + 1)  # tests: a slow or failing build
+    step = _RUN_BEFORE[0] + index + 1
+    faults.inject("build", int(os.environ.get("RANK", "0") or 0), step)  # tests: a slow or failing build
     return index, function(*args)
 
 
@@ -101,6 +105,7 @@ def run_parts(jobs: list[tuple[Callable, tuple]], num_proc: int, progress=None) 
                     if progress is not None:
                         progress.advance()
     finally:
+        _RUN_BEFORE[0] += len(jobs)
         _JOBS.clear()
     return results
 
