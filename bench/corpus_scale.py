@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _common import FIGURES, SUMMARY, cpu_env, deepspeed_launcher, say, status  # noqa: E402
+from _common import FIGURES, SUMMARY, cpu_env, deepspeed_launcher, record_results, say, status  # noqa: E402
 from _cpu import cpu_kind  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
@@ -303,8 +303,6 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--as-rank" in argv:  # a rank of a job (the launcher puts --local_rank first)
         return as_rank([a for a in argv if a != "--as-rank"])
-    from ds_bertopt.testing.measure import record_results
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=list(SIZES_MB), help="corpus sizes in MB")
     parser.add_argument("--work", default=None, help="where corpora and caches go (default: a temporary folder)")

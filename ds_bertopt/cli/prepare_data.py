@@ -24,6 +24,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from ..log import print0
     from ..model.pretrained import resolve_checkpoint
     from ..train.loop import build_arg_parser
+    from ..train.preflight import check_dead_keys, check_keys_are_read
     from ..train.tasks.pretrain import PretrainTask
 
     task = PretrainTask()
@@ -31,7 +32,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.prog = "ds-bertopt prepare-data"
     parser.description = "Build the data cache of a pretraining config ahead of the job."
     args = parser.parse_args(argv)
-    cfg = load_config(args.deepspeed_config, run_overrides(args))
+    overrides = run_overrides(args)
+    cfg = load_config(args.deepspeed_config, overrides)
+    check_keys_are_read(task, cfg)  # the job's own refusals, before anything is built
+    check_dead_keys(cfg, overrides)
     started = time.perf_counter()
     b = cfg.bertopt
     model_cfg, data_cfg, _, lines = resolve_checkpoint(b.model, b.data)
