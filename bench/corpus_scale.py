@@ -261,9 +261,10 @@ def measure_size(mb: float, work: Path, args) -> dict:
     for folder in (one_cache, two_cache):
         shutil.rmtree(folder, ignore_errors=True)
     n = row["nodes"]
+    speedup = n["one_s"] / n["two_s"] if n["one_s"] and n["two_s"] else 0.0  # 0: one of the builds failed
     say(
         f"{mb:g} MB: build on 2 simulated nodes (one shared data.cache_dir, 1 process each) vs 1 node: "
-        f"{n['one_s'] / n['two_s']:.2f}x faster ({n['two_s']} s vs {n['one_s']} s); identical result "
+        f"{speedup:.2f}x faster ({n['two_s']} s vs {n['one_s']} s); identical result "
         f"(stored digests of the 2-node, 1-node and 2-rank builds): {'yes' if n['identical'] else 'NO'}"
     )
     tokenizer_dir = str(cache / record["tokenizer"])
