@@ -367,15 +367,20 @@ def summarize(rows: list[dict], done: list[dict], base: dict, args) -> None:
     n = np.array([r["sequences"] for r in done], dtype=float)
     added = np.array([r["warm"]["added"] for r in done])
     private = np.array([r["memory"]["private"] for r in done], dtype=float)
-    slope, intercept = np.polyfit(n, added, 1) if len(done) > 1 else (0.0, float(added[0]))
+    fitted = np.polyfit(n, added, 1)[0] if len(done) > 1 else 0.0
+    slope = max(0.0, fitted)  # a falling fit is noise between the sizes: no growth, never a saving at scale
+
+    def warm_at(count: float) -> float:  # from the worst size measured on, at the measured (or no) growth
+        return float(added.max()) + slope * (count - n[int(added.argmax())])
+
     mem_slope = np.polyfit(n, private, 1)[0] if len(done) > 1 else 0.0
     for label, count in EXTRAPOLATE.items():
         say(
-            f"extrapolated to {label}: warm start-up {intercept + slope * count:+.1f} s over the embedded corpus "
-            f"(slope {slope * 1e6:.3f} s per million sequences); private memory per rank "
+            f"extrapolated to {label}: warm start-up {warm_at(count):+.1f} s over the embedded corpus "
+            f"(slope {slope * 1e6:.3f} s per million sequences, fitted {fitted * 1e6:.3f}); private memory per rank "
             f"{(private[-1] + mem_slope * (count - n[-1])) / 2**30:.2f} GiB (slope {mem_slope:.1f} B per sequence)"
         )
-    at_scale = intercept + slope * EXTRAPOLATE["156.7M sequences (MLPerf phase 2)"]
+    at_scale = warm_at(EXTRAPOLATE["156.7M sequences (MLPerf phase 2)"])
     say(
         f"warm start-up added over the embedded corpus, 2 ranks: at most {added.max():+.1f} s at the sizes measured "
         f"(target <= {TARGET_ADDED_S:g} s: {status(added.max() <= TARGET_ADDED_S)}); {at_scale:+.1f} s extrapolated to "
