@@ -59,6 +59,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str], int, int]] = {
     ),
     "time_to_train": ("time_to_train", ["--quick"], [], 900, 14400),
     "preprocess": ("preprocess", ["--repeats", "2"], [], 600, 1200),
+    "corpus_scale": ("corpus_scale", ["--sizes", "5", "25", "50", "--slice-mb", "5"], [], 1800, 7200),
     "mfu": ("mfu", [], [], 900, 1800),
     "time_to_train_continued": (
         "time_to_train",

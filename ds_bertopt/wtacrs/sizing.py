@@ -19,6 +19,8 @@ from typing import Callable, Optional
 
 from ..configlib import load_section
 from ..errors import ConfigError
+from ..handoff import Work, job_store, wait_for
+from ..log import print_all
 from .config import KIT_DEFAULTS, WTACRS_DEFAULTS, KitConfig, WtaCrsConfig
 
 GiB = 1024**3
@@ -212,6 +214,7 @@ def resolve_auto(
     num_labels: int = 2,
     threads: int = 1,
     search_batch: bool = False,
+    stale_s: float = 120.0,
 ) -> tuple[WtaCrsConfig, int, list[str]]:
     """``cfg`` with ``preset: "auto"`` replaced by the fastest of its ``auto_candidates`` that fits
     ``memory_budget``; returns ``(config, micro-batch, log lines)``. Any other ``cfg`` comes back as it is.
@@ -219,8 +222,10 @@ def resolve_auto(
     Each candidate is measured at ``batch`` × ``seq`` in ``precision`` on ``device`` (fresh children; minutes on a
     CPU). With ``search_batch`` (``TrainingArguments.auto_find_batch_size``) each gets the largest batch up to
     ``batch`` that fits, and the fastest in sequences per second wins. Under ``torch.distributed`` rank 0
-    measures and every rank takes its choice. One-line :class:`~ds_bertopt.errors.ConfigError`: a device whose
-    peak cannot be measured here, a budget nothing fits.
+    measures and every rank takes its choice, waiting on the job's store (:mod:`ds_bertopt.handoff`: no collective
+    timeout, a progress line every 30 s, rank 0's error on every rank; rank 0 silent for ``stale_s`` is given up).
+    One-line :class:`~ds_bertopt.errors.ConfigError`: a device whose peak cannot be measured here, a budget nothing
+    fits.
     """
     if cfg.preset != "auto":
         return cfg, batch, []
@@ -234,25 +239,30 @@ def resolve_auto(
         raise ConfigError(
             f"wtacrs.memory_budget: cannot measure peak memory on {device}: {why}; set wtacrs.preset yourself"
         )
-    shared = torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1
-    outcome: list = [None]
-    if not shared or torch_dist.get_rank() == 0:
-        try:
-            outcome[0] = _measure_candidates(
-                cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch
-            )
-        except ConfigError as exc:
-            outcome[0] = exc
-    if shared:
-        torch_dist.broadcast_object_list(outcome, src=0)
-    if isinstance(outcome[0], ConfigError):
-        raise ConfigError(str(outcome[0]))
-    name, found, lines = outcome[0]
+    args = (cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch)
+    if not (torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1):
+        name, found, lines = _measure_candidates(*args)
+    else:  # rank 0 measures (minutes); the others wait on the store, where no collective timeout applies
+        _AUTO_CALLS.append(len(_AUTO_CALLS))  # every rank makes the same calls: each has its own keys
+        work_name = f"wtacrs/auto{_AUTO_CALLS[-1]}"
+        labels = {work_name: "rank 0's wtacrs preset auto measurement"}
+        if torch_dist.get_rank() == 0:
+            with Work(job_store(), work_name, labels[work_name]) as work:
+                name, found, lines = _measure_candidates(*args, progress=work)
+                work.finish([name, found, lines])
+        else:
+            say = print_all if torch_dist.get_rank() == 1 else None
+            name, found, lines = wait_for(job_store(), [work_name], labels, stale_s=stale_s, say=say)[work_name]
     chosen = load_section(WtaCrsConfig, candidate_config(cfg, name), "wtacrs")
     return chosen, found, lines
 
 
-def _measure_candidates(cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch):
+_AUTO_CALLS: list[int] = []
+
+
+def _measure_candidates(
+    cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch, progress=None
+):
     base = {
         "model": model_dir,
         "seq": seq,
@@ -262,6 +272,8 @@ def _measure_candidates(cfg, budget, model_dir, batch, seq, precision, device, n
         "threads": threads,
     }
     results = []
+    if progress is not None:
+        progress.stage("measuring the candidates", total=len(cfg.auto_candidates), unit="candidates")
     for name in cfg.auto_candidates:
         spec = {**base, "wtacrs": candidate_config(cfg, name)}
         label = CANDIDATE_LABELS.get(name, f"preset {name}")
@@ -269,6 +281,8 @@ def _measure_candidates(cfg, budget, model_dir, batch, seq, precision, device, n
             results.append(measure(spec, label, budget, probe=batch, max_batch=batch))
         else:
             results.append(measure(spec, label, budget, batch=batch))
+        if progress is not None:
+            progress.advance()
     shape = f"up to batch {batch}" if search_batch else f"batch {batch}"
     lines = [f"wtacrs: preset auto, memory budget {cfg.memory_budget} GiB: measured {shape} × seq {seq}, {precision}"]
     lines += [f"wtacrs: preset auto: {describe(m, budget)}" for m in results]

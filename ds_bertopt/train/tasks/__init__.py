@@ -16,9 +16,19 @@ fine-tuning, and nothing else. A task is an object with:
 * ``evaluate(engine, topo, seed) -> dict``, ``eval_line``, ``describe_model``, ``save_final``, ``done_line``.
 """
 
-from .finetune import FinetuneTask
-from .pretrain import PretrainTask
+import importlib
 
-TASKS = {"pretrain": PretrainTask, "finetune": FinetuneTask}
+_MODULES = {"PretrainTask": "pretrain", "FinetuneTask": "finetune"}
+"""Each task is imported when first named, so a run imports only its own (fine-tuning's imports cost seconds of
+a pretraining start)."""
+
+
+def __getattr__(name: str):
+    if name == "TASKS":
+        return {"pretrain": __getattr__("PretrainTask"), "finetune": __getattr__("FinetuneTask")}
+    if name in _MODULES:
+        return getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["FinetuneTask", "PretrainTask", "TASKS"]
