@@ -204,3 +204,48 @@ def step_generator(*keys: int) -> torch.Generator:
     gen = torch.Generator()
     gen.manual_seed(seed)
     return gen
+
+
+def collate_task_batch(samples: Sequence[dict], task: str, *, packed: bool, pad_id: int, pad_multiple: int = 1) -> dict:
+    """One fine-tuning micro-batch, packed (:func:`pack_sequences`) or padded (:func:`pad_batch`).
+
+    ``samples``: dicts with ``input_ids``, ``token_type_ids`` and the task's target: ``label`` (classification: an
+    int, regression: a float), ``labels`` (token classification: one per token, ``-100`` where not labelled) or
+    ``start_position``/``end_position`` (question answering: token indices within the sample). The batch carries
+    ``labels`` ``[S]`` (token classification: ``[P]``, the labelled tokens only, at ``label_positions``: flat indices
+    into the packed row or the padded ``[S, L]`` batch), ``start_positions``/``end_positions`` ``[S]``, ``pad_index``
+    (packed: each token's flat position in ``[S, max_seqlen]``), and the host ints ``num_tokens`` (real tokens) and
+    ``num_targets`` (sequences; token classification: labelled tokens)."""
+    tokens = [{"input_ids": s["input_ids"], "token_type_ids": s["token_type_ids"]} for s in samples]
+    if task == "token_classification":
+        for sample, kept in zip(samples, tokens):
+            kept["labels"] = sample["labels"]
+    if packed:
+        batch = pack_sequences(tokens)
+        lengths = batch["seq_lengths"]
+        batch["pad_index"] = torch.cat([torch.arange(n) + row * batch["max_seqlen"] for row, n in enumerate(lengths)])
+        num_tokens = int(batch["input_ids"].numel())
+    else:
+        batch = pad_batch(tokens, pad_id, pad_multiple, cap=1 << 30)
+        num_tokens = int(batch["attention_mask"].sum())
+        if task == "token_classification":
+            labels = torch.full(batch["input_ids"].shape, IGNORE_INDEX, dtype=torch.long)
+            for row, sample in enumerate(samples):
+                labels[row, : len(sample["labels"])] = torch.as_tensor(sample["labels"], dtype=torch.long)
+            batch["labels"] = labels.reshape(-1)
+    if task == "token_classification":
+        positions = torch.nonzero(batch.pop("labels") != IGNORE_INDEX).flatten()
+        flat = torch.cat([torch.as_tensor(s["labels"], dtype=torch.long) for s in samples])
+        batch.pop("masked_positions", None)
+        batch["labels"] = flat[flat != IGNORE_INDEX]
+        batch["label_positions"] = positions
+        num_targets = len(positions)
+    else:
+        num_targets = len(samples)
+    if task in ("classification", "regression"):
+        dtype = torch.float32 if task == "regression" else torch.long
+        batch["labels"] = torch.as_tensor([s["label"] for s in samples], dtype=dtype)
+    elif task == "question_answering":
+        batch["start_positions"] = torch.as_tensor([s["start_position"] for s in samples], dtype=torch.long)
+        batch["end_positions"] = torch.as_tensor([s["end_position"] for s in samples], dtype=torch.long)
+    return {**batch, "num_tokens": num_tokens, "num_targets": num_targets}

@@ -177,7 +177,19 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
 
-    task = TaskType.SEQ_CLS if hasattr(model, "classifier") else None
+    # the task decides which head PEFT keeps trainable (modules_to_save): classifier, or qa_outputs
+    name = type(model).__name__
+    task = next(
+        (
+            t
+            for suffix, t in (
+                ("ForTokenClassification", TaskType.TOKEN_CLS),
+                ("ForQuestionAnswering", TaskType.QUESTION_ANS),
+            )
+            if name.endswith(suffix)
+        ),
+        TaskType.SEQ_CLS if hasattr(model, "classifier") else None,
+    )
     targets = list(detect(model).family.lora_targets if tuple(lora.targets) == ("auto",) else lora.targets)
     peft_config = PeftLoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type=task

@@ -152,6 +152,19 @@ def install_context(model: nn.Module) -> BatchContext:
     return context
 
 
+def feed_context(outer: nn.Module, inner: nn.Module) -> bool:
+    """Let ``outer``'s forward keywords feed the :class:`BatchContext` of ``inner`` (a converted model that ``outer``
+    runs without calling its forward: the unpadded wrapper, ``ds_bertopt.model.heads.UnpaddedTaskModel``). A packed
+    batch has no padding rows: the context gets no mask, and ``wtacrs_num_valid_rows`` is its token count. Returns
+    whether ``inner`` had a context to feed."""
+    context = getattr(inner, "_wtacrs_context", None)
+    if context is None:
+        return False
+    outer.register_forward_pre_hook(functools.partial(_begin_hook, context), with_kwargs=True)
+    outer.register_forward_hook(functools.partial(_end_hook, context), with_kwargs=True)
+    return True
+
+
 class _SampledLinearFn(torch.autograd.Function):
     """``y = x Wᵀ + b``; backward from the pre-scaled stored rows (see the module docstring).
 
