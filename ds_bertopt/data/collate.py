@@ -177,25 +177,6 @@ class PackedMLMCollator(MLMCollator):
         return with_mlm_labels(batch, ids, labels)
 
 
-def pad_classification_batch(
-    ids: list[list[int]], labels: list[int], example_ids: list[int], pad_id: int, pad_multiple: int = 1
-) -> dict:
-    """Dynamic padding to the longest input of the micro-batch, rounded up to ``pad_multiple``."""
-    longest = max(len(x) for x in ids)
-    longest = -(-longest // pad_multiple) * pad_multiple
-    input_ids = torch.full((len(ids), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(ids), longest), dtype=torch.long)
-    for row, tokens in enumerate(ids):
-        input_ids[row, : len(tokens)] = torch.tensor(tokens)
-        mask[row, : len(tokens)] = 1
-    return {
-        "input_ids": input_ids,
-        "attention_mask": mask,
-        "labels": torch.tensor(labels),
-        "example_ids": torch.tensor(example_ids),
-    }
-
-
 def step_generator(*keys: int) -> torch.Generator:
     """A generator seeded deterministically from integer keys (seed, epoch, step, rank, …)."""
     seed = 0
