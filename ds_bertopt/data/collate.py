@@ -187,6 +187,12 @@ def step_generator(*keys: int) -> torch.Generator:
     return gen
 
 
+def padded_positions(lengths: Sequence[int], width: int) -> torch.Tensor:
+    """Each packed token's flat position ``row × width + position`` in the padded ``[len(lengths), width]`` layout
+    (``ds_bertopt.model.heads.to_padded`` lays packed values out with it)."""
+    return torch.cat([torch.arange(n) + row * width for row, n in enumerate(lengths)])
+
+
 def collate_task_batch(samples: Sequence[dict], task: str, *, packed: bool, pad_id: int, pad_multiple: int = 1) -> dict:
     """One fine-tuning micro-batch, packed (:func:`pack_sequences`) or padded (:func:`pad_batch`).
 
@@ -203,8 +209,7 @@ def collate_task_batch(samples: Sequence[dict], task: str, *, packed: bool, pad_
             kept["labels"] = sample["labels"]
     if packed:
         batch = pack_sequences(tokens)
-        lengths = batch["seq_lengths"]
-        batch["pad_index"] = torch.cat([torch.arange(n) + row * batch["max_seqlen"] for row, n in enumerate(lengths)])
+        batch["pad_index"] = padded_positions(batch["seq_lengths"], batch["max_seqlen"])
         num_tokens = int(batch["input_ids"].numel())
     else:
         batch = pad_batch(tokens, pad_id, pad_multiple, cap=1 << 30)

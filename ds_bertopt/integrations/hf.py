@@ -64,7 +64,7 @@ from ..errors import ConfigError
 from ..wtacrs import prepare_model
 from ..wtacrs.sizing import resolve_auto
 from ..wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, SampledLinear
-from .hf_mlm import UnpaddedMLMTrainerMixin
+from .hf_unpadded import UnpaddedTrainerMixin
 
 TESTED_VERSIONS = {"transformers": "5.24.0", "accelerate": "1.15.0", "deepspeed": "0.19.8"}
 """The releases this integration was written and tested against (their internals are checked by :func:`check_api`)."""
@@ -727,6 +727,8 @@ class BertOptTrainerMixin:
         column = self.args.length_column_name
         if hasattr(dataset, "column_names") and column in dataset.column_names:
             return [int(n) for n in dataset[column]]
+        if hasattr(dataset, "column_names") and "attention_mask" in dataset.column_names:
+            return [int(sum(m)) for m in dataset["attention_mask"]]  # examples padded up front (pad_to_max_length)
         names = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
         try:
             return [len(dataset[i][names[0]]) for i in range(len(dataset))]
@@ -837,9 +839,9 @@ class BertOptTrainerMixin:
         return self.lr_scheduler
 
 
-class BertOptTrainer(UnpaddedMLMTrainerMixin, BertOptTrainerMixin, Trainer):
+class BertOptTrainer(UnpaddedTrainerMixin, BertOptTrainerMixin, Trainer):
     """``transformers.Trainer`` plus the ``"bertopt"`` section (see the module docstring; ``model.unpadded``:
-    :mod:`ds_bertopt.integrations.hf_mlm`)."""
+    :mod:`ds_bertopt.integrations.hf_unpadded`)."""
 
 
 __all__ = [

@@ -125,6 +125,19 @@ def span_losses(start: torch.Tensor, end: torch.Tensor, start_positions, end_pos
     ) / 2
 
 
+def task_losses(task: str, outputs, labels=None, start_positions=None, end_positions=None) -> torch.Tensor:
+    """Per target losses of ``task`` from a model's ``outputs`` (``logits``, or ``start_logits``/``end_logits``):
+    :func:`sequence_losses` per sequence, :func:`token_losses` per token (``0`` where ``labels`` is ``-100``, so
+    padded ``[S, L, labels]`` logits with ``[S, L]`` labels sum to the labelled tokens' loss), :func:`span_losses`
+    per window."""
+    if task in ("classification", "regression"):
+        return sequence_losses(outputs["logits"], labels, task == "regression")
+    if task == "token_classification":
+        logits = outputs["logits"]
+        return token_losses(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    return span_losses(outputs["start_logits"], outputs["end_logits"], start_positions, end_positions)
+
+
 # ---------------------------------------------------------------- the model
 @dataclass
 class TaskOutput(ModelOutput):
@@ -187,6 +200,7 @@ __all__ = [
     "sequence_losses",
     "span_logits",
     "span_losses",
+    "task_losses",
     "task_of",
     "to_padded",
     "token_logits",

@@ -358,6 +358,15 @@ class UnpaddedEncoder(torch.nn.Module):
         self.dropout_p = float(getattr(config, family.attention_dropout, 0.0) or 0.0)
         self._backends: dict[tuple, str] = {}  # (device, dtype, with dropout) -> "varlen" | "sdpa_loop"
 
+    @property
+    def config(self):
+        """The wrapped model's config (``Trainer`` and DeepSpeed's ``"auto"`` values read it)."""
+        return self.hf.config
+
+    def activation_checkpointing_enable(self, *args, **kwargs):
+        """The wrapped model's own (transformers checkpoints its layers; ``Trainer`` calls this)."""
+        return self.model.activation_checkpointing_enable(*args, **kwargs)
+
     def choose_attention(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> str:
         """Decide the attention kernel for ``device``/``dtype`` (default: the parameters'), probing flash varlen
         now, eagerly and outside any autograd graph, never inside a (checkpointed) forward; returns one line for

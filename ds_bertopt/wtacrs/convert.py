@@ -192,9 +192,27 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
     )
     targets = list(detect(model).family.lora_targets if tuple(lora.targets) == ("auto",) else lora.targets)
     peft_config = PeftLoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type=task
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        task_type=task,
+        modules_to_save=task_head_modules(model) or None,
     )
     return get_peft_model(model, peft_config)
+
+
+def task_head_modules(model: nn.Module) -> list[str]:
+    """The modules a transformers task model adds to its base model, with parameters: they are new (or re-initialised)
+    and must train under LoRA. PEFT's task types keep only their usual names trainable (``classifier``/``score``,
+    ``qa_outputs``), which would leave DistilBERT's ``pre_classifier`` and ModernBERT's ``head`` (and its QA
+    ``classifier``) frozen."""
+    base = getattr(model, "base_model", None)
+    if base is None or base is model:
+        return []
+    return [
+        name for name, child in model.named_children() if child is not base and any(True for _ in child.parameters())
+    ]
 
 
 def prepare_model(model: nn.Module, cfg) -> tuple[nn.Module, list[str]]:

@@ -29,7 +29,7 @@ from ...errors import ConfigError
 from ...log import print0
 from ...model.bert import save_hf_model
 from ...model.families import family_of_type
-from ...model.heads import UnpaddedTaskModel, auto_model_class, sequence_losses, span_losses, token_losses
+from ...model.heads import UnpaddedTaskModel, auto_model_class, task_losses
 from ...model.local import resolve_model_dir
 from ...model.pretrained import check_unpadded
 from ...wtacrs import SampledLinear, prepare_model
@@ -206,15 +206,8 @@ class FinetuneTask:
             elif self.task == "question_answering":
                 pad = batch["attention_mask"] == 0
                 out = {k: out[k].masked_fill(pad, float("-inf")) for k in ("start_logits", "end_logits")}
-        if self.task in ("classification", "regression"):
-            losses = sequence_losses(out["logits"], batch["labels"], self.task == "regression")
-        elif self.task == "token_classification":
-            losses = token_losses(out["logits"], batch["labels"])
-        else:
-            losses = span_losses(
-                out["start_logits"], out["end_logits"], batch["start_positions"], batch["end_positions"]
-            )
-        return out, losses
+        targets = {k: batch[k] for k in ("labels", "start_positions", "end_positions") if k in batch}
+        return out, task_losses(self.task, out, **targets)
 
     def loss(self, engine, batch: dict, normalizer) -> tuple[torch.Tensor, torch.Tensor]:
         _, losses = self._forward(engine, batch, self.pass_example_ids)
