@@ -101,8 +101,9 @@ def _launch(
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_launcher_finetunes_and_learns_zero3_with_cache(tmp_path):
-    """A small random BERT learns an easy task through the launcher: ZeRO-3, WTA-CRS on ffn_out + q/k/v with
-    the gradient-norm cache, the exact kit (the hardest path: gathered weights in the sampled backward)."""
+    """A small random BERT learns an easy task through the launcher: ZeRO-3, unpadded, WTA-CRS on ffn_out + q/k/v
+    with the gradient-norm cache on packed rows, the exact kit (the hardest path: gathered weights in the sampled
+    backward)."""
     model = _tiny_checkpoint(tmp_path / "model")
     train = sentiment_csv(tmp_path / "train.csv", 192, seed=1)
     dev = sentiment_csv(tmp_path / "dev.csv", 64, seed=2)
@@ -116,9 +117,7 @@ def test_launcher_finetunes_and_learns_zero3_with_cache(tmp_path):
             "optimizer.lr=0.003",
             "deepspeed.train_micro_batch_size_per_gpu=8",
             "finetune.max_seq_length=32",
-            "wtacrs.grad_norm_cache=true",
-            "model.unpadded=false",  # the cache keys rows by padded position
-            'sampler.strategy="random"',
+            "wtacrs.grad_norm_cache=true",  # on packed rows (the shipped configs are unpadded)
             'wtacrs.targets=["ffn_out","qkv"]',
         ],
         "--epochs",

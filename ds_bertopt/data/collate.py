@@ -9,10 +9,12 @@ reproducible and a resumed run sees exactly the masks an uninterrupted run would
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Sequence
 
 import torch
 
+from ..errors import ConfigError
 from ..labels import IGNORE_INDEX
 
 
@@ -235,3 +237,87 @@ def collate_task_batch(samples: Sequence[dict], task: str, *, packed: bool, pad_
         batch["start_positions"] = torch.as_tensor([s["start_position"] for s in samples], dtype=torch.long)
         batch["end_positions"] = torch.as_tensor([s["end_position"] for s in samples], dtype=torch.long)
     return {**batch, "num_tokens": num_tokens, "num_targets": num_targets}
+
+
+# --- a Trainer-style collator: features in, one packed row out --------------------------------------------------
+TARGET_KEYS = {
+    "classification": ("labels",),
+    "regression": ("labels",),
+    "token_classification": ("labels",),
+    "question_answering": ("start_positions", "end_positions"),
+}
+
+
+def _real_tokens(feature: Mapping, index: int) -> int:
+    """The feature's token count: all of ``input_ids``, or the leading ones its ``attention_mask`` keeps."""
+    mask = feature.get("attention_mask")
+    length = len(feature["input_ids"])
+    if mask is None:
+        return length
+    mask = [int(m) for m in mask]
+    n = sum(mask)
+    if mask != [1] * n + [0] * (length - n):
+        raise ConfigError(
+            f"model.unpadded: feature {index} of the batch is not right-padded (its attention_mask is not ones then "
+            "zeros); tokenize with padding_side='right'"
+        )
+    return n
+
+
+def _label(feature: Mapping):
+    for key in ("labels", "label", "label_ids"):
+        if key in feature and feature[key] is not None:
+            return feature[key]
+    return None
+
+
+class PackedTaskFeatures:
+    """A ``Trainer`` collator for ``task``: features (mappings with ``input_ids``, optionally ``token_type_ids``,
+    ``attention_mask`` and the task's targets ``labels``/``label``, or ``start_positions``/``end_positions``) → one
+    packed row for ``ds_bertopt.model.heads.UnpaddedTaskWithLoss``: token-wise tensors ``[1, T]``, ``cu_seqlens``,
+    the host ``max_seqlen`` and ``seq_lengths``, ``pad_index`` (token classification, question answering), and the
+    targets, first (``Trainer`` counts examples by the first tensor's first dimension): ``labels [S]``, token
+    classification's ``[S, L]`` padded with ``-100``, ``start_positions``/``end_positions [S]``. A feature padded up
+    front (its ``attention_mask`` ones then zeros) is cut to its real tokens. Targets are given for every feature of a
+    batch or for none (prediction)."""
+
+    def __init__(self, task: str):
+        self.task = task
+
+    def __call__(self, features: list) -> dict:
+        samples, targets = [], {key: [] for key in TARGET_KEYS[self.task]}
+        for index, feature in enumerate(features):
+            if not isinstance(feature, Mapping) or "input_ids" not in feature:
+                raise ConfigError("model.unpadded: training examples must be mappings with input_ids")
+            n = _real_tokens(feature, index)
+            types = feature.get("token_type_ids")
+            samples.append(
+                {"input_ids": list(feature["input_ids"])[:n], "token_type_ids": list(types)[:n] if types else [0] * n}
+            )
+            for key in targets:
+                value = _label(feature) if key == "labels" else feature.get(key)
+                targets[key].append(list(value)[:n] if self.task == "token_classification" and value else value)
+        packed = pack_sequences(samples)
+        width = packed["max_seqlen"]
+        batch = {}
+        for key, values in targets.items():
+            given = [v is not None for v in values]
+            if any(given) and not all(given):
+                raise ConfigError(f"model.unpadded: some examples of a batch have {key} and some not")
+            if all(given):
+                batch[key] = self._target(values, width)
+        for key in ("input_ids", "token_type_ids", "position_ids"):
+            batch[key] = packed[key][None]
+        batch.update(cu_seqlens=packed["cu_seqlens"], max_seqlen=width, seq_lengths=packed["seq_lengths"])
+        if self.task in ("token_classification", "question_answering"):
+            batch["pad_index"] = padded_positions(packed["seq_lengths"], width)
+        return batch
+
+    def _target(self, values: list, width: int) -> torch.Tensor:
+        if self.task == "token_classification":  # [S, L], -100 beyond each sequence
+            out = torch.full((len(values), width), IGNORE_INDEX, dtype=torch.long)
+            for row, labels in enumerate(values):
+                out[row, : len(labels)] = torch.as_tensor(labels, dtype=torch.long)
+            return out
+        dtype = torch.float32 if self.task == "regression" else torch.long
+        return torch.as_tensor(values, dtype=dtype).reshape(len(values))

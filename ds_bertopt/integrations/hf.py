@@ -57,13 +57,15 @@ from transformers import Trainer, TrainerCallback
 from .. import optim
 from ..config import BertOptConfig
 from ..configlib import load_section
+from ..data.collate import padded_positions
 from ..data.sampler import PlanBatchSampler
 from ..dsconfig import zero_stage
 from ..engine import attach_extensions, check_combinations
 from ..errors import ConfigError
 from ..wtacrs import prepare_model
 from ..wtacrs.sizing import resolve_auto
-from ..wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, SampledLinear
+from ..wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, PACKED_INDEX_KWARG, SampledLinear
+from .hf_tasks import measured_setup
 from .hf_unpadded import UnpaddedTrainerMixin
 
 TESTED_VERSIONS = {"transformers": "5.24.0", "accelerate": "1.15.0", "deepspeed": "0.19.8"}
@@ -450,12 +452,15 @@ class ExampleIdCollator:
                 f"wtacrs.grad_norm_cache: the data collator returned a {type(batch).__name__}, "
                 "not a mapping, so example ids cannot join the batch"
             )
-        if "attention_mask" not in batch:
+        packed = "cu_seqlens" in batch  # model.unpadded: one padding-free row
+        if "attention_mask" not in batch and not packed:
             raise ConfigError(
                 "wtacrs.grad_norm_cache: the training batches have no attention_mask; the cache keys "
                 "token rows by it (use a collator that pads, e.g. DataCollatorWithPadding)"
             )
         batch[EXAMPLE_IDS_KWARG] = torch.tensor(ids, dtype=torch.long)
+        if packed:  # where each token sits in its example: the cache's key
+            batch[PACKED_INDEX_KWARG] = padded_positions(batch["seq_lengths"], batch["max_seqlen"])
         return self._with_count(batch)
 
     def _with_count(self, batch):
@@ -655,6 +660,7 @@ class BertOptTrainerMixin:
             num_labels=getattr(model.config, "num_labels", 2),
             threads=torch.get_num_threads(),
             search_batch=bool(args.auto_find_batch_size),
+            task=measured_setup(model, self._bertopt.bertopt.model.unpadded),
         )
         for line in lines:
             _say(line)

@@ -24,7 +24,8 @@ from ..log import print0
 from ..model.families import FAMILIES
 from ..model.unpadded import UnpaddedEncoder
 from .hf_mlm import TrainerUnpaddedMLM, packing_collator
-from .hf_tasks import TrainerUnpaddedTask, is_task_model, task_packing_collator, wrap_task_model
+from ..model.heads import UnpaddedTaskWithLoss
+from .hf_tasks import is_task_model, task_packing_collator, wrap_task_model
 
 
 class _ChooseAttention(TrainerCallback):
@@ -43,7 +44,7 @@ def _packer_for(model: UnpaddedEncoder, collator):
 
     if isinstance(collator, ExampleIdCollator):
         return ExampleIdCollator(_packer_for(model, collator.collator), collator.count_valid_rows)
-    if isinstance(model, TrainerUnpaddedTask):
+    if isinstance(model, UnpaddedTaskWithLoss):
         return task_packing_collator(collator, model.task)
     return packing_collator(collator)
 
@@ -59,7 +60,7 @@ class UnpaddedTrainerMixin:
             self.add_callback(_ChooseAttention(self.model))
             what = (
                 f"{self.model.task.replace('_', ' ')} batches"
-                if isinstance(self.model, TrainerUnpaddedTask)
+                if isinstance(self.model, UnpaddedTaskWithLoss)
                 else f"MLM batches (mlm_probability {self._bertopt_packing.packer.mlm_probability})"
             )
             print0(

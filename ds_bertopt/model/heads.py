@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from transformers.utils import ModelOutput
 
 from ..errors import ConfigError
+from ..labels import IGNORE_INDEX
 from .families import family_of_type
 from .unpadded import UnpaddedEncoder
 
@@ -191,10 +192,134 @@ class UnpaddedTaskModel(UnpaddedEncoder):
         return TaskOutput(start_logits=start, end_logits=end)
 
 
+# ---------------------------------------------------------------- with the loss: the stock models' forward
+def _flat(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if x is None else x.reshape(-1)  # [1, T] rows
+
+
+class UnpaddedTaskWithLoss(UnpaddedTaskModel):
+    """:class:`UnpaddedTaskModel` with the stock model's forward: the packed batch of
+    :class:`ds_bertopt.data.collate.PackedTaskFeatures` (token-wise tensors ``[1, T]``) and the task's targets in, the
+    loss and the stock layouts out: ``logits [S, labels]``; token classification ``logits [S, L, labels]`` per sequence
+    (``L``: the longest), with ``labels [S, L]`` padded with ``-100``; question answering ``start_logits``/
+    ``end_logits [S, L]``, ``-inf`` beyond each sequence. The loss: per-target losses (:func:`task_losses`) summed
+    and divided by ``num_items_in_batch`` when given (``Trainer``: the step's targets over every micro-batch and
+    rank, so micro-batches of unequal size weigh each example equally), else averaged (per labelled token for token
+    classification). One subclass per task, each naming its targets (``Trainer`` reads them from the forward's
+    signature)."""
+
+    accepts_loss_kwargs = True  # Trainer passes num_items_in_batch
+
+    def _task_forward(self, packed: dict, pad_index, targets: dict, num_items_in_batch) -> TaskOutput:
+        out = UnpaddedTaskModel.forward(
+            self,
+            _flat(packed["input_ids"]),
+            packed["cu_seqlens"],
+            _flat(packed["token_type_ids"]),
+            _flat(packed["position_ids"]),
+            packed["max_seqlen"],
+            packed["seq_lengths"],
+            pad_index=pad_index if self.task == "question_answering" else None,
+        )
+        if self.task == "token_classification":
+            rows, width = packed["cu_seqlens"].numel() - 1, int(packed["max_seqlen"])
+            out.logits = to_padded(out.logits, pad_index, rows, width, 0.0)
+        if all(value is not None for value in targets.values()):
+            losses = task_losses(self.task, out, **targets)
+            if num_items_in_batch is not None:
+                out.loss = losses.sum() / num_items_in_batch
+            elif self.task == "token_classification":
+                out.loss = losses.sum() / (targets["labels"] != IGNORE_INDEX).sum().clamp_min(1)
+            else:
+                out.loss = losses.mean()
+        return out
+
+
+def _packed(input_ids, cu_seqlens, token_type_ids, position_ids, max_seqlen, seq_lengths) -> dict:
+    return dict(
+        input_ids=input_ids,
+        cu_seqlens=cu_seqlens,
+        token_type_ids=token_type_ids,
+        position_ids=position_ids,
+        max_seqlen=max_seqlen,
+        seq_lengths=seq_lengths,
+    )
+
+
+class UnpaddedForSequenceClassification(UnpaddedTaskWithLoss):
+    """Classification (a text or a pair) and regression (``num_labels`` 1)."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        max_seqlen: Optional[int] = None,
+        seq_lengths: Optional[tuple] = None,
+        attention_mask: Optional[torch.Tensor] = None,  # noqa: ARG002 - the collator's input; kept as a column
+        num_items_in_batch=None,
+    ) -> TaskOutput:
+        packed = _packed(input_ids, cu_seqlens, token_type_ids, position_ids, max_seqlen, seq_lengths)
+        return self._task_forward(packed, None, {"labels": labels}, num_items_in_batch)
+
+
+class UnpaddedForTokenClassification(UnpaddedTaskWithLoss):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        pad_index: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        max_seqlen: Optional[int] = None,
+        seq_lengths: Optional[tuple] = None,
+        attention_mask: Optional[torch.Tensor] = None,  # noqa: ARG002
+        num_items_in_batch=None,
+    ) -> TaskOutput:
+        packed = _packed(input_ids, cu_seqlens, token_type_ids, position_ids, max_seqlen, seq_lengths)
+        return self._task_forward(packed, pad_index, {"labels": labels}, num_items_in_batch)
+
+
+class UnpaddedForQuestionAnswering(UnpaddedTaskWithLoss):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        pad_index: torch.Tensor,
+        start_positions: Optional[torch.Tensor] = None,
+        end_positions: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        max_seqlen: Optional[int] = None,
+        seq_lengths: Optional[tuple] = None,
+        attention_mask: Optional[torch.Tensor] = None,  # noqa: ARG002
+        num_items_in_batch=None,
+    ) -> TaskOutput:
+        packed = _packed(input_ids, cu_seqlens, token_type_ids, position_ids, max_seqlen, seq_lengths)
+        targets = {"start_positions": start_positions, "end_positions": end_positions}
+        return self._task_forward(packed, pad_index, targets, num_items_in_batch)
+
+
+TASK_MODEL_CLASSES = {
+    "classification": UnpaddedForSequenceClassification,
+    "regression": UnpaddedForSequenceClassification,
+    "token_classification": UnpaddedForTokenClassification,
+    "question_answering": UnpaddedForQuestionAnswering,
+}
+
+
 __all__ = [
     "TASK_CLASS_SUFFIX",
+    "TASK_MODEL_CLASSES",
     "TaskOutput",
+    "UnpaddedForQuestionAnswering",
+    "UnpaddedForSequenceClassification",
+    "UnpaddedForTokenClassification",
     "UnpaddedTaskModel",
+    "UnpaddedTaskWithLoss",
     "auto_model_class",
     "sequence_logits",
     "sequence_losses",

@@ -23,13 +23,21 @@ from .kit import (
     apply_kit,
     fuse_gelu_linears,
 )
-from .linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, BatchContext, SampledLinear, install_context
+from .linear import (
+    EXAMPLE_IDS_KWARG,
+    NUM_VALID_ROWS_KWARG,
+    PACKED_INDEX_KWARG,
+    BatchContext,
+    SampledLinear,
+    install_context,
+)
 from .memory import estimate_saving, saved_tensor_bytes
 
 __all__ = [
     "EXAMPLE_IDS_KWARG",
     "FAMILIES",
     "NUM_VALID_ROWS_KWARG",
+    "PACKED_INDEX_KWARG",
     "BatchContext",
     "Bf16InputGelu",
     "CompactDropout",

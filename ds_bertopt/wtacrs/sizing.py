@@ -212,9 +212,13 @@ def resolve_auto(
     num_labels: int = 2,
     threads: int = 1,
     search_batch: bool = False,
+    task: Optional[dict] = None,
 ) -> tuple[WtaCrsConfig, int, list[str]]:
     """``cfg`` with ``preset: "auto"`` replaced by the fastest of its ``auto_candidates`` that fits
     ``memory_budget``; returns ``(config, micro-batch, log lines)``. Any other ``cfg`` comes back as it is.
+    ``task``: what the run trains, as :func:`~ds_bertopt.wtacrs.memory.measure_step` builds it (``build``, ``task``,
+    ``packed``: e.g. ``ds_bertopt.train.finetune_memory.task_variant`` on packed rows of ``batch`` sequences of
+    ``seq`` tokens); default: sequence classification, padded.
 
     Each candidate is measured at ``batch`` × ``seq`` in ``precision`` on ``device`` (fresh children; minutes on a
     CPU). With ``search_batch`` (``TrainingArguments.auto_find_batch_size``) each gets the largest batch up to
@@ -239,7 +243,7 @@ def resolve_auto(
     if not shared or torch_dist.get_rank() == 0:
         try:
             outcome[0] = _measure_candidates(
-                cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch
+                cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch, task or {}
             )
         except ConfigError as exc:
             outcome[0] = exc
@@ -252,7 +256,7 @@ def resolve_auto(
     return chosen, found, lines
 
 
-def _measure_candidates(cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch):
+def _measure_candidates(cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch, task):
     base = {
         "model": model_dir,
         "seq": seq,
@@ -260,6 +264,7 @@ def _measure_candidates(cfg, budget, model_dir, batch, seq, precision, device, n
         "device": device,
         "num_labels": num_labels,
         "threads": threads,
+        **task,
     }
     results = []
     for name in cfg.auto_candidates:
@@ -270,7 +275,10 @@ def _measure_candidates(cfg, budget, model_dir, batch, seq, precision, device, n
         else:
             results.append(measure(spec, label, budget, batch=batch))
     shape = f"up to batch {batch}" if search_batch else f"batch {batch}"
-    lines = [f"wtacrs: preset auto, memory budget {cfg.memory_budget} GiB: measured {shape} × seq {seq}, {precision}"]
+    what = f", {task.get('task', 'classification').replace('_', ' ')}" + (", packed rows" if task.get("packed") else "")
+    lines = [
+        f"wtacrs: preset auto, memory budget {cfg.memory_budget} GiB: measured {shape} × seq {seq}{what}, {precision}"
+    ]
     lines += [f"wtacrs: preset auto: {describe(m, budget)}" for m in results]
     chosen = choose(results, budget)
     name = cfg.auto_candidates[results.index(chosen)]

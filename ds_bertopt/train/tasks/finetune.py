@@ -33,10 +33,11 @@ from ...model.heads import UnpaddedTaskModel, auto_model_class, task_losses
 from ...model.local import resolve_model_dir
 from ...model.pretrained import check_unpadded
 from ...wtacrs import SampledLinear, prepare_model
-from ...wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, feed_context
+from ...wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, PACKED_INDEX_KWARG, feed_context
 from ...wtacrs.sizing import resolve_auto
 from ..loop import main as run_task
 from ..loop import to_device
+from ..finetune_memory import task_variant
 from ..metrics import all_reduce_sum, gather_objects
 from .finetune_data import task_data
 
@@ -85,11 +86,6 @@ class FinetuneTask:
         self.family = family_of_type(model_config.get("model_type"), "finetune.model_name_or_path")
         self.unpadded = b.model.unpadded
         check_unpadded(self.family, self.unpadded)
-        if self.unpadded and b.wtacrs.grad_norm_cache and b.wtacrs.enabled:
-            raise ConfigError(
-                "wtacrs.grad_norm_cache: not with model.unpadded (the cache keys token rows by padded position); "
-                "set one of them false"
-            )
         if not f.train_file:
             raise ConfigError("finetune.train_file: give --train_file (a .csv, .jsonl or datasets directory)")
         self.data = task_data(f, b.data.max_skipped_fraction)
@@ -141,15 +137,17 @@ class FinetuneTask:
         model = auto_model_class(f.task).from_pretrained(
             self.model_dir, **_head_arguments(f.task, self.num_labels, self.data)
         )
+        seq = b.wtacrs.budget_seq_length or f.max_seq_length
         wtacrs, _, auto_lines = resolve_auto(  # wtacrs.preset "auto": the fastest setup that fits memory_budget
             b.wtacrs,
             model_dir=self.model_dir,
-            batch=self.nominal_micro,
-            seq=b.wtacrs.budget_seq_length or f.max_seq_length,
+            batch=self._budget_sequences(b, seq),
+            seq=seq,
             precision=next((p for p in ("bf16", "fp16") if cfg.deepspeed.get(p, {}).get("enabled")), "fp32"),
             device=get_accelerator().device_name(),
             num_labels=self.num_labels,
             threads=torch.get_num_threads(),
+            task={"build": task_variant, "task": f.task, "packed": self.unpadded},
         )
         model, lines = prepare_model(model, wtacrs)
         for line in auto_lines + lines:
@@ -161,6 +159,13 @@ class FinetuneTask:
             feed_context(wrapper, model)  # the sampled linears' batch context, fed by the wrapper's keywords
             return wrapper
         return model
+
+    def _budget_sequences(self, b, seq: int) -> int:
+        """Sequences of ``seq`` tokens whose step the budget mode measures: the nominal micro-batch, or, packed under
+        a token budget (``sampler.micro_batch_tokens``), as many as its tokens fill (the longest sequences: the most
+        attention a packed row of that many tokens holds)."""
+        tokens = b.sampler.micro_batch_tokens if self.unpadded and "packed" in b.sampler.strategy else None
+        return -(-tokens // seq) if tokens else self.nominal_micro
 
     @staticmethod
     def skips_padding(cfg: RunConfig) -> bool:
@@ -187,6 +192,8 @@ class FinetuneTask:
         kwargs = {}
         if example_ids:
             kwargs[EXAMPLE_IDS_KWARG] = batch["example_ids"]
+            if self.unpadded:  # the cache keys a packed token by its example and position in it
+                kwargs[PACKED_INDEX_KWARG] = batch["pad_index"]
         if self.sampled:  # the budget k from a host count: no device read
             kwargs[NUM_VALID_ROWS_KWARG] = batch["num_tokens"]
         if self.unpadded:
