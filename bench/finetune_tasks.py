@@ -133,10 +133,10 @@ def real_lengths(task: str, script_args: list[str]) -> list[int]:
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     raw = script.load_raw(data)["train"]
     if task == "glue":
-        pairs = tokenizer(raw[data.sentence1_key], raw[data.sentence2_key], truncation=True, max_length=256)
+        pairs = tokenizer(list(raw[data.sentence1_key]), list(raw[data.sentence2_key]), truncation=True, max_length=256)
         return [len(ids) for ids in pairs["input_ids"]]
     if task == "ner":
-        words = tokenizer(raw["tokens"], is_split_into_words=True, truncation=True, max_length=data.max_seq_length)
+        words = tokenizer(list(raw["tokens"]), is_split_into_words=True, truncation=True, max_length=128)
         return [len(ids) for ids in words["input_ids"]]
     data.pad_to_max_length = False
     return [len(ids) for ids in script.windows(tokenizer, data, raw[:])["input_ids"]]
