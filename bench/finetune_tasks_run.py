@@ -88,6 +88,9 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{trainer.args.process_index}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():  # a clean exit: gloo's threads torn down before the interpreter's
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 

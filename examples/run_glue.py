@@ -63,6 +63,7 @@ class DataArguments:
 @dataclass
 class ModelArguments:
     model_name_or_path: str = field(default=MINILM, metadata={"help": "Checkpoint directory (default MiniLM-L6)."})
+    ignore_mismatched_sizes: bool = field(default=False, metadata={"help": "Replace a head of another label count."})
 
 
 def load_raw(data: DataArguments):
@@ -100,7 +101,9 @@ def build_trainer(argv: Optional[list[str]] = None, trainer_class=BertOptTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     model = AutoModelForSequenceClassification.from_pretrained(
-        model_args.model_name_or_path, num_labels=1 if is_regression else len(names)
+        model_args.model_name_or_path,
+        num_labels=1 if is_regression else len(names),
+        ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
     )
     label_ids = {name: i for i, name in enumerate(names)}
 

@@ -56,6 +56,7 @@ class DataArguments:
 @dataclass
 class ModelArguments:
     model_name_or_path: str = field(default=MINILM, metadata={"help": "Checkpoint directory (default MiniLM-L6)."})
+    ignore_mismatched_sizes: bool = field(default=False, metadata={"help": "Replace a head of another label count."})
 
 
 def read_split(path: str, data: DataArguments) -> Dataset:
@@ -101,7 +102,11 @@ def build_trainer(argv: Optional[list[str]] = None, trainer_class=BertOptTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     model = AutoModelForTokenClassification.from_pretrained(
-        model_args.model_name_or_path, num_labels=len(names), id2label=dict(enumerate(names)), label2id=tag_ids
+        model_args.model_name_or_path,
+        num_labels=len(names),
+        id2label=dict(enumerate(names)),
+        label2id=tag_ids,
+        ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
     )
 
     def tokenize_and_align(batch):
