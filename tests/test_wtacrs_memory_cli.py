@@ -138,7 +138,28 @@ def test_every_task_is_measured_padded_and_packed_on_the_same_tokens(saved_tiny,
         loss = model(**batch).loss
         assert torch.isfinite(loss) and loss.requires_grad
         saved[packed] = saved_tensor_bytes(model, batch)["total"]
+        real = task_variant({"model": str(saved_tiny), "task": task, "packed": packed, "lengths": [5, 16, 9]})[1]
+        shape = tuple(real(3, 16, 0)["input_ids"].shape)  # a real batch's lengths: padded to the longest, or packed
+        assert shape == ((1, 30) if packed else (3, 16))
     assert saved[True] == pytest.approx(saved[False], rel=0.25), saved
+
+
+def test_recomputation_saves_as_much_on_packed_rows(saved_tiny):
+    """The wrapper that runs a prepared model on packed rows brackets its recompute scope (``wtacrs.run_from``):
+    ``recompute_ffn``/``recompute_qkv`` cut as much saved-for-backward memory packed as padded."""
+    from ds_bertopt.train.finetune_memory import task_variant
+    from ds_bertopt.wtacrs import saved_tensor_bytes
+
+    kit = {"sdpa_attention": True, "layernorm_saves_output": True, "recompute_gelu": True}
+    cut = {}
+    for packed in (False, True):
+        saved = []
+        for recompute in (False, True):
+            parts = {**kit, "recompute_ffn": recompute, "recompute_qkv": recompute}
+            model, make_batch = task_variant({"model": str(saved_tiny), "packed": packed, "wtacrs": {"kit": parts}})
+            saved.append(saved_tensor_bytes(model, make_batch(4, 16, 0))["total"])
+        cut[packed] = saved[0] - saved[1]
+    assert cut[False] > 0 and cut[True] == pytest.approx(cut[False], rel=0.1), cut
 
 
 def test_unpadded_families_only(tmp_path, capsys):

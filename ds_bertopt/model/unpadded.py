@@ -121,10 +121,12 @@ def sdpa_loop_attention(
     for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths)):
         n = q.shape[0]
         mask = band_mask(n, window, q.device) if window is not None and n > window + 1 else None
+        # [1, heads, n, d]: SDPA's fused CPU kernel (flash) takes batched 4-D inputs only; 3-D ones fall back to the
+        # math path, which keeps every probability for backward (and runs ~1.4x slower)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, dropout_p=dropout_p, scale=scale
+            *(x.transpose(0, 1)[None] for x in (q, k, v)), attn_mask=mask, dropout_p=dropout_p, scale=scale
         )
-        outputs.append(out.transpose(0, 1))
+        outputs.append(out[0].transpose(0, 1))
     return torch.cat(outputs)
 
 

@@ -7,12 +7,13 @@
   --task ... --unpadded``, ``wtacrs.preset: "auto"``): the task's model, prepared per ``spec["wtacrs"]``, padded or,
   with ``spec["packed"]``, packed; and its synthetic batches: ``sequences`` full-length sequences of random tokens
   with random targets, padded (no padding: the worst case) or packed into one row (the same real tokens, the worst a
-  token budget of ``sequences × seq`` holds: the longest sequences make attention largest).
+  token budget of ``sequences × seq`` holds: the longest sequences make attention largest); or sequences of the
+  lengths ``spec["lengths"]`` (a real batch's), padded to the longest or packed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -21,9 +22,8 @@ from ..data.collate import PackedTaskFeatures
 from ..errors import ConfigError
 from ..labels import IGNORE_INDEX
 from ..model.heads import TASK_MODEL_CLASSES, auto_model_class, task_of
-from ..wtacrs import prepare_model
+from ..wtacrs import prepare_model, run_from
 from ..wtacrs.config import WtaCrsConfig
-from ..wtacrs.linear import feed_context
 
 
 def packed_task_model(model, attention: str = "auto"):
@@ -37,16 +37,16 @@ def packed_task_model(model, attention: str = "auto"):
             "unpadded heads take one class per text, a number (regression), a tag per token or an answer span"
         )
     wrapper = TASK_MODEL_CLASSES[task](model, attention=attention)
-    feed_context(wrapper, model)
+    run_from(wrapper, model)
     return wrapper
 
 
-def synthetic_features(task: str, sequences: int, seq: int, vocab: int, num_labels: int, seed: int) -> list[dict]:
-    """``sequences`` features of ``seq`` random tokens with random targets for ``task`` (Trainer-style keys)."""
+def synthetic_features(task: str, lengths: Sequence[int], vocab: int, num_labels: int, seed: int) -> list[dict]:
+    """Features of ``lengths`` random tokens each, with random targets for ``task`` (Trainer-style keys)."""
     gen = torch.Generator().manual_seed(seed)
     low = 1000 if vocab > 2000 else 1  # past BERT's [unused]/special ids when the vocabulary has them
     out = []
-    for _ in range(sequences):
+    for seq in lengths:
         feature = {"input_ids": torch.randint(low, vocab, (seq,), generator=gen).tolist(), "token_type_ids": [0] * seq}
         if task == "regression":
             feature["labels"] = float(torch.rand((), generator=gen))
@@ -63,9 +63,17 @@ def synthetic_features(task: str, sequences: int, seq: int, vocab: int, num_labe
 
 
 def padded_batch(task: str, features: list[dict]) -> dict:
-    """Equal-length features stacked for the stock model (every position real)."""
-    batch = {key: torch.as_tensor([f[key] for f in features]) for key in features[0]}
-    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    """Features padded to the longest (dynamic padding, as ``DataCollatorWithPadding`` pads) for the stock model."""
+    width = max(len(f["input_ids"]) for f in features)
+    pad = {"input_ids": 0, "token_type_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX}
+    for f in features:
+        f["attention_mask"] = [1] * len(f["input_ids"])
+    batch = {}
+    for key in features[0]:
+        values = [f[key] for f in features]
+        if isinstance(values[0], list):
+            values = [v + [pad[key]] * (width - len(v)) for v in values]
+        batch[key] = torch.as_tensor(values)
     if task == "regression":
         batch["labels"] = batch["labels"].float()
     return batch
@@ -75,7 +83,9 @@ def task_variant(spec: dict[str, Any]) -> tuple[torch.nn.Module, Callable[[int, 
     """``(model, make_batch)`` for ``spec`` (see the module docstring): ``task`` (default ``classification``),
     ``packed``, ``model`` (a checkpoint directory) or ``model_config`` (``{"model_type": ..., **kwargs}``: random
     init), ``num_labels``, ``wtacrs`` (a config dict), ``attention`` (packed: the unpadded attention, default
-    ``auto``); ``make_batch(sequences, seq, seed)``."""
+    ``auto``), ``lengths`` (the measured batch's sequence lengths, e.g. a real batch's: the padded model pads them to
+    the longest, the packed one packs them); ``make_batch(sequences, seq, seed)``: ``sequences`` of ``seq`` tokens,
+    or of ``lengths`` when there are that many."""
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
@@ -98,8 +108,11 @@ def task_variant(spec: dict[str, Any]) -> tuple[torch.nn.Module, Callable[[int, 
         model = packed_task_model(model, spec.get("attention", "auto"))
     collate = PackedTaskFeatures(task) if packed else (lambda features: padded_batch(task, features))
 
+    given = spec.get("lengths") or ()
+
     def make_batch(sequences: int, seq: int, seed: int) -> dict:
-        return collate(synthetic_features(task, sequences, seq, vocab, num_labels, seed))
+        lengths = list(given) if len(given) == sequences else [seq] * sequences
+        return collate(synthetic_features(task, lengths, vocab, num_labels, seed))
 
     return model, make_batch
 

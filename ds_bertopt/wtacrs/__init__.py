@@ -9,7 +9,7 @@
 * :mod:`.memory` — saved-for-backward accounting and step-peak measurement.
 """
 
-from .convert import apply_lora, convert, prepare_model, resolve_targets
+from .convert import apply_lora, convert, prepare_model, resolve_targets, run_from
 from .estimator import RowSelection, budget, row_probabilities, select_rows, weight_gradient
 from .families import FAMILIES, Family, detect
 from .kit import (
@@ -59,6 +59,7 @@ __all__ = [
     "install_context",
     "prepare_model",
     "resolve_targets",
+    "run_from",
     "row_probabilities",
     "saved_tensor_bytes",
     "select_rows",

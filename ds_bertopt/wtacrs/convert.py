@@ -22,7 +22,8 @@ from ..errors import ConfigError
 from .config import PRESETS
 from .families import GROUPS, Detected, Family, detect, matches, pretrained_base, summarise
 from .kit import OutputSavingLayerNorm, install_recompute, kit_parts, report_coverage, swap_modules
-from .linear import SampledLinear, install_context
+from .linear import SampledLinear, feed_context, install_context
+from .recompute import feed_scope
 
 
 def _auto_groups(model: nn.Module) -> list[str]:
@@ -213,6 +214,15 @@ def task_head_modules(model: nn.Module) -> list[str]:
     return [
         name for name, child in model.named_children() if child is not base and any(True for _ in child.parameters())
     ]
+
+
+def run_from(outer: nn.Module, inner: nn.Module) -> None:
+    """Let ``outer`` run the prepared ``inner`` without calling ``inner``'s forward (the unpadded wrappers run its base
+    model on packed rows): ``outer``'s forward brackets what ``inner``'s would, the sampled linears' batch context
+    (:func:`~ds_bertopt.wtacrs.linear.feed_context`) and the recompute scope
+    (:func:`~ds_bertopt.wtacrs.recompute.feed_scope`)."""
+    feed_context(outer, inner)
+    feed_scope(outer, inner)
 
 
 def prepare_model(model: nn.Module, cfg) -> tuple[nn.Module, list[str]]:

@@ -32,8 +32,8 @@ from ...model.families import family_of_type
 from ...model.heads import UnpaddedTaskModel, auto_model_class, task_losses
 from ...model.local import resolve_model_dir
 from ...model.pretrained import check_unpadded
-from ...wtacrs import SampledLinear, prepare_model
-from ...wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, PACKED_INDEX_KWARG, feed_context
+from ...wtacrs import SampledLinear, prepare_model, run_from
+from ...wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, PACKED_INDEX_KWARG
 from ...wtacrs.sizing import resolve_auto
 from ..loop import main as run_task
 from ..loop import to_device
@@ -156,7 +156,7 @@ class FinetuneTask:
         self.pass_example_ids = wtacrs.enabled and wtacrs.grad_norm_cache and self.sampled
         if self.unpadded:
             wrapper = UnpaddedTaskModel(model, attention=b.model.unpadded_attention)
-            feed_context(wrapper, model)  # the sampled linears' batch context, fed by the wrapper's keywords
+            run_from(wrapper, model)  # its forward brackets what the prepared model's would (batch context, recompute)
             return wrapper
         return model
 
