@@ -26,6 +26,11 @@ from typing import Any, Iterable, Iterator, Optional
 from ..errors import DataError
 from .skipped import Skipped
 
+CSV_SUFFIX = ".csv"
+JSONL_SUFFIXES = (".jsonl", ".json")
+FILE_SUFFIXES = (CSV_SUFFIX, *JSONL_SUFFIXES)
+"""Labelled files by name; anything else is read as a ``datasets`` directory (which has splits)."""
+
 
 @dataclass(frozen=True)
 class LabelledData:
@@ -261,9 +266,9 @@ def read_records(
     if os.path.getsize(path) == 0:
         raise DataError(f"{path} is empty")
     lower = path.lower()
-    if lower.endswith(".csv") and ".csv" in formats:
+    if lower.endswith(CSV_SUFFIX) and CSV_SUFFIX in formats:
         return _csv_rows(path, _read_text(path))
-    if lower.endswith((".jsonl", ".json")):
+    if lower.endswith(JSONL_SUFFIXES):
         return None, _jsonl_rows(path, _read_text(path))
     raise DataError(f"{path}: unsupported format; use {', '.join(formats)} or a directory saved by datasets")
 

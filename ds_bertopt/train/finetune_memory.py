@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..compat.transformers import TORCH_MODULES
 from ..configlib import load_section
 from ..data.collate import PackedTaskFeatures
 from ..errors import ConfigError
@@ -99,7 +100,9 @@ def task_variant(spec: dict[str, Any]) -> tuple[torch.nn.Module, Callable[[int, 
         kwargs = dict(spec["model_config"])
         model = model_class.from_config(AutoConfig.for_model(kwargs.pop("model_type"), num_labels=num_labels, **kwargs))
     else:
-        model = model_class.from_pretrained(spec["model"], num_labels=num_labels, ignore_mismatched_sizes=True)
+        model = model_class.from_pretrained(
+            spec["model"], num_labels=num_labels, ignore_mismatched_sizes=True, **TORCH_MODULES
+        )
     model, _ = prepare_model(model, load_section(WtaCrsConfig, spec.get("wtacrs", {}), "wtacrs"))
     model.train()
     vocab = model.config.vocab_size

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .. import errors
+from ..compat.transformers import TORCH_MODULES
 from ..configlib import load_section
 from .config import WtaCrsConfig
 from .convert import convert, prepare_model
@@ -162,7 +163,7 @@ def build_model(model_dir: Optional[str] = None, model_config: Optional[Mapping[
         return AutoModelForSequenceClassification.from_config(config)
     if model_dir is None:
         raise ValueError("build_model: give model_dir or model_config")
-    return AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels)
+    return AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels, **TORCH_MODULES)
 
 
 def load_variant(

@@ -21,6 +21,8 @@ from deepspeed.accelerator import get_accelerator
 from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from ...compat.deepspeed import zero3_numel
+from ...compat.transformers import TORCH_MODULES
 from ...config import RunConfig
 from ...data.collate import collate_task_batch
 from ...data.identity import DataFingerprint, array_digest, vocabulary_digest
@@ -74,7 +76,7 @@ class FinetuneTask:
     }
     global_loss_normalizer = False
 
-    def preflight(self, cfg: RunConfig, topo: Topology) -> None:  # noqa: ARG002
+    def preflight(self, cfg: RunConfig, topo: Topology, training: bool = True) -> None:  # noqa: ARG002
         b = cfg.bertopt
         f = b.finetune
         self.model_dir, model_config = resolve_model_dir(f.model_name_or_path, "finetune.model_name_or_path")
@@ -135,7 +137,7 @@ class FinetuneTask:
         self.pad_multiple, self.eval_batch = (1 if self.unpadded else b.sampler.pad_multiple), f.eval_batch_size
         self.nominal_micro = cfg.deepspeed["train_micro_batch_size_per_gpu"]
         model = auto_model_class(f.task).from_pretrained(
-            self.model_dir, **_head_arguments(f.task, self.num_labels, self.data)
+            self.model_dir, **_head_arguments(f.task, self.num_labels, self.data), **TORCH_MODULES
         )
         seq = b.wtacrs.budget_seq_length or f.max_seq_length
         wtacrs, _, auto_lines = resolve_auto(  # wtacrs.preset "auto": the fastest setup that fits memory_budget
@@ -268,7 +270,7 @@ class FinetuneTask:
 
     def describe_model(self, engine) -> str:
         # ZeRO-3 leaves partitioned params with numel 0; DeepSpeed keeps the full size in ds_numel
-        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
+        trainable = sum(zero3_numel(p) for p in engine.module.parameters() if p.requires_grad)
         unpadded = f", unpadded ({engine.module.choose_attention()})" if self.unpadded else ""
         return f"model: {self.model_dir}: {trainable / 1e6:.2f}M trainable parameters{unpadded}"
 
