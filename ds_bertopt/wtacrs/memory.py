@@ -66,7 +66,7 @@ def _category(stack: list[tuple[str, nn.Module]], tensor: torch.Tensor, attentio
 def saved_tensor_bytes(model: nn.Module, batch: dict, autocast_dtype: Optional[torch.dtype] = None) -> dict[str, int]:
     """Bytes saved for backward by one training forward of ``model(**batch)``, by category, plus ``total``."""
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    attention = detect(model).family.attention.module
+    attention = detect(getattr(model, "hf", model)).family.attention.module  # an unpadded wrapper: its HF model
     stack: list[tuple[str, nn.Module]] = []
     seen: dict[int, tuple[str, int]] = {}
 
@@ -239,17 +239,23 @@ def peak_unmeasurable(device_type: str) -> Optional[str]:
     return f"no peak-memory counter for {device_type!r} (CPU RSS on Linux and CUDA are measured)"
 
 
+def sequence_classification(spec: dict) -> tuple[nn.Module, Callable[[int, int, int], dict]]:
+    """The default ``spec["build"]``: ``(model, make_batch)``, :func:`load_variant`'s model and
+    :func:`synthetic_batch`'s padded batches; ``make_batch(sequences, seq, seed)``."""
+    num_labels = spec.get("num_labels", 2)
+    model = load_variant(
+        spec.get("model"), spec.get("wtacrs", {}), num_labels, spec.get("seed", 0), spec.get("model_config")
+    )
+    vocab = model.config.vocab_size if hasattr(model, "config") else 30522
+    return model, lambda sequences, seq, seed: synthetic_batch(sequences, seq, vocab, seed, num_labels)
+
+
 def _prepared(spec: dict):
-    """The model, optimizer, autocast dtype, device and vocabulary of a measured run (``spec``: see
+    """The model, optimizer, autocast dtype, device and batch maker of a measured run (``spec``: see
     :func:`measure_step`)."""
     device = torch.device(spec.get("device", "cpu"))
-    model = load_variant(
-        spec.get("model"),
-        spec.get("wtacrs", {}),
-        seed=spec.get("seed", 0),
-        model_config=spec.get("model_config"),
-        num_labels=spec.get("num_labels", 2),
-    ).to(device)
+    model, make_batch = (spec.get("build") or sequence_classification)(spec)
+    model = model.to(device)
     dtype = PRECISIONS[spec.get("precision", "fp32")]
     trainable = [p for p in model.parameters() if p.requires_grad]
     if dtype == torch.float32:
@@ -258,12 +264,11 @@ def _prepared(spec: dict):
         model.to(dtype)  # the engine's bf16/fp16 mode: the whole module in that dtype
         optimizer = MasterAdamW(trainable, lr=1e-5)
     autocast = torch.bfloat16 if spec.get("bf16_autocast") else None
-    vocab = model.config.vocab_size if hasattr(model, "config") else 30522
-    return model, optimizer, autocast, device, vocab
+    return model, optimizer, autocast, device, make_batch
 
 
 def _on(batch: dict, device: torch.device) -> dict:
-    return {key: value.to(device) for key, value in batch.items()}
+    return {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
 
 
 def _sync(device: torch.device) -> None:
@@ -277,18 +282,21 @@ def measure_step(spec: dict) -> dict[str, Any]:
     ``spec``: ``model`` (dir) or ``model_config`` (random init, see :func:`build_model`), ``wtacrs``
     (config dict), ``batch``, ``seq``, ``precision`` (``fp32``/``bf16``/``fp16`` weights, :data:`PRECISIONS`),
     ``bf16_autocast`` (bool), ``device`` (``cpu``: RSS above the bare interpreter; ``cuda``:
-    ``max_memory_allocated``, weights included), ``threads``, ``seed``, ``num_labels``.
+    ``max_memory_allocated``, weights included), ``threads``, ``seed``, ``num_labels``; ``build``: a module-level
+    ``spec -> (model, make_batch)`` (default :func:`sequence_classification`;
+    ``ds_bertopt.train.finetune_memory.task_variant`` takes ``task`` and ``packed``: any fine-tuning task, padded or
+    packed rows of ``batch`` sequences of ``seq`` tokens).
     """
     torch.set_num_threads(int(spec.get("threads", 1)))
     import transformers  # noqa: F401  - import cost belongs to the baseline, not the step
 
     gc.collect()
     runtime_kib = _proc_status_kib("VmRSS")
-    model, optimizer, dtype, device, vocab = _prepared(spec)
+    model, optimizer, dtype, device, make_batch = _prepared(spec)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    warm = _on(synthetic_batch(2, min(16, spec["seq"]), vocab, seed=1), device)
+    warm = _on(make_batch(2, min(16, spec["seq"]), 1), device)
     train_step(model, optimizer, warm, dtype)
-    batch = _on(synthetic_batch(spec["batch"], spec["seq"], vocab, seed=spec.get("seed", 0)), device)
+    batch = _on(make_batch(spec["batch"], spec["seq"], spec.get("seed", 0)), device)
     gc.collect()
     resident_kib = _proc_status_kib("VmRSS")
     if device.type == "cuda":
@@ -356,8 +364,8 @@ def step_fn(spec: dict) -> Callable[[], None]:
     """One training step (forward, backward, optimizer) of ``spec``'s setup (as :func:`measure_step`; ``batch`` ×
     ``seq`` random tokens) as a function of nothing that returns nothing (so ``testing.measure.interleaved`` times
     it); the model, optimizer and batch are built once, here."""
-    model, optimizer, dtype, device, vocab = _prepared(spec)
-    batch = _on(synthetic_batch(spec["batch"], spec["seq"], vocab, seed=spec.get("seed", 0)), device)
+    model, optimizer, dtype, device, make_batch = _prepared(spec)
+    batch = _on(make_batch(spec["batch"], spec["seq"], spec.get("seed", 0)), device)
 
     def step() -> None:
         train_step(model, optimizer, batch, dtype)  # its loss.item() waits for the device

@@ -215,9 +215,13 @@ def resolve_auto(
     threads: int = 1,
     search_batch: bool = False,
     stale_s: float = 120.0,
+    task: Optional[dict] = None,
 ) -> tuple[WtaCrsConfig, int, list[str]]:
     """``cfg`` with ``preset: "auto"`` replaced by the fastest of its ``auto_candidates`` that fits
     ``memory_budget``; returns ``(config, micro-batch, log lines)``. Any other ``cfg`` comes back as it is.
+    ``task``: what the run trains, as :func:`~ds_bertopt.wtacrs.memory.measure_step` builds it (``build``, ``task``,
+    ``packed``: e.g. ``ds_bertopt.train.finetune_memory.task_variant`` on packed rows of ``batch`` sequences of
+    ``seq`` tokens); default: sequence classification, padded.
 
     Each candidate is measured at ``batch`` × ``seq`` in ``precision`` on ``device`` (fresh children; minutes on a
     CPU). With ``search_batch`` (``TrainingArguments.auto_find_batch_size``) each gets the largest batch up to
@@ -239,7 +243,7 @@ def resolve_auto(
         raise ConfigError(
             f"wtacrs.memory_budget: cannot measure peak memory on {device}: {why}; set wtacrs.preset yourself"
         )
-    args = (cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch)
+    args = (cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch, task or {})
     if not (torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1):
         name, found, lines = _measure_candidates(*args)
     else:  # rank 0 measures (minutes); the others wait on the store, where no collective timeout applies
@@ -261,7 +265,7 @@ _AUTO_CALLS: list[int] = []
 
 
 def _measure_candidates(
-    cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch, progress=None
+    cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch, task, progress=None
 ):
     base = {
         "model": model_dir,
@@ -270,6 +274,7 @@ def _measure_candidates(
         "device": device,
         "num_labels": num_labels,
         "threads": threads,
+        **task,
     }
     results = []
     if progress is not None:
@@ -284,7 +289,10 @@ def _measure_candidates(
         if progress is not None:
             progress.advance()
     shape = f"up to batch {batch}" if search_batch else f"batch {batch}"
-    lines = [f"wtacrs: preset auto, memory budget {cfg.memory_budget} GiB: measured {shape} × seq {seq}, {precision}"]
+    what = f", {task.get('task', 'classification').replace('_', ' ')}" + (", packed rows" if task.get("packed") else "")
+    lines = [
+        f"wtacrs: preset auto, memory budget {cfg.memory_budget} GiB: measured {shape} × seq {seq}{what}, {precision}"
+    ]
     lines += [f"wtacrs: preset auto: {describe(m, budget)}" for m in results]
     chosen = choose(results, budget)
     name = cfg.auto_candidates[results.index(chosen)]

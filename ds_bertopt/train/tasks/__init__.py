@@ -13,7 +13,9 @@ fine-tuning, and nothing else. A task is an object with:
   (a :class:`~ds_bertopt.data.identity.DataFingerprint`) what the ranks compare and checkpoints keep;
 * ``collate(indices, epoch=, step=, micro=) -> batch`` (host tensors plus the ints ``num_tokens`` and
   ``num_targets``; runs in DataLoader workers), ``loss(engine, batch, normalizer) -> (loss, mean loss)``;
-* ``evaluate(engine, topo, seed) -> dict``, ``eval_line``, ``describe_model``, ``save_final``, ``done_line``.
+* ``evaluate(engine, topo, seed) -> dict``, ``eval_line``, ``describe_model``, ``save_final``, ``done_line``;
+  optionally ``target_metric``, the key of ``evaluate``'s result that ``train.target_eval_accuracy`` compares
+  (default ``eval_accuracy``).
 """
 
 import importlib
