@@ -55,7 +55,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 from .. import optim
-from ..config import BertOptConfig
+from ..config import BertOptConfig, refuse_emulated_bf16
 from ..configlib import load_section
 from ..data.sampler import PlanBatchSampler
 from ..dsconfig import zero_stage
@@ -366,6 +366,8 @@ def check_compatibility(cfg: HfBertOptConfig, ds_config: Optional[dict], args: A
                 )
     if ds_config is not None:
         check_combinations(b, ds_config, our_optimizer=cfg.uses_our_optimizer)
+    if getattr(args, "bf16", False) is True and not getattr(args, "use_cpu", False):
+        refuse_emulated_bf16("TrainingArguments.bf16")  # transformers accepts emulated bf16 (is_bf16_supported())
     if b.bucket_clip.enabled:
         if ds_config is None:
             raise ConfigError(
