@@ -11,7 +11,7 @@ export DS_BUILD_OPS ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup pretrain test test-matrix bench
+.PHONY: setup pretrain test test-matrix test-compat bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: setup.cfg pyproject.toml constraints-cpu.txt
@@ -41,6 +41,24 @@ test: setup
 # Every row of the GPU conformance matrix (docs/gpu.md) the CPU can construct; `make test` runs its representative rows.
 test-matrix: setup
 	DS_BERTOPT_FULL_MATRIX=1 $(PY) -m pytest -q -ra tests/test_gpu_conformance.py
+
+# The DeepSpeed-facing tests against another DeepSpeed release, in a venv of its own, recorded in docs/compat.md:
+#   make test-compat DEEPSPEED=0.16.9     (TRANSFORMERS=5.25.0 to pick transformers too)
+# DeepSpeed goes in first, then the package: `pip install -e .` must leave that DeepSpeed in place (checked).
+COMPAT_TESTS := tests/test_compat.py tests/test_gpu_conformance.py tests/test_bucket_clip_engine.py \
+	tests/test_bucket_clip_math.py tests/test_optim_zero.py tests/test_dsconfig.py tests/test_gpu_paths.py
+COMPAT_VENV ?= .venv-deepspeed-$(DEEPSPEED)$(if $(TRANSFORMERS),-transformers-$(TRANSFORMERS))
+test-compat:
+	@test -n "$(DEEPSPEED)" || { echo "usage: make test-compat DEEPSPEED=0.16.9 [TRANSFORMERS=5.25.0]"; exit 2; }
+	test -x $(COMPAT_VENV)/bin/python || python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install --quiet $(TORCH_CONSTRAINT) 'deepspeed==$(DEEPSPEED)' \
+		$(if $(TRANSFORMERS),'transformers==$(TRANSFORMERS)')
+	$(COMPAT_VENV)/bin/python -m pip install --quiet $(TORCH_CONSTRAINT) -e '.[test]'
+	$(COMPAT_VENV)/bin/python -c "import deepspeed, sys; v = deepspeed.__version__; \
+		sys.exit(None if v == '$(DEEPSPEED)' else f'pip install -e . replaced DeepSpeed $(DEEPSPEED) by {v}')"
+	TORCH_EXTENSIONS_DIR=$(abspath $(COMPAT_VENV))/torch_extensions $(COMPAT_VENV)/bin/python -m pytest -q -ra \
+		-m "not slow" --junitxml=$(COMPAT_VENV)/junit.xml $(COMPAT_TESTS); status=$$?; \
+		$(COMPAT_VENV)/bin/python tests/compat/record.py $(COMPAT_VENV)/junit.xml && exit $$status
 
 bench: setup
 	$(PY) bench/run_all.py --quick

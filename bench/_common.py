@@ -1,7 +1,11 @@
-"""What every benchmark script shares: its summary lines, the CPU run environment, the optional timing lock.
+"""The one harness every benchmark script shares: its summary lines, timing, records, the CPU run environment, the
+optional timing lock (plots are drawn from the records by bench/_report.py).
 
 A benchmark runs as its own process (``bench/run_all.py``), so the module-level :data:`SUMMARY` and :data:`FIGURES`
 are that benchmark's: it ``say``s the lines that matter and hands both to ``record_results`` for the report.
+Timing (:func:`interleaved`, :func:`median`, :func:`ratio_line`) and records (:func:`record_results`,
+:func:`environment_line`) are re-exported here from ``ds_bertopt.testing.measure``, so that a script imports one
+module whatever becomes of the package's test helpers.
 """
 
 from __future__ import annotations
@@ -14,6 +18,17 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from ds_bertopt.testing.measure import (  # noqa: E402, F401 - the harness's timing and records
+    environment_line,
+    interleaved,
+    median,
+    ratio_line,
+    record_results,
+)
+
 SUMMARY: list[str] = []
 """The lines this benchmark said (its report section's summary)."""
 FIGURES: list[dict] = []

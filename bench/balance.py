@@ -68,24 +68,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import FIGURES, SUMMARY, maybe_lock, say, status  # noqa: E402
-from ds_bertopt.cli.balance import (  # noqa: E402
+from ds_bertopt.cli.balance import corpus_lengths, format_table  # noqa: E402
+from ds_bertopt.data.peers import (  # noqa: E402
     PEERS,
-    SCALE_STEP_TIME,
     check_ds_token_packs,
-    corpus_lengths,
     ds_max_tokens_for,
     evaluate,
-    format_table,
     mlperf_phase2_lengths,
     per_global_batch,
-    scale_lines,
-    scale_view,
     simulation_lengths,
-    synthetic_lengths,
 )
+from ds_bertopt.data.scale import SCALE_STEP_TIME, scale_lines, scale_view, synthetic_lengths  # noqa: E402
 from ds_bertopt.data.config import STRATEGIES as STRATEGIES_ALL, SamplerConfig  # noqa: E402
 from ds_bertopt.data.cost import CostModel  # noqa: E402
-from ds_bertopt.testing.measure import environment_line, record_results  # noqa: E402
+from bench._common import environment_line, record_results  # noqa: E402
 from bench.balance_ranks import MEASURED, SHARED, TOKEN_TARGETS, TOKENIZER, convergence_part, measured_part  # noqa: E402
 
 WORLD, RPN, LOCAL, SIM_STEPS = 1024, 8, 16, 50

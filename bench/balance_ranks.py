@@ -16,12 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import FIGURES, deepspeed_launcher, maybe_lock, say  # noqa: E402
-from ds_bertopt.cli.balance import (  # noqa: E402
-    evaluate,
-)
+from ds_bertopt.data.peers import evaluate  # noqa: E402
 from ds_bertopt.data.config import PEER_STRATEGIES, SamplerConfig  # noqa: E402
 from ds_bertopt.data.cost import CostModel  # noqa: E402
-from ds_bertopt.testing.measure import median, ratio_line  # noqa: E402
+from bench._common import median, ratio_line  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 TOKENIZER = str(

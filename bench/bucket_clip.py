@@ -40,8 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import deepspeed_launcher  # noqa: E402
+from ds_bertopt.compat.deepspeed import wrap_reductions  # noqa: E402
 from ds_bertopt.testing.distributed import free_port  # noqa: E402
-from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
+from bench._common import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
 from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers  # noqa: E402
 
 MODELS = {
@@ -116,9 +117,7 @@ def instrument(engine) -> dict[str, list[float]]:
 
         return wrapper
 
-    engine.allreduce_gradients = timed(engine.allreduce_gradients, "exposed")
-    if hasattr(engine.optimizer, "reduce_ipg_grads"):
-        engine.optimizer.reduce_ipg_grads = timed(engine.optimizer.reduce_ipg_grads, "reduce")
+    wrap_reductions(engine, timed)
     return timings
 
 

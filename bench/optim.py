@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import SUMMARY, deepspeed_launcher, say  # noqa: E402
-from ds_bertopt.testing.measure import environment_line, median, ratio_line, record_results  # noqa: E402
+from bench._common import environment_line, median, ratio_line, record_results  # noqa: E402
 from bench.optim_parts import (  # noqa: E402
     CONFIGS,
     DATA,

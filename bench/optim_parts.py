@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import say, status  # noqa: E402
-from ds_bertopt.testing.measure import interleaved, median, ratio_line  # noqa: E402
+from bench._common import interleaved, median, ratio_line  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "wiki_sample.jsonl"
 SMALL_MODEL = [

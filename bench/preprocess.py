@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cpu import cpu_kind  # noqa: E402
+from bench._common import SUMMARY, say  # noqa: E402
 
 TARGET = 1.8
 
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     from ds_bertopt.data.pipeline import build_sequences
     from ds_bertopt.data.tokenizer import load_tokenizer
     from ds_bertopt.model.local import default_model_dir
-    from ds_bertopt.testing.measure import record_results
+    from bench._common import record_results
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", default=str(SHARED / "linux_docs.jsonl.gz"))
@@ -104,12 +105,6 @@ def main(argv=None) -> int:
         best = {n: min(range(len(s)), key=s.__getitem__) for n, s in seconds.items()}
         rate = {n: words / seconds[n][best[n]] for n in seconds}
         ratio = rate[2] / rate[1]
-        summary: list[str] = []
-
-        def say(line: str) -> None:
-            print(line, flush=True)
-            summary.append(line)
-
         say(cpu_kind())
         say(
             f"corpus: {args.corpus}: {len(documents)} documents, {words:,} words; {len(built):,} sequences of at most "
@@ -134,7 +129,7 @@ def main(argv=None) -> int:
                 "words_per_s": rate,
                 "ratio": ratio,
                 "met": verdict == "met",
-                "summary": summary,
+                "summary": SUMMARY,
                 "note": f"MiniLM-L6's WordPiece tokenizer, sequences of {args.max_seq_length} tokens, best of "
                 f"{args.repeats} interleaved builds per process count, each in a fresh cache",
                 "figures": [

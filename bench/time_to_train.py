@@ -83,7 +83,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import SUMMARY, say, status  # noqa: E402
-from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
+from bench._common import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
 from bench.time_to_train_runs import Run, run_one  # noqa: E402
 from bench.time_to_train_setup import (  # noqa: E402
     ALL_ON_OPTIMIZERS,

@@ -119,8 +119,9 @@ TRAINER_DATA = {"ours_trainer": (True, "random")}
 ALL_ON_OPTIMIZERS = {
     # bert.json's AdamW (at batch 32 AdamW needs fewer samples than LAMB: bench/optim.py)
     "adamw": [],
-    # bert_lamb.json's LAMB (lr 5e-3 at batch 32)
-    "lamb": ['optimizer.type="lamb"', "optimizer.lr=5e-3", "optimizer.max_grad_norm=1.0"],
+    # bert_lamb.json's LAMB (lr 5e-3 at batch 32); its max_grad_norm would be dead here: bert.json's bucket clip (or,
+    # with it off, DeepSpeed's gradient_clipping 1.0) bounds the norm, and the pre-flight refuses a dead key
+    "lamb": ['optimizer.type="lamb"', "optimizer.lr=5e-3"],
 }
 
 

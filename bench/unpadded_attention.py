@@ -123,6 +123,7 @@ def bench_model(reps: int = 3) -> None:
     the sparse MLM head (``SparseMLMHead``, today's path) and the stock padded model (dense head)."""
     from transformers import BertConfig, BertForMaskedLM
 
+    from ds_bertopt.compat.transformers import set_attention_implementation
     from ds_bertopt.data.collate import pack_sequences
     from ds_bertopt.model.unpadded import UnpaddedBert
 
@@ -135,7 +136,7 @@ def bench_model(reps: int = 3) -> None:
         intermediate_size=1024,
         max_position_embeddings=512,
     )
-    config._attn_implementation = "sdpa"
+    set_attention_implementation(config, "sdpa")
     model = BertForMaskedLM(config).train()
     rng = np.random.default_rng(1)
     lengths = rng.integers(20, 513, 16).tolist()

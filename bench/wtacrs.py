@@ -59,7 +59,7 @@ from wtacrs_frontier import (
 from wtacrs_frontier import minilm_cells
 
 from ds_bertopt.model.local import default_model_dir
-from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_results
+from bench._common import environment_line, interleaved, median, ratio_line, record_results
 from ds_bertopt.wtacrs.memory import CATEGORIES, MiB, measure_step_in_child, variant
 
 DATA = ROOT.parent / "shared" / "data" / "rt_polarity"

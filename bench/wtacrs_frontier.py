@@ -6,7 +6,7 @@ from __future__ import annotations
 from _cpu import cpu_kind  # bench/_cpu.py
 from wtacrs_common import FIGURES, TABLES, locked, say, setup_step
 
-from ds_bertopt.testing.measure import interleaved, median
+from bench._common import interleaved, median
 from ds_bertopt.wtacrs.memory import MiB, measure_step_in_child, variant
 
 # the memory–time frontier: every setup a fine-tuner would pick, on the same batch

@@ -8,9 +8,13 @@ timeout. A builder that is killed (Ctrl-C through the launcher, a rank killed af
 leaves the file behind, and every later run on that machine waits forever before its first collective.
 
 A lock that no live process holds open is such a leftover: the holder keeps its descriptor for the whole build.
-``/proc`` shows this machine only; with a cache folder shared by several nodes (an NFS home) no rank of the job
-builds before every node's local rank 0 has cleaned up (the group needs them all), but another job building on
-another node at that moment would not be seen.
+But ``/proc`` shows this machine's processes only, and the lock file tells nothing else: ``FileBaton.try_acquire``
+(torch/utils/file_baton.py) creates it with ``os.open(path, os.O_CREAT | os.O_EXCL)`` and writes nothing, no host,
+no pid (``torch.utils.cpp_extension._jit_compile`` holds it as ``FileBaton(os.path.join(build_directory,
+'lock'))``). So a lock is removed only where this machine's processes are the only ones that can hold it: on a
+filesystem only this kernel serves (:data:`ds_bertopt.mounts.LOCAL_TYPES`) and not on a bind mount of a folder (a
+container volume). A lock in a folder other hosts or containers may see (an NFS or Lustre home, a shared
+``TORCH_EXTENSIONS_DIR``) is named in one line and left alone, and so is a lock with content (not FileBaton's).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import sys
 
 from ds_bertopt.log import print_all
+from ds_bertopt.mounts import Mount, mount_of, seen_by_others
 
 LOCK_NAME = "lock"
 
@@ -78,10 +83,22 @@ def held_open_files() -> set[tuple[int, int]] | None:
     return held
 
 
-def clear_stale_build_locks(root: str | None = None) -> list[str]:
-    """Delete the build locks under ``root`` (default :func:`extensions_root`) that no live process holds; returns
-    them. Cheap when there is none (one ``glob``). Call it from one process per machine (local rank 0) before the
-    group forms: the other ranks of the job cannot reach their build before then."""
+def unprovable(path: str, mounts: list[Mount] | None = None) -> str | None:
+    """Why ``path``, a lock no process of this machine holds open, may still be held elsewhere (a phrase), or None
+    when it provably is a leftover (``mounts``: the mount table, default this process's)."""
+    try:
+        if os.path.getsize(path) > 0:
+            return "it is not empty, so not a lock torch's FileBaton wrote"
+    except OSError:
+        return None
+    return seen_by_others(mount_of(path, mounts))
+
+
+def clear_stale_build_locks(root: str | None = None, mounts: list[Mount] | None = None) -> list[str]:
+    """Delete the build locks under ``root`` (default :func:`extensions_root`) that provably no live process holds;
+    returns them. A lock this machine cannot judge (:func:`unprovable`) is named in one line instead. Cheap when
+    there is none (one ``glob``). Call it from one process per machine (local rank 0) before the group forms: the
+    other ranks of the job cannot reach their build before then."""
     paths = glob.glob(os.path.join(root or extensions_root(), "*", LOCK_NAME))
     locks = {path: key for path in paths if (key := _file_key(path)) is not None}
     if not locks:
@@ -92,6 +109,15 @@ def clear_stale_build_locks(root: str | None = None) -> list[str]:
     removed = []
     for path in stale_locks(locks, held):
         if _file_key(path) != locks[path]:  # replaced since: a new build holds it
+            continue
+        reason = unprovable(path, mounts)
+        if reason is not None:
+            print_all(
+                f"left {path} in place: no process of this machine holds it, but {reason}, where a build elsewhere may "
+                "(torch's lock records no host or pid); if no build of this extension runs anywhere, remove it, else "
+                "this run waits for that build",
+                file=sys.stderr,
+            )
             continue
         try:
             os.remove(path)

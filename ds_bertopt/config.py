@@ -22,8 +22,17 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
 from .comm.config import BucketClipConfig
-from .configlib import add_config_arguments, load_section, overrides_from_namespace, parse_override, set_dotted, to_dict
+from .configlib import (
+    add_config_arguments,
+    dead_fields_of,
+    load_section,
+    overrides_from_namespace,
+    parse_override,
+    set_dotted,
+    to_dict,
+)
 from .data.config import DataConfig, SamplerConfig
+from .data.labelled import FILE_SUFFIXES as LABELLED_FILE_SUFFIXES
 from .errors import ConfigError, check
 from .model.config import ModelConfig
 from .optim.config import OptimizerConfig, ScheduleConfig
@@ -39,10 +48,12 @@ class TrainConfig:
     """Passes over the training data (each sample once per epoch; the last partial global batch of an epoch
     is left out, different samples each epoch)."""
     output_dir: str = "runs/bert"
-    """Checkpoints, metrics, monitor logs and the final model go here. An existing non-empty directory is
-    refused unless ``--resume`` continues it or ``overwrite_output_dir`` replaces it."""
+    """Checkpoints, metrics, monitor logs and the final model go here (``run.json`` lists what the run writes). A
+    directory holding an earlier run is refused unless ``--resume`` continues it or ``overwrite_output_dir``
+    replaces it; one holding anything no run wrote is refused."""
     overwrite_output_dir: bool = False
-    """Remove an existing ``output_dir`` (after every check passed) and start afresh."""
+    """Remove what the earlier run in ``output_dir`` recorded writing (after every check passed), nothing else, and
+    start afresh."""
     eval_every: int = 0
     """Evaluate every this many optimizer steps, at step 0 and at the end; 0: no step-based evaluation."""
     eval_each_epoch: bool = False
@@ -144,6 +155,20 @@ class FinetuneConfig:
     eval_batch_size: int = 64
     """Examples per rank per evaluation batch."""
 
+    def dead_fields(self) -> dict[str, str]:
+        """Split names of files that have none, and the evaluation settings without validation data."""
+        dead = {}
+        for name in ("train", "validation"):
+            path = getattr(self, f"{name}_file")
+            if path is None or path.lower().endswith(LABELLED_FILE_SUFFIXES):
+                dead[f"{name}_split"] = f"finetune.{name}_file is {'not given' if path is None else 'a file'}: " + (
+                    "only a datasets directory has splits"
+                )
+        if self.validation_file is None:
+            for name in ("max_eval_samples", "eval_batch_size"):
+                dead[name] = "finetune.validation_file is not given: there is no evaluation"
+        return dead
+
     def __post_init__(self) -> None:
         check(self.max_seq_length >= 8, f"max_seq_length: must be at least 8, got {self.max_seq_length}")
         check(self.num_labels is None or self.num_labels >= 2, f"num_labels: must be at least 2, got {self.num_labels}")
@@ -186,6 +211,29 @@ class BertOptConfig:
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     """Sequence-classification fine-tuning (``launch/finetune.py``)."""
 
+    def dead_fields(self, deepspeed: Optional[dict] = None) -> dict[str, str]:
+        """Keys (dotted, under ``bertopt``) that a setting of another section makes dead; with ``deepspeed`` (the
+        DeepSpeed part as the user wrote it) also those that DeepSpeed's settings make dead."""
+        dead = {}
+        checkpoint = self.model.init_checkpoint or self.model.continued
+        if checkpoint and not self.data.tokenizer:
+            dead["data.tokenizer_vocab_size"] = "the tokenizer is the checkpoint's (model.init_checkpoint/continued)"
+        if self.optimizer.type == "lamb" and self.bucket_clip.enabled:
+            dead["optimizer.max_grad_norm"] = "bucket_clip.enabled bounds the gradient norm, LAMB's own clipping is off"
+        if deepspeed is None:
+            return dead
+        blocks = [name for name in ("fp16", "bf16") if name in deepspeed]
+        if blocks and self.train.precision != "auto":  # "auto" defers to the block, as it defers to the hardware
+            dead["train.precision"] = f"the DeepSpeed {blocks[0]} block sets the precision"
+        clipping = deepspeed.get("gradient_clipping", 1.0)  # DeepSpeed 0.19.8's GRADIENT_CLIPPING_DEFAULT
+        if self.optimizer.type == "lamb" and isinstance(clipping, (int, float)) and clipping > 0:
+            default = "" if "gradient_clipping" in deepspeed else ", its default"
+            dead["optimizer.max_grad_norm"] = (
+                f"DeepSpeed's gradient_clipping ({clipping:g}{default}) clips the global norm first and LAMB's own "
+                "clipping is off (set gradient_clipping to 0 to use LAMB's)"
+            )
+        return dead
+
     def __post_init__(self) -> None:
         check(
             self.data.max_seq_length <= self.model.max_position_embeddings,
@@ -213,6 +261,13 @@ class RunConfig:
 
     def with_deepspeed(self, ds: dict, resolved_for: Optional[int] = None) -> "RunConfig":
         return replace(self, deepspeed=ds, resolved_for=resolved_for)
+
+
+def dead_keys(cfg: RunConfig) -> dict[str, str]:
+    """``{dotted key under bertopt: why}`` of every key whose value cannot matter in ``cfg``: each section's
+    ``dead_fields()`` (beside its fields, :func:`ds_bertopt.configlib.dead_fields_of`) and the rules across sections
+    and DeepSpeed's part (:meth:`BertOptConfig.dead_fields`)."""
+    return {**dead_fields_of(cfg.bertopt), **cfg.bertopt.dead_fields(cfg.deepspeed)}
 
 
 def read_json(path: str) -> dict:
@@ -253,14 +308,26 @@ def load_config(path: str, overrides: tuple[str, ...] | list[str] = ()) -> RunCo
             set_dotted(ours, key[len("bertopt.") :] if key.startswith("bertopt.") else key, value)
     _point_to_other_sections(ours)
     bertopt = load_section(BertOptConfig, ours, "bertopt")
-    return RunConfig(path=path, deepspeed=raw, bertopt=bertopt, given=frozenset(_leaf_keys(ours, "")))
+    return RunConfig(path=path, deepspeed=raw, bertopt=bertopt, given=frozenset(leaf_keys(ours, "")))
 
 
-def _leaf_keys(tree: dict, prefix: str):
+def overridden_keys(overrides) -> list[str]:
+    """The dotted keys of our section that ``overrides`` (``key=value`` strings) set (DeepSpeed's are left out)."""
+    keys: list[str] = []
+    for text in overrides:
+        key, value = parse_override(text)
+        if key.startswith("deepspeed."):
+            continue
+        key = key[len("bertopt.") :] if key.startswith("bertopt.") else key
+        keys += [f"{key}.{leaf}" for leaf in leaf_keys(value, "")] if isinstance(value, dict) and value else [key]
+    return keys
+
+
+def leaf_keys(tree: dict, prefix: str):
     """Dotted keys of the leaves of a nested dict (an empty section sets nothing)."""
     for key, value in tree.items():
         if isinstance(value, dict) and value:
-            yield from _leaf_keys(value, f"{prefix}{key}.")
+            yield from leaf_keys(value, f"{prefix}{key}.")
         elif not isinstance(value, dict):
             yield f"{prefix}{key}"
 

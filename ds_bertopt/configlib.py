@@ -19,6 +19,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import json
 import math
@@ -105,13 +106,19 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     raise TypeError(f"configlib: unsupported annotation {tp!r} at {path}")
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict:
+    """``typing.get_type_hints`` of a config class, evaluated once (it parses every string annotation)."""
+    return typing.get_type_hints(cls)
+
+
 def load_section(cls: type, data: Any, path: str) -> Any:
     """Build dataclass ``cls`` from ``data`` (a dict), strictly. ``path`` names it in errors."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected an object, got {json.dumps(data)}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
@@ -166,8 +173,10 @@ def parse_override(text: str) -> tuple[str, Any]:
 # ------------------------------------------------------------------------------------------------
 # The command line, generated from the dataclasses: every field is a flag, its docstring the help.
 # ------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
-    """``{field: docstring}`` of a config dataclass, read from the string literal after each field."""
+    """``{field: docstring}`` of a config dataclass, read from the string literal after each field (parsed once per
+    class: every command line is generated from them)."""
 
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
@@ -184,7 +193,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def iter_fields(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, Any, Any, str]]:
     """``(dotted key, annotation, default, docstring)`` of every leaf field below ``cls``."""
-    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    hints, docs = _type_hints(cls), field_docs(cls)
     for f in dataclasses.fields(cls):
         key, tp = f"{prefix}{f.name}", hints[f.name]
         if dataclasses.is_dataclass(tp):
@@ -261,4 +270,22 @@ def overrides_from_namespace(namespace) -> list[str]:
     for dest, value in vars(namespace).items():
         if dest.startswith("cfg:"):
             out.append(f"{dest[4:]}={json.dumps(list(value) if isinstance(value, tuple) else value)}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Dead keys: a section says which of its fields cannot matter under the rest of it.
+# ------------------------------------------------------------------------------------------------
+def dead_fields_of(obj: Any, prefix: str = "") -> dict[str, str]:
+    """``{dotted key: why}`` of every field below dataclass ``obj`` whose value cannot matter: the union of each
+    (nested) section's ``dead_fields()`` (``{field name or dotted key relative to the section: why}``), defined
+    beside the fields it judges. The caller refuses those the user set."""
+    out = {}
+    judge = getattr(obj, "dead_fields", None)
+    if callable(judge):
+        out.update({f"{prefix}{key}": why for key, why in judge().items()})
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out.update(dead_fields_of(value, f"{prefix}{f.name}."))
     return out

@@ -23,6 +23,7 @@ import json
 from collections.abc import KeysView
 from typing import Any, Optional
 
+from .compat.deepspeed import config_model_base, config_parser
 from .errors import ConfigError
 
 
@@ -152,9 +153,7 @@ def _nested_model(model, path: list[str]):
 
 
 def _model_named(title: str):
-    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-
-    stack = [DeepSpeedConfigModel]
+    stack = [config_model_base()]
     while stack:
         cls = stack.pop()
         if cls.__name__ == title:
@@ -181,9 +180,9 @@ def check_deepspeed_config(ds: dict) -> None:
     world DeepSpeed's parser sees (ours is checked against the real world size by ``resolve_batch``).
     """
     import pydantic
-    from deepspeed.runtime.config import DeepSpeedConfig
-
     import torch.distributed as dist
+
+    DeepSpeedConfig = config_parser()
 
     raw = copy.deepcopy(ds)
     micro, accum = raw.get("train_micro_batch_size_per_gpu"), raw.get("gradient_accumulation_steps")

@@ -26,6 +26,13 @@ from typing import Any
 import torch
 
 from .buildlocks import clear_stale_build_locks
+from .compat.deepspeed import (
+    check_release,
+    fp16_wrapped_optimizer,
+    fp16_wrapper_masters,
+    needed_hooks,
+    settle_engine,
+)
 from .comm import install_bucket_clip
 from .comm.config import refuse_bucket_clip_under_zero3
 from .config import BertOptConfig, RunConfig, apply_precision, load_config, resolve_batch
@@ -70,6 +77,11 @@ def check_combinations(bertopt: BertOptConfig, ds: dict, our_optimizer: bool = T
         raise ConfigError(LAMB_OFFLOAD_REFUSAL)
     if bertopt.bucket_clip.enabled:
         refuse_bucket_clip_under_zero3(stage)
+    precision = next((p for p in ("fp16", "bf16") if (ds.get(p) or {}).get("enabled") is True), "fp32")
+    accumulation = ds.get("gradient_accumulation_steps")
+    shape = dict(stage=stage, precision=precision, bucket_clip=bertopt.bucket_clip.enabled, lamb=lamb)
+    for note in check_release(needed_hooks(**shape, accumulation=accumulation if isinstance(accumulation, int) else 1)):
+        print0(note)
 
 
 def refuse_deepspeed_optimizer_blocks(ds: dict) -> None:
@@ -107,7 +119,7 @@ def prepare_deepspeed_config(cfg: RunConfig, world_size: int, device_type: str) 
     check_monitor_packages(ds)
     print0(f"precision: {precision} ({why})")
     if cfg.bertopt.bucket_clip.enabled:
-        # an absent key is not "off": DeepSpeed 0.19.8 defaults it to 1.0 (GRADIENT_CLIPPING_DEFAULT)
+        # an absent key is not "off": DeepSpeed 0.19 defaults it to 1.0 (GRADIENT_CLIPPING_DEFAULT; 0 before)
         clipping = ds.get("gradient_clipping", "1.0, DeepSpeed's default")
         if clipping:
             print0(
@@ -178,21 +190,12 @@ def undo_state_initialising_step(engine) -> bool:
 
     No other wrapper steps before training in DeepSpeed 0.19.8 (ZeRO 1/2/3 and ``BF16_Optimizer`` only zero their
     gradients). Returns whether there was anything to give back."""
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-
-    wrapper = engine.optimizer
-    if isinstance(wrapper, FP16_Optimizer):
-        pairs = list(zip(wrapper.fp32_groups_flat, wrapper.fp16_groups_flat))
-    elif isinstance(wrapper, FP16_UnfusedOptimizer):
-        pairs = [pair for g32, g16 in zip(wrapper.fp32_groups, wrapper.fp16_groups) for pair in zip(g32, g16)]
-    else:
+    basic, reset = fp16_wrapped_optimizer(engine.optimizer), False
+    if basic is None:
         return False
-    reset = False
     with torch.no_grad():
-        for master, weight in pairs:
+        for master, weight in fp16_wrapper_masters(engine.optimizer):
             master.copy_(weight)
-    basic = wrapper.optimizer
     for group in basic.param_groups:
         if group.get("step"):
             group["step"] = 0
@@ -208,6 +211,8 @@ def undo_state_initialising_step(engine) -> bool:
 
 def attach_extensions(engine, bertopt: BertOptConfig) -> None:
     """Install what ``bertopt`` asks for into an initialised engine."""
+    for note in settle_engine(engine):
+        print0(note)
     if undo_state_initialising_step(engine):
         print0(
             f"{type(engine.optimizer).__name__}: its state-creating zero-gradient step no longer counts "

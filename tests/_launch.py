@@ -95,6 +95,10 @@ def run_timed(cmd: list[str], timeout: int, marker: str, **env: str) -> tuple[in
 
 
 def metrics(out: Path) -> tuple[list[dict], list[dict]]:
+    """A finished run's training and evaluation records; every entry it wrote is one its ``run.json`` lists (what
+    ``--overwrite_output_dir`` may remove: a writer that lists nothing would make its files undeletable)."""
+    unlisted = set(os.listdir(out)) - set(json.loads((out / "run.json").read_text())["writes"])
+    assert not unlisted, f"{out} holds {sorted(unlisted)}, which its run.json does not list"
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return [x for x in lines if "loss" in x], [x for x in lines if "eval_loss" in x]
 

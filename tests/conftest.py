@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import os
 from itertools import islice
 from pathlib import Path
@@ -61,6 +62,54 @@ def pytest_sessionstart(session):
         build_shm_op()
 
 
+CHECKOUT_RUNS = REPO / "runs"
+"""Where the README's ``make pretrain`` writes (``train.output_dir`` defaults to ``runs/<config>``): no test may read
+or write it, so that ``make pretrain`` followed by ``make test`` passes."""
+
+
+def _inside(path, root: Path) -> bool:
+    path = Path(os.path.abspath(os.path.expanduser(str(path))))
+    return path == root or root in path.parents
+
+
+def _snapshot(root: Path):
+    if not root.exists():
+        return None
+    return sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in [root, *root.rglob("*")])
+
+
+def _refuse_the_checkout(path) -> None:
+    if _inside(path, CHECKOUT_RUNS):
+        pytest.fail(f"the test used the checkout's {path} (a default path); give it a temporary --output_dir")
+
+
+@pytest.fixture(autouse=True)
+def _hermetic(monkeypatch):
+    """A test that reads the checkout's ``runs/`` (judges or resumes an output directory there, in this process) fails
+    at once; one that changed it (in any process: a launcher's run) fails when it ends. Tests pass a temporary
+    ``--output_dir``."""
+    from ds_bertopt.train import checkpoint, rundir
+
+    entries, resume_dir = rundir.entries, checkpoint.resolve_resume_dir
+
+    def guarded_entries(output_dir):
+        _refuse_the_checkout(output_dir)
+        return entries(output_dir)
+
+    def guarded_resume_dir(resume, output_dir):
+        _refuse_the_checkout(output_dir if resume == "auto" else resume)
+        return resume_dir(resume, output_dir)
+
+    monkeypatch.setattr(rundir, "entries", guarded_entries)
+    monkeypatch.setattr(checkpoint, "resolve_resume_dir", guarded_resume_dir)
+    before = _snapshot(CHECKOUT_RUNS)
+    yield
+    if _snapshot(CHECKOUT_RUNS) != before:
+        pytest.fail(
+            f"the test changed the checkout's {CHECKOUT_RUNS} (a default path); give it a temporary --output_dir"
+        )
+
+
 @pytest.fixture(autouse=True)
 def _no_stale_build_lock():
     """A test that kills a rank mid-build (a launcher tearing down its job) leaves torch's build lock behind;
@@ -69,3 +118,12 @@ def _no_stale_build_lock():
 
     clear_stale_build_locks()
     yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The count of generated bad-input cases (tests/test_bad_input_generated.py), when it ran."""
+    module = sys.modules.get("test_bad_input_generated")
+    if module is not None:
+        counts = module.generated_count()
+        kinds = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+        terminalreporter.write_line(f"bad input: {sum(counts.values())} generated cases ({kinds})")

@@ -17,6 +17,7 @@ from ds_bertopt.cli import main as cli_main
 from ds_bertopt.train.tasks.pretrain import main as pretrain_main
 
 CONFIG = "ds_configs/bert.json"
+CONTINUED = "ds_configs/continued_mlm.json"  # bert.json's model sizes would be dead beside a checkpoint
 
 
 @pytest.fixture()
@@ -99,12 +100,20 @@ CASES = [
     ),
     (
         "vocab-mismatch",
-        ["--train_file", "{d}/prose.txt", "--tokenizer", MINILM, "-o", 'model.init_checkpoint="{d}/tiny_bert"'],
+        ["--deepspeed_config", CONTINUED, "--train_file", "{d}/prose.txt", "--tokenizer", MINILM]
+        + ["-o", 'model.init_checkpoint="{d}/tiny_bert"'],
         "model.init_checkpoint: the model's vocabulary has 99 entries but the tokenizer has 30522",
     ),
     (
         "init-checkpoint-empty-dir",  # was read as BERT's defaults: "vocabulary has 30522 entries but … 8192"
-        ["--train_file", "{d}/prose.txt", "-o", 'model.init_checkpoint="{d}/empty_dir"'],
+        [
+            "--deepspeed_config",
+            CONTINUED,
+            "--train_file",
+            "{d}/prose.txt",
+            "-o",
+            'model.init_checkpoint="{d}/empty_dir"',
+        ],
         "model.init_checkpoint: {d}/empty_dir has no config.json (not a Hugging Face checkpoint)",
     ),
     (
@@ -145,14 +154,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("argv, fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_pretrain_rejects_with_one_line(files, capsys, monkeypatch, argv, fragment):
+def test_pretrain_rejects_with_one_line(files, capsys, monkeypatch, cache_dir, argv, fragment):
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     argv = [a.format(d=files) for a in argv]
     if "--deepspeed_config" not in argv:
         argv = ["--deepspeed_config", CONFIG, *argv]
     before = set(os.listdir(files))
     try:
-        code = pretrain_main([*argv, "--output_dir", str(files / "out")])
+        code = pretrain_main([*argv, "--output_dir", str(files / "out"), "-o", f"data.cache_dir={cache_dir}"])
     except SystemExit as exit_:  # argparse: a flag that does not exist
         code = exit_.code
     err = capsys.readouterr().err
@@ -171,6 +180,7 @@ def test_output_dir_rules(files, capsys, monkeypatch):
     run = files / "earlier_run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "run.json").write_text('{"run_id": "0123456789ab", "writes": ["metrics.jsonl", "run.json"]}')
     snapshot = sorted(os.walk(run))
     assert pretrain_main(["--deepspeed_config", CONFIG, "--output_dir", str(run)]) == 2
     err = capsys.readouterr().err

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ds_bertopt.cli import main as cli_main
-from ds_bertopt.cli.balance import (
+from ds_bertopt.data.peers import (
     PEERS,
     check_ds_token_packs,
     ds_batch_by_seqlens_plan,

@@ -17,11 +17,8 @@ import torch
 
 from ds_bertopt.dist import Topology
 from ds_bertopt.errors import JobError
+from ds_bertopt.mounts import device_of
 from ds_bertopt.train.checkpoint import (
-    LOCK_FILE,
-    RunLock,
-    device_of,
-    holds_run,
     identity,
     identity_mismatch,
     load_rng_state,
@@ -30,6 +27,7 @@ from ds_bertopt.train.checkpoint import (
     set_rng_state,
     write_failure,
 )
+from ds_bertopt.train.rundir import LOCK_FILE, RunLock, holds_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,7 +108,7 @@ def test_the_output_directory_lock_refuses_a_second_run_and_dies_with_its_proces
         [
             sys.executable,
             "-c",
-            f"from ds_bertopt.train.checkpoint import RunLock; held = RunLock({str(out)!r}); "
+            f"from ds_bertopt.train.rundir import RunLock; held = RunLock({str(out)!r}); "
             "print('locked', flush=True); import time; time.sleep(60)",
         ],
         stdout=subprocess.PIPE,

@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from _permissions import permissions_apply
+
 from ds_bertopt.config import DataConfig
 from ds_bertopt.data.corpus import expand_train_files, load_documents
 from ds_bertopt.data.skipped import Skipped
@@ -125,11 +127,10 @@ def test_missing_and_directory_and_glob(tmp_path):
         expand_train_files([str(tmp_path / "*.jsonl")])
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files regardless of permissions")
 def test_unreadable(tmp_path):
     path = bad(tmp_path, "locked.txt", "text here.")
     os.chmod(path, 0)
-    with pytest.raises(DataError, match="not readable"):
+    with permissions_apply(), pytest.raises(DataError, match="not readable"):
         expand_train_files([path])
 
 

@@ -13,7 +13,7 @@ from _launch import deepspeed_cmd, pretrain_args, run
 
 from ds_bertopt import config
 from ds_bertopt.comm.scaling import loss_scale_reader
-from ds_bertopt.comm.zero12 import register_clip_as_producer, wait_for_bucket_producers
+from ds_bertopt.compat.deepspeed import register_as_producer, wait_for_bucket_producers
 from ds_bertopt.config import apply_precision
 from ds_bertopt.engine import _as_run_config, prepare_deepspeed_config
 from ds_bertopt.errors import ConfigError
@@ -90,10 +90,11 @@ def test_the_reduction_waits_for_the_clip_with_and_without_offload(offload):
     only, recorded when the gradients were copied, before the clip: the clip must register in both."""
     accelerator = _StreamingAccelerator()
     copy_stream, copy_event = _Stream("copy", accelerator.log), _Event(accelerator.log)
-    bucket = SimpleNamespace(copy_streams={copy_stream}, ready_events={copy_stream: copy_event})
-    current = wait_for_bucket_producers(bucket, accelerator, offload)
+    # compat.ipg_bucket hands the events on only where DeepSpeed's reduction waits on them (ZeRO-Offload)
+    bucket = SimpleNamespace(copy_streams={copy_stream}, ready_events={copy_stream: copy_event} if offload else None)
+    current = wait_for_bucket_producers(bucket, accelerator)
     accelerator.log.append("clip")
-    register_clip_as_producer(bucket, accelerator, current, offload)
+    register_as_producer(bucket, accelerator, current)
     log = accelerator.log
     assert log.index("current waits for copy") < log.index("clip") and current in bucket.copy_streams
     if offload:
@@ -101,7 +102,7 @@ def test_the_reduction_waits_for_the_clip_with_and_without_offload(offload):
         event = bucket.ready_events[current]
         assert log.index(f"{event.name} recorded on current") > log.index("clip"), log
     on_cpu = SimpleNamespace(resolves_data_dependency=lambda: True)
-    assert wait_for_bucket_producers(bucket, on_cpu, offload) is None  # the CPU orders everything itself
+    assert wait_for_bucket_producers(bucket, on_cpu) is None  # the CPU orders everything itself
 
 
 def test_bucket_clip_turns_off_deepspeeds_default_clipping_too():

@@ -31,6 +31,16 @@ def test_no_bench_file_over_600_lines(module):
     assert lines <= BENCH_LINES, f"{module.relative_to(REPO)} has {lines} lines, over {BENCH_LINES}"
 
 
+CLI_LINES = 400
+
+
+@pytest.mark.parametrize("module", sorted((REPO / "ds_bertopt" / "cli").glob("*.py")), ids=lambda p: p.name)
+def test_no_cli_module_over_400_lines(module):
+    """A command parses and prints; what it computes lives in the package (ds_bertopt.data.peers, .scale, ...)."""
+    lines = len(module.read_text(encoding="utf-8").splitlines())
+    assert lines <= CLI_LINES, f"{module.relative_to(REPO)} has {lines} lines, over {CLI_LINES}"
+
+
 REPEATED_BLOCK = 10
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ds_bertopt.cli.balance import mlperf_phase2_lengths
+from ds_bertopt.data.peers import mlperf_phase2_lengths
 from ds_bertopt.data.config import PACKED_STRATEGIES, STRATEGIES, SamplerConfig
 from ds_bertopt.data.cost import CostModel, padded_lengths, plan_figures, rank_work, slot_lengths
 from ds_bertopt.data.plan import (

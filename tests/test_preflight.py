@@ -39,7 +39,8 @@ def _random_overrides(rng: random.Random) -> list[str]:
         overrides.append(f"deepspeed.train_batch_size={rng.choice([4, 6, 8, 12])}")
     if rng.random() < 0.3:
         overrides.append("deepspeed.zero_optimization.overlap_comm=true")
-    if rng.random() < 0.2:
+    if rng.random() < 0.2:  # the block sets the precision: train.precision beside it would be a dead key
+        overrides = [o for o in overrides if not o.startswith("train.precision")]
         overrides.append('deepspeed.bf16={"enabled": true}')
     return overrides + [
         "train.max_steps=3",
@@ -181,7 +182,10 @@ def test_unread_keys_are_refused_in_one_line(capsys, tmp_path):
         lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
         assert code == 2 and len(lines) == 1 and fragment in lines[0], lines
     # the escape hatch: accepted, and named
-    code = cli_main(["config", CONFIG, "-o", "wtacrs.enabled=true", "--train.allow_unread_keys", "--max_steps", "3"])
+    out = ["--output_dir", str(tmp_path / "new")]
+    code = cli_main(
+        ["config", CONFIG, "-o", "wtacrs.enabled=true", "--train.allow_unread_keys", "--max_steps", "3", *out]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "note: pretraining does not read bertopt.wtacrs.enabled (train.allow_unread_keys)" in captured.err
@@ -189,9 +193,30 @@ def test_unread_keys_are_refused_in_one_line(capsys, tmp_path):
     assert unread_keys({"data.max_skipped_fraction", "finetune.train_file"}, FinetuneTask.reads) == []
 
 
-def test_packed_planning_for_a_padded_model_gets_a_note(capsys):
-    assert cli_main(["config", CONFIG, "-o", "model.unpadded=false"]) == 0
+def test_packed_planning_for_a_padded_model_gets_a_note(capsys, tmp_path):
+    out = ["--output_dir", str(tmp_path / "new")]
+    assert cli_main(["config", CONFIG, "-o", "model.unpadded=false", *out]) == 0
     err = capsys.readouterr().err
     assert "note: sampler.strategy packed_node_balance balances real tokens, for kernels that skip padding" in err
-    assert cli_main(["config", CONFIG]) == 0  # bert.json: unpadded, no note
+    assert cli_main(["config", CONFIG, *out]) == 0  # bert.json: unpadded, no note
     assert "packed_node_balance balances" not in capsys.readouterr().err
+
+
+def test_dead_keys_are_refused_and_a_command_line_switch_only_notes_the_files(capsys, tmp_path):
+    """Silently ignored before: bucket_clip.* with bucket clip off, sampler.bins with the random strategy. Typed (or
+    written in the file) beside the setting that kills them: one line. A file's key that this run's command-line
+    switch kills (turning bert.json's bucket clip off): a note, and the run goes on."""
+    out = ["--output_dir", str(tmp_path / "new")]
+    cases = [
+        (["-o", "bucket_clip.enabled=false", "-o", "bucket_clip.max_norm=2"], "bertopt.bucket_clip.max_norm: has no "),
+        (["-o", 'sampler.strategy="random"', "-o", "sampler.bins=[64]"], "bertopt.sampler.bins: has no effect: "),
+    ]
+    for argv, fragment in cases:
+        assert cli_main(["config", CONFIG, *argv, *out]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert len(lines) == 1 and fragment in lines[0], lines
+    assert cli_main(["config", CONFIG, "-o", "bucket_clip.enabled=false", *out]) == 0
+    assert (
+        f"note: the command line makes {CONFIG}'s bertopt.bucket_clip.max_norm (bucket_clip.enabled is false) have no "
+        "effect in this run" in capsys.readouterr().err
+    )

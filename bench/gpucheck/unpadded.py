@@ -117,6 +117,7 @@ def unpadded_throughput(ctx: Ctx) -> dict:
     import torch
     from transformers import BertConfig, BertForMaskedLM
 
+    from ds_bertopt.compat.transformers import set_attention_implementation
     from ds_bertopt.data.collate import pack_sequences
     from ds_bertopt.model import SparseMLMHead
     from ds_bertopt.model.unpadded import UnpaddedBert, varlen_usable
@@ -136,7 +137,7 @@ def unpadded_throughput(ctx: Ctx) -> dict:
         sizes = dict(vocab_size=30522, max_position_embeddings=512)  # BERT-base otherwise
         count, low, high, rounds = 32, 16, 512, 5
     config = BertConfig(**sizes)
-    config._attn_implementation = "sdpa"
+    set_attention_implementation(config, "sdpa")
     torch.manual_seed(0)
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     with torch.device(device):

@@ -1,8 +1,9 @@
 """``ds-bertopt config FILE [--task pretrain|finetune] [--world-size N] [--ranks-per-node M] [training flags]``.
 
-Runs exactly the pre-flight that training runs (``ds_bertopt.train.preflight``: our section, DeepSpeed's
-part through DeepSpeed's own parser, the run directory, the resume checkpoint, the task's files) for the
-given world size, and prints the resolved config. Training flags are the task's own (``--max_steps``,
+Runs the pre-flight that training runs (``ds_bertopt.train.preflight``: our section, DeepSpeed's part through
+DeepSpeed's own parser, the resume checkpoint, the task's files) for the given world size, and prints the resolved
+config. It writes nothing, so it neither reads nor judges the output directory (a config is checked the same
+before and after its run). Training flags are the task's own (``--max_steps``,
 ``-o key=value``, …), so a command line can be checked before it is launched.
 """
 
@@ -47,7 +48,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--ranks-per-node: {per_node} does not divide world size {world}")
     topo = Topology(rank=0, world_size=world, local_rank=0, ranks_per_node=per_node, node_rank=0)
     with contextlib.redirect_stdout(sys.stderr):  # the pre-flight's log lines; stdout holds the JSON only
-        plan = preflight(task, args.deepspeed_config, run_overrides(args), topo, known.device, resume=args.resume)
+        plan = preflight(
+            task, args.deepspeed_config, run_overrides(args), topo, known.device, resume=args.resume, run_dir=False
+        )
     json.dump(describe(plan.cfg), sys.stdout, indent=2)
     print()
     return 0

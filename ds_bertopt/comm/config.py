@@ -25,6 +25,12 @@ class BucketClipConfig:
     eps: float = 1e-6
     """Added to the bucket norm before dividing."""
 
+    def dead_fields(self) -> dict[str, str]:
+        """Every setting of the hook is dead while it is off."""
+        if self.enabled:
+            return {}
+        return {name: "bucket_clip.enabled is false" for name in ("max_norm", "bucket_size", "threshold", "eps")}
+
     def __post_init__(self) -> None:
         check(self.max_norm > 0, f"max_norm: must be positive, got {self.max_norm}")
         check(self.bucket_size > 0, f"bucket_size: must be positive, got {self.bucket_size}")

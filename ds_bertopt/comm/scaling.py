@@ -2,7 +2,7 @@
 
 * Under fp16 the gradients in a bucket are multiplied by DeepSpeed's (dynamic) loss scale until the
   optimizer step unscales them, so the clip threshold must be multiplied by the same scale. Every
-  DeepSpeed 0.19.8 wrapper that scales (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``,
+  DeepSpeed wrapper that scales (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``,
   ``DeepSpeedZeroOptimizer``) exposes it as ``loss_scale``; under fp16 a wrapper without it is refused
   instead of clipping ~65,536× too hard. bf16/fp32 wrappers may have none, or say ``None``: the scale is then 1.
 * DeepSpeed averages over ``world`` ranks as ``allreduce_bucket`` (engine, ZeRO 0) and
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..compat.deepspeed import LOSS_SCALE_ABSENT, loss_scale
 from ..errors import ConfigError
 
 
@@ -26,7 +27,7 @@ def loss_scale_reader(optimizer, fp16: bool) -> Callable[[], float]:
     Outside fp16 nothing scales the gradients, whatever the wrapper says: the fused ``FP16_Optimizer`` that a
     CUDA run gets for DeepSpeed's ``FusedAdam`` answers ``None`` under bf16 (``fused_optimizer.py``,
     ``_get_loss_scale``: no grad scaling, no scale), which means 1."""
-    if not hasattr(optimizer, "loss_scale"):
+    if loss_scale(optimizer) is LOSS_SCALE_ABSENT:
         if fp16:
             raise ConfigError(
                 f"bucket_clip: fp16 is on, but DeepSpeed's optimizer {type(optimizer).__name__} exposes no "
@@ -35,10 +36,10 @@ def loss_scale_reader(optimizer, fp16: bool) -> Callable[[], float]:
             )
         return lambda: 1.0
     if fp16:
-        return lambda: optimizer.loss_scale
+        return lambda: loss_scale(optimizer)
 
     def read() -> float:
-        scale = optimizer.loss_scale
+        scale = loss_scale(optimizer)
         return 1.0 if scale is None else scale
 
     return read

@@ -1,6 +1,6 @@
 """ZeRO stage 0 adapter: our own buckets, filled by per-parameter hooks, reduced asynchronously.
 
-DeepSpeed 0.19.8 at stage 0 reduces nothing until backward has finished:
+DeepSpeed (0.16-0.19) at stage 0 reduces nothing until backward has finished:
 ``DeepSpeedEngine._backward_epilogue`` calls ``DeepSpeedEngine.allreduce_gradients``, which
 flattens every gradient (``buffered_allreduce_fallback`` -> ``allreduce_bucket``), allreduces,
 and copies the result back (``allreduce_and_copy``). Here instead:
@@ -15,11 +15,12 @@ and copies the result back (``allreduce_and_copy``). Here instead:
   wait) and its ``all_reduce(async_op=True)`` is launched on the
   data-parallel group while backward continues. Buckets are launched strictly in index order so
   every rank issues the same collectives in the same order;
-* the engine's ``allreduce_gradients`` is replaced by :meth:`ZeroStage0BucketClip.allreduce_gradients`:
+* the engine's ``allreduce_gradients`` is replaced by :meth:`ZeroStage0BucketClip.finish_reduction`:
   stage what the hooks did not see (unused parameters get zeros, as DeepSpeed's
   ``_get_gradients_for_reduction`` does), launch the remaining buckets, wait on all handles.
 
-Non-boundary micro-batches accumulate in ``param.grad`` as usual; nothing is sent for them.
+Non-boundary micro-batches accumulate in ``param.grad`` as usual; nothing is sent for them. The engine's
+internals this reads and replaces go through :mod:`ds_bertopt.compat.deepspeed` (hook ``engine.allreduce_gradients``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..compat import deepspeed as ds_compat
 from .clip import bucket_thresholds, clip_bucket_, reverse_registration_buckets
 from .config import BucketClipConfig
 from .scaling import averaging_factors, loss_scale_reader
@@ -39,20 +41,18 @@ class ZeroStage0BucketClip:
 
     stage = 0
 
-    def __init__(self, engine, cfg: BucketClipConfig, dp_group):
+    def __init__(self, engine, cfg: BucketClipConfig):
         self.engine = engine
         self.cfg = cfg
-        self.group = dp_group
-        self.world = dist.get_world_size(group=dp_group)
+        reduction = ds_compat.engine_reduction(engine)
+        self.group = reduction.group
+        self.world = dist.get_world_size(group=reduction.group)
         self.params = [p for p in engine.module.parameters() if p.requires_grad and p.numel() > 0]
-        self.comm_dtype = engine.communication_data_type
+        self.comm_dtype = reduction.comm_dtype
         self.pre_scale, self.post_scale = averaging_factors(
-            self.world,
-            average=engine.gradient_average,
-            postscale=engine.postscale_gradients(),
-            predivide=engine.gradient_predivide_factor(),
+            self.world, average=reduction.average, postscale=reduction.postscale, predivide=reduction.predivide
         )
-        self.loss_scale = loss_scale_reader(engine.optimizer, engine.fp16_enabled())
+        self.scale_of_loss = loss_scale_reader(engine.optimizer, engine.fp16_enabled())
         self.buckets = reverse_registration_buckets(self.params, cfg.bucket_size)
         self.bucket_numels = [sum(self.params[i].numel() for i in members) for members in self.buckets]
         self.thresholds = bucket_thresholds(self.bucket_numels, cfg.max_norm, cfg.threshold)
@@ -70,7 +70,7 @@ class ZeroStage0BucketClip:
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
         ]
-        engine.allreduce_gradients = self.allreduce_gradients
+        ds_compat.replace_engine_allreduce(engine, self.finish_reduction)
 
     # -- per-backward state --------------------------------------------------------------------
     def _reset(self) -> None:
@@ -105,12 +105,7 @@ class ZeroStage0BucketClip:
 
     def _make_hook(self, i: int):
         def on_grad_ready(param: torch.Tensor) -> None:
-            engine = self.engine
-            if (
-                engine.inside_no_sync_ctxt
-                or not engine.enable_backward_allreduce
-                or not engine.is_gradient_accumulation_boundary()
-            ):
+            if ds_compat.engine_defers_reduction(self.engine):
                 return  # accumulate locally; reduce once at the boundary
             if self._staged[i]:
                 raise RuntimeError(
@@ -133,17 +128,16 @@ class ZeroStage0BucketClip:
 
     def _launch(self, b: int) -> None:
         flat = self._buffer(b)
-        threshold = self.thresholds[b] * self.loss_scale()
+        threshold = self.thresholds[b] * self.scale_of_loss()
         self.last_coefficients[b] = clip_bucket_(flat, threshold, eps=self.cfg.eps, post_scale=self.pre_scale)
         self._handles.append(dist.all_reduce(flat, group=self.group, async_op=True))
 
     # -- replaces DeepSpeedEngine.allreduce_gradients -------------------------------------------
-    def allreduce_gradients(self, bucket_size=None) -> None:  # noqa: ARG002 - DeepSpeed's signature
+    def finish_reduction(self, bucket_size=None) -> None:  # noqa: ARG002 - DeepSpeed's allreduce_gradients signature
         """Finish the reduction started in backward: flush the remaining buckets, wait for all."""
         engine = self.engine
         boundary = engine.is_gradient_accumulation_boundary()
-        if hasattr(engine.optimizer, "set_gradient_accumulation_boundary"):
-            engine.optimizer.set_gradient_accumulation_boundary(boundary)
+        ds_compat.tell_optimizer_boundary(engine.optimizer, boundary)
         if not boundary:
             return
         for b in range(self._next_launch, len(self.buckets)):
@@ -174,4 +168,4 @@ class ZeroStage0BucketClip:
         """Take the hooks out and give the engine its own ``allreduce_gradients`` back."""
         for handle in self._hook_handles:
             handle.remove()
-        self.engine.__dict__.pop("allreduce_gradients", None)
+        ds_compat.restore_engine_allreduce(self.engine)

@@ -1,19 +1,22 @@
 """ZeRO stage 1/2 adapter: clip each of DeepSpeed's IPG buckets just before DeepSpeed reduces it.
 
-In DeepSpeed 0.19.8 every gradient reduction of ``DeepSpeedZeroOptimizer`` (stages 1 and 2) goes
-through ``DeepSpeedZeroOptimizer.reduce_ipg_grads(comm_dtype=None)``: the backward hooks
+In every supported DeepSpeed (0.16-0.19) each gradient reduction of ``DeepSpeedZeroOptimizer`` (stages 1 and 2) goes
+through ``DeepSpeedZeroOptimizer.reduce_ipg_grads``: the backward hooks
 (``reduce_independent_p_g_buckets_and_remove_grads``) call it for a full bucket, and the epilogue
 (``independent_gradient_partition_epilogue``) calls it for the last partial one. At that point the
 bucket ``optimizer.ipg_buckets[dtype]`` holds this rank's unreduced gradients: with
 ``contiguous_gradients`` in ``bucket.buffer[bucket.index][:bucket.elements]`` (a parameter larger
 than the bucket is alone in ``bucket.grads``), otherwise as the tensors in ``bucket.grads``.
-We wrap that one method on the optimizer instance: clip, then call DeepSpeed's own.
+We wrap that one method on the optimizer instance: clip, then call DeepSpeed's own. Every internal this reads goes
+through :mod:`ds_bertopt.compat.deepspeed` (hooks ``zero.reduce_ipg_grads`` and ``zero.ipg_bucket``), which also
+answers for 0.16's bucket (fields of the optimizer instead of an ``IPGBucket``).
 
 The ``1/world`` of the average is folded into the clip's multiply, and DeepSpeed's own division
 is switched off for the duration of that call (``optimizer.gradient_average``, read by
-``average_tensor``, ``gradient_reduction_w_predivide`` and ``allreduce_bucket`` in 0.19.8), so
+``average_tensor``, ``gradient_reduction_w_predivide`` and ``allreduce_bucket`` in 0.19), so
 the bucket is scaled once instead of twice. With a ``gradient_predivide_factor`` other than 1 (or
-``postscale_gradients`` off) DeepSpeed's own averaging is left in place and only the clip runs.
+``postscale_gradients`` off), and before 0.19 (no such switch), DeepSpeed's own averaging is left in place and only
+the clip runs: the same result, the bucket written twice.
 
 Streams (CUDA): the bucket may have been filled by copies on several streams; DeepSpeed records
 them in ``bucket.copy_streams`` and makes its reduction stream wait on each (``average_tensor``,
@@ -43,41 +46,11 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from ..compat import deepspeed as ds_compat
 from ..log import print0
 from .clip import assign_buckets, clip_bucket_, clip_tensors_
 from .config import BucketClipConfig
 from .scaling import averaging_factors, loss_scale_reader
-
-
-def wait_for_bucket_producers(bucket, accelerator, offload_safety: bool):
-    """Make the current stream wait for every copy into ``bucket``; returns that stream (None where the accelerator
-    orders all work itself, e.g. the CPU). Producers are recorded by DeepSpeed in ``bucket.copy_streams``
-    (overlap_comm) and, with ZeRO-Offload, as events in ``bucket.ready_events`` (``_record_bucket_producer``)."""
-    if accelerator.resolves_data_dependency():
-        return None
-    current = accelerator.current_stream()
-    for producer in bucket.copy_streams:
-        current.wait_stream(producer)
-    if offload_safety:
-        for event in bucket.ready_events.values():
-            current.wait_event(event)
-    return current
-
-
-def register_clip_as_producer(bucket, accelerator, current, offload_safety: bool) -> None:
-    """Make DeepSpeed's reduction of ``bucket`` wait for the clip that just ran on ``current``.
-
-    ``DeepSpeedZeroOptimizer.average_tensor`` orders its reduction after ``bucket.copy_streams`` with overlap_comm,
-    but with ZeRO-Offload (``_offload_gradient_safety_enabled``) after ``bucket.ready_events`` only, recorded when
-    the copies were made, before the clip: without an event of ours there, the reduction may read the bucket
-    before the clip has written it."""
-    if current is None:
-        return
-    bucket.copy_streams.add(current)
-    if offload_safety:
-        event = accelerator.Event()
-        event.record(current)
-        bucket.ready_events[current] = event  # the newest on this stream: later than the copy's
 
 
 class ZeroStage12BucketClip:
@@ -88,31 +61,29 @@ class ZeroStage12BucketClip:
         self.cfg = cfg
         self.optimizer = opt = engine.optimizer
         self.stage = engine.zero_optimization_stage()
-        if opt.reduce_bucket_size != cfg.bucket_size:
+        reduction = ds_compat.zero_reduction(opt)
+        if reduction.bucket_size != cfg.bucket_size:
             print0(
-                f"bucket_clip: ZeRO reduce bucket size {opt.reduce_bucket_size} -> bucket_clip.bucket_size "
+                f"bucket_clip: ZeRO reduce bucket size {reduction.bucket_size} -> bucket_clip.bucket_size "
                 f"{cfg.bucket_size} (the clip buckets are DeepSpeed's IPG buckets)"
             )
-            # read again each time a bucket is filled and when its buffers are (re)allocated in
-            # DeepSpeedZeroOptimizer.setup_buckets, so setting it before the first backward is enough
-            opt.reduce_bucket_size = cfg.bucket_size
-        self.params = [p for group in opt.bit16_groups for p in group if p.requires_grad and p.numel() > 0]
+            ds_compat.set_zero_bucket_size(opt, cfg.bucket_size)
+        self.reduction = reduction = ds_compat.zero_reduction(opt)
+        self.params = [p for group in reduction.groups for p in group if p.requires_grad and p.numel() > 0]
         self.total_numel = sum(p.numel() for p in self.params)
         self.expected_layout = self._expected_layout()
         self.num_buckets = len(self.expected_layout)
         """B of the uniform threshold: the number of buckets DeepSpeed's rule gives in the expected order."""
-        self._micro_divisor = engine.gradient_accumulation_steps() if opt.partition_gradients else 1
-        world = dist.get_world_size(group=opt.dp_process_group)
+        self._micro_divisor = engine.gradient_accumulation_steps() if reduction.stage2 else 1
+        world = dist.get_world_size(group=reduction.group)
         before, after = averaging_factors(
-            world,
-            average=opt.gradient_average,
-            postscale=opt.postscale_gradients,
-            predivide=opt.gradient_predivide_factor,
+            world, average=reduction.average, postscale=reduction.postscale, predivide=reduction.predivide
         )
-        # fold the average into the clip only when DeepSpeed's split is "all of it before the reduction"
-        self.fold_average = opt.gradient_average and after == 1.0
+        # fold the average into the clip only when DeepSpeed's split is "all of it before the reduction" and this
+        # release lets the reduction skip its own division (0.19)
+        self.fold_average = reduction.average and after == 1.0 and ds_compat.can_suspend_average(opt)
         self.post_scale = before if self.fold_average else 1.0
-        self.loss_scale = loss_scale_reader(opt, engine.fp16_enabled())
+        self.scale_of_loss = loss_scale_reader(opt, engine.fp16_enabled())
         self._warned_layout = False
         self._current: list[list[torch.nn.Parameter]] = []
         self.last_layout: list[list[torch.nn.Parameter]] = []
@@ -120,22 +91,21 @@ class ZeroStage12BucketClip:
         self.last_coefficients: list[torch.Tensor] = []
         """Clip coefficient of each of those buckets (0-d tensors; 1 = not clipped)."""
         self._coefficients: list[torch.Tensor] = []
-        self._original = opt.reduce_ipg_grads
-        opt.reduce_ipg_grads = self.reduce_ipg_grads
+        self._original = ds_compat.replace_zero_reduce(opt, self.clip_then_reduce)
+        ds_compat.after_backward_reduction(opt, self._end_of_backward)
 
     def _expected_layout(self) -> list[list[torch.nn.Parameter]]:
         """Buckets as DeepSpeed will fill them: reverse registration order when the backward hooks
         reduce (stage 2, or stage 1 with overlap_comm), group order otherwise (stage 1 reduces after
         backward in ``DeepSpeedZeroOptimizer.reduce_gradients``)."""
-        opt = self.optimizer
-        hooks_reduce = opt.partition_gradients or opt.overlap_comm
-        if hooks_reduce:
+        opt, reduction = self.optimizer, self.reduction
+        if reduction.stage2 or reduction.overlapped:
             registered = [p for p in self.engine.module.parameters() if p.requires_grad and p.numel() > 0]
             order = list(reversed(registered))
         else:
             order = list(self.params)
         buckets = assign_buckets(
-            [p.numel() for p in order], opt.reduce_bucket_size, [opt.get_param_comm_dtype(p) for p in order]
+            [p.numel() for p in order], reduction.bucket_size, [ds_compat.param_comm_dtype(opt, p) for p in order]
         )
         return [[order[i] for i in members] for members in buckets]
 
@@ -144,46 +114,34 @@ class ZeroStage12BucketClip:
             tau = self.cfg.max_norm / math.sqrt(self.num_buckets)
         else:
             tau = self.cfg.max_norm * math.sqrt(numel / self.total_numel)
-        return tau * self.loss_scale() / self._micro_divisor
+        return tau * self.scale_of_loss() / self._micro_divisor
 
     def _clip(self, comm_dtype) -> None:
-        opt = self.optimizer
-        bucket = opt.ipg_buckets[comm_dtype]
+        bucket = ds_compat.ipg_bucket(self.optimizer, comm_dtype)
         if not bucket.params:
             return
-        accelerator, offload = get_accelerator(), opt._offload_gradient_safety_enabled
-        current = wait_for_bucket_producers(bucket, accelerator, offload)
-        if opt.contiguous_gradients and comm_dtype not in opt.extra_large_param_to_reduce:
-            flat = bucket.buffer[bucket.index].narrow(0, 0, bucket.elements)
-            coef = clip_bucket_(flat, self.threshold(bucket.elements), eps=self.cfg.eps, post_scale=self.post_scale)
+        accelerator = get_accelerator()
+        current = ds_compat.wait_for_bucket_producers(bucket, accelerator)
+        if bucket.flat is not None:
+            threshold = self.threshold(bucket.elements)
+            coef = clip_bucket_(bucket.flat, threshold, eps=self.cfg.eps, post_scale=self.post_scale)
         else:
-            coef = clip_tensors_(
-                bucket.grads,
-                self.threshold(sum(g.numel() for g in bucket.grads)),
-                eps=self.cfg.eps,
-                post_scale=self.post_scale,
-            )
-        register_clip_as_producer(bucket, accelerator, current, offload)
+            threshold = self.threshold(sum(g.numel() for g in bucket.grads))
+            coef = clip_tensors_(bucket.grads, threshold, eps=self.cfg.eps, post_scale=self.post_scale)
+        ds_compat.register_as_producer(bucket, accelerator, current)
         self._coefficients.append(coef)
-        self._current.append([opt.bit16_groups[g][i] for g, i, _ in bucket.params])
+        self._current.append([self.reduction.groups[g][i] for g, i, _ in bucket.params])
 
-    def reduce_ipg_grads(self, comm_dtype: Optional[torch.dtype] = None):
+    def clip_then_reduce(self, comm_dtype: Optional[torch.dtype] = None):
         """Clip the bucket(s) about to be reduced, then run DeepSpeed's ``reduce_ipg_grads``."""
-        dtypes = [comm_dtype] if comm_dtype is not None else list(self.optimizer.ipg_buckets)
+        dtypes = [comm_dtype] if comm_dtype is not None else ds_compat.ipg_bucket_dtypes(self.optimizer)
         for dtype in dtypes:
             self._clip(dtype)
-        averaging = self.optimizer.gradient_average
-        if self.fold_average:
-            self.optimizer.gradient_average = False  # done in the clip
-        try:
-            result = self._original(comm_dtype=comm_dtype)
-        finally:
-            self.optimizer.gradient_average = averaging
-        if comm_dtype is None:  # the epilogue's call: this backward's reduction is complete
-            self._end_of_backward()
-        return result
+        with ds_compat.average_suspended(self.optimizer, self.fold_average):  # done in the clip
+            return self._original(comm_dtype)
 
     def _end_of_backward(self) -> None:
+        """After DeepSpeed's epilogue: this backward's reduction is complete."""
         if not self._current:
             return  # stage 1 between accumulation boundaries reduces nothing
         self.last_layout, self._current = self._current, []
@@ -201,4 +159,4 @@ class ZeroStage12BucketClip:
         return self.expected_layout
 
     def remove(self) -> None:
-        self.optimizer.__dict__.pop("reduce_ipg_grads", None)
+        ds_compat.restore_zero_reduce(self.optimizer)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from ..errors import check
+from ..errors import DataError, check
+from .corpus import file_kind
 from .cost import BERT_LARGE_QUADRATIC, CostModel
 
 STRATEGIES = (
@@ -21,6 +22,11 @@ STRATEGIES = (
 )
 PACKED_STRATEGIES = ("packed_node_balance", "padded_node_balance")  # variable micro-batch sizes (ragged plans)
 PEER_STRATEGIES = ("hf_batch_rebalance",)  # other libraries' planners, run inside our loop for side-by-side runs
+STRATIFIED = ("stratified", "stratified_node_sort", "stratified_node_balance", *PACKED_STRATEGIES)
+"""The strategies that draw from length bins (``bins``, ``num_bins``, ``bin_counts``)."""
+NODE_POOLED = ("stratified_node_balance", *PACKED_STRATEGIES)  # node pools of split_across_nodes
+COSTED = ("global_sort", "stratified_node_sort", *NODE_POOLED)
+"""The strategies that deal or pack by the cost model ``a·L + b·L²`` (``cost_linear``, ``cost_quadratic``)."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,30 @@ class SamplerConfig:
             f"max_micro_batch_samples: must be at least 1, got {self.max_micro_batch_samples}",
         )
 
+    def dead_fields(self) -> dict[str, str]:
+        """Fields the strategy never reads (``ds_bertopt.data.plan.Planner``: bins in ``_resolve_bins``, the cost model
+        in ``deal``/``split_across_nodes``/``pack_pools``, the rest where named)."""
+        s, dead = self.strategy, {}
+        said = f'strategy is "{s}"'
+        if s not in STRATIFIED:
+            for name in ("bins", "num_bins", "bin_counts"):
+                dead[name] = f"only the length-bin strategies (stratified*, the packed ones) use bins; {said}"
+        elif self.bins:
+            dead["num_bins"] = "bins are given, so no quantile bins are derived"
+        if s not in COSTED:
+            for name in ("cost_linear", "cost_quadratic"):
+                dead[name] = f"only the strategies that deal or pack by cost use the cost model; {said}"
+        if s != "stratified_node_balance":
+            dead["padded"] = f"only stratified_node_balance reads it (the packed strategies name their cost); {said}"
+        if s not in NODE_POOLED:
+            dead["balance_each_micro_batch"] = f"only stratified_node_balance and the packed strategies balance; {said}"
+        if s != "sorted_megabatch":
+            dead["megabatch_mult"] = f"only sorted_megabatch has mega-batches; {said}"
+        if s not in PACKED_STRATEGIES:
+            for name in ("micro_batch_tokens", "max_micro_batch_samples"):
+                dead[name] = f"only the packed strategies pack micro-batches of varying size; {said}"
+        return dead
+
     @property
     def cost_model(self) -> CostModel:
         return CostModel(linear=self.cost_linear, quadratic=self.cost_quadratic)
@@ -181,6 +211,22 @@ class DataConfig:
     fraction of them is skipped the run refuses to start (the data is probably read wrongly: another
     ``text_field``?). Fine-tuning reads this key too."""
 
+    def dead_fields(self) -> dict[str, str]:
+        """Fields the corpus reader (``ds_bertopt.data.corpus.load_documents``) and the tokenizer never read here."""
+        dead = {}
+        if not self.dataset:
+            dead["dataset_split"] = "only a data.dataset has splits"
+        kinds = {_kind(p) for p in self.train_files}
+        if self.dataset or not self.train_files or kinds == {"json"}:
+            source = "data.dataset" if self.dataset else "the corpus" if self.train_files else "the embedded corpus"
+            dead["txt_format"] = f"it splits .txt files, and {source} is not one"
+        if not self.dataset and (not self.train_files or kinds == {"text"}):
+            source = ".txt files" if self.train_files else "the embedded corpus"
+            dead["text_field"] = f"{source} have no fields to choose from (jsonl and datasets do)"
+        if self.tokenizer:
+            dead["tokenizer_vocab_size"] = "data.tokenizer is given; only the trained default tokenizer has this size"
+        return dead
+
     def __post_init__(self) -> None:
         check(self.max_seq_length >= 8, f"max_seq_length: must be at least 8, got {self.max_seq_length}")
         check(0.0 <= self.short_seq_prob <= 1.0, f"short_seq_prob: must be in [0, 1], got {self.short_seq_prob}")
@@ -201,3 +247,11 @@ class DataConfig:
             0.0 <= self.max_skipped_fraction < 1.0,
             f"max_skipped_fraction: must be in [0, 1), got {self.max_skipped_fraction}",
         )
+
+
+def _kind(pattern: str) -> Optional[str]:
+    """``"text"``/``"json"`` of a corpus file or glob by its name; None when the name does not say."""
+    try:
+        return file_kind(pattern)
+    except DataError:
+        return None

@@ -27,6 +27,7 @@ from collections import Counter
 from typing import Iterator, Optional
 
 from ..errors import DataError
+from ..mounts import existing_parent
 from .skipped import NAMED, Skipped
 
 TEXT_SUFFIXES = (".txt", ".text")
@@ -52,6 +53,24 @@ def _open_bytes(path: str):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
+def check_cache_dir(path: str, key: str) -> None:
+    """A directory that exists or can be created (and written), or one line naming ``key``."""
+    path = os.path.expanduser(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise DataError(f"{key}: {path} is not a directory")
+    existing = existing_parent(path)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK, effective_ids=True):
+        raise DataError(f"{key}: cannot create or write {path} ({existing} is not a writable directory)")
+
+
+def check_dataset_dir(path: str) -> None:
+    """``data.dataset`` given as a path: a directory (``datasets.save_to_disk``), or one line naming it."""
+    if not os.path.exists(os.path.expanduser(path)):
+        raise DataError(f"data.dataset: {path} does not exist")
+    if not os.path.isdir(os.path.expanduser(path)):
+        raise DataError(f"data.dataset: {path} is a file; give a directory saved by datasets.save_to_disk")
+
+
 def check_corpus_file(path: str) -> None:
     """Fail with one line if ``path`` cannot serve as a corpus file."""
     if not os.path.exists(path):
@@ -60,7 +79,7 @@ def check_corpus_file(path: str) -> None:
         raise DataError(f"corpus file {path} is not a regular file")
     if os.path.getsize(path) == 0:
         raise DataError(f"corpus file {path} is empty")
-    if not os.access(path, os.R_OK):
+    if not os.access(path, os.R_OK, effective_ids=True):
         raise DataError(f"corpus file {path} is not readable (permission denied)")
     file_kind(path)
     try:

@@ -25,6 +25,11 @@ from typing import Any, Iterable, Iterator, Optional
 from ..errors import DataError
 from .skipped import Skipped
 
+CSV_SUFFIX = ".csv"
+JSONL_SUFFIXES = (".jsonl", ".json")
+FILE_SUFFIXES = (CSV_SUFFIX, *JSONL_SUFFIXES)
+"""Labelled files by name; anything else is read as a ``datasets`` directory (which has splits)."""
+
 
 @dataclass(frozen=True)
 class LabelledData:
@@ -206,10 +211,10 @@ def load_labelled(
     if os.path.getsize(path) == 0:
         raise DataError(f"{path} is empty")
     lower = path.lower()
-    if lower.endswith(".csv"):
+    if lower.endswith(CSV_SUFFIX):
         columns, rows = _csv_rows(path, _read_text(path))
         return _collect(rows, path, text_column, label_column, columns, tuple(label_names), max_skipped_fraction)
-    if lower.endswith((".jsonl", ".json")):
+    if lower.endswith(JSONL_SUFFIXES):
         rows = _jsonl_rows(path, _read_text(path))
         return _collect(rows, path, text_column, label_column, None, tuple(label_names), max_skipped_fraction)
     raise DataError(f"{path}: unsupported format; use .csv, .jsonl or a directory saved by datasets")

@@ -85,12 +85,10 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..errors import ConfigError, DataError
-from .config import PACKED_STRATEGIES, PEER_STRATEGIES, STRATEGIES, SamplerConfig
+from .config import NODE_POOLED, PACKED_STRATEGIES, PEER_STRATEGIES, STRATEGIES, STRATIFIED, SamplerConfig
 from .cost import CostModel, padded_lengths
 
 SWAP_ROUNDS = 4  # per rank of a pool: rounds of busiest/least-loaded swaps after the greedy dealing
-STRATIFIED = ("stratified", "stratified_node_sort", "stratified_node_balance", *PACKED_STRATEGIES)
-NODE_POOLED = ("stratified_node_balance", *PACKED_STRATEGIES)  # node pools of split_across_nodes
 CHUNK = 1 << 22  # samples per pass over the corpus: a chunk's int64 temporaries stay at 32 MiB
 
 

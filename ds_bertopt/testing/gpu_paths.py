@@ -20,8 +20,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 
 def multi_tensor_adam(
     chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps, step, mode, bias_correction, weight_decay
@@ -54,16 +52,10 @@ def cpu_fused_adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), ep
     """A real ``deepspeed.ops.adam.FusedAdam`` (same class, same ``step``) that runs on the CPU.
 
     ``FusedAdam.__init__`` JIT-builds its CUDA op; everything else it sets is set here the same way."""
-    from deepspeed.ops.adam import FusedAdam
+    from ds_bertopt.compat.deepspeed import fused_adam_with_kernel
 
-    optimizer = FusedAdam.__new__(FusedAdam)
     defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
-    torch.optim.Optimizer.__init__(optimizer, params, defaults)
-    optimizer.adam_w_mode = 1 if adam_w_mode else 0
-    optimizer.set_grad_none = set_grad_none
-    optimizer._dummy_overflow_buf = torch.IntTensor([0])
-    optimizer.multi_tensor_adam = multi_tensor_adam
-    return optimizer
+    return fused_adam_with_kernel(params, defaults, multi_tensor_adam, adam_w_mode, set_grad_none)
 
 
 @contextlib.contextmanager
@@ -256,7 +248,7 @@ def gradient_part(before: dict, after: dict) -> float:
     for name, w in before.items():
         delta = (after[name] - w).double().reshape(-1)
         w = w.double().reshape(-1)
-        along = (delta @ w) / (w @ w) * w if bool((w != 0).any()) else torch.zeros_like(w)
+        along = (delta @ w) / (w @ w) * w if bool((w != 0).any()) else w.new_zeros(w.shape)
         residual += float(((delta - along) ** 2).sum())
         total += float((delta**2).sum())
     return math.sqrt(residual / total) if total > 0 else 0.0

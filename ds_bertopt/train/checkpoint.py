@@ -11,32 +11,32 @@ when ``latest`` is stale or loading fails on any rank, and says so. The last ``k
 A save that fails (a full disk, anywhere: DeepSpeed's files, ours, the marker) is agreed on by all ranks, its
 ``.partial`` removed, and every rank raises one line (``no space left on DEVICE while writing checkpoint N``,
 naming the last good checkpoint); DeepSpeed's writes record their failure instead of raising mid-save, so no
-rank is left waiting in one of DeepSpeed's barriers. The run directory belongs to one run at a time
-(:class:`RunLock`, an OS lock that dies with its process).
+rank is left waiting in one of DeepSpeed's barriers. The run directory itself (what a run writes there, its lock):
+:mod:`.rundir`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import random
 import re
 import shutil
 import socket
-import time
-import uuid
 from typing import Optional
 
 import numpy as np
 import torch
 
 from .. import faults
+from ..compat.deepspeed import checkpoint_writer
 from ..dist import Topology, all_views, barrier
 from ..errors import BertOptError, JobError
 from ..log import print0
+from ..mounts import device_of, existing_parent
+from .rundir import CHECKPOINTS_DIR, write_atomic
 
 MARKER = "COMPLETE.json"
 LATEST = "latest"
@@ -48,7 +48,7 @@ def tag_for(step: int) -> str:
 
 
 def checkpoint_root(output_dir: str) -> str:
-    return os.path.join(output_dir, "checkpoints")
+    return os.path.join(output_dir, CHECKPOINTS_DIR)
 
 
 def rng_state() -> dict:
@@ -87,20 +87,6 @@ def set_rng_state(state: dict) -> None:
 
 def load_rng_state(path: str) -> dict:
     return torch.load(path, weights_only=True)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def complete_tags(root: str) -> list[str]:
@@ -161,8 +147,8 @@ def _recorded(failures: list, path: str):
 def _writes_recorded(engine, failures: list, rank: int, step: int):
     """DeepSpeed's checkpoint writes record a failure in ``failures`` instead of raising it, so every rank still
     reaches the barriers inside ``engine.save_checkpoint``; once one failed, nothing more is written.
-    (``checkpoint_engine.save`` is DeepSpeed 0.19.8's one write path for model and ZeRO shard files.)"""
-    writer = engine.checkpoint_engine
+    (``checkpoint_engine.save`` is DeepSpeed's one write path for model and ZeRO shard files, 0.16-0.19.)"""
+    writer = checkpoint_writer(engine)
     own = "save" in vars(writer)
     original = writer.save
 
@@ -222,32 +208,10 @@ def disk_full(exc: BaseException, path: str) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     try:
-        stat = os.statvfs(_existing(path))
+        stat = os.statvfs(existing_parent(path))
     except OSError:
         return False
     return stat.f_bavail * stat.f_frsize < FULL_BYTES
-
-
-def _existing(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
-def device_of(path: str) -> str:
-    """The filesystem holding ``path``, as the user knows it: ``/dev/sda1 (mounted at /data)``."""
-    mount = _existing(path)
-    while not os.path.ismount(mount):
-        mount = os.path.dirname(mount)
-    device = mount
-    with contextlib.suppress(OSError):
-        with open("/proc/self/mounts", encoding="utf-8") as fh:
-            for line in fh:
-                fields = line.split()
-                if len(fields) > 1 and fields[1] == mount:
-                    device = fields[0]  # the last mount on a mount point is the visible one
-    return mount if device == mount else f"{device} (mounted at {mount})"
 
 
 def write_failure(exc: BaseException, path: str, tag: str) -> Optional[str]:
@@ -261,11 +225,11 @@ def write_failure(exc: BaseException, path: str, tag: str) -> Optional[str]:
 
 def _finalise(root: str, partial: str, final: str, tag: str, marker: dict, keep_last: int) -> None:
     """Mark complete, rename into place, switch ``latest``, prune: in this order."""
-    _write_atomic(os.path.join(root, partial, MARKER), json.dumps(marker, indent=1))
+    write_atomic(os.path.join(root, partial, MARKER), json.dumps(marker, indent=1))
     if os.path.isdir(final):  # re-saving the same step (e.g. after a resume): replace it
         shutil.rmtree(final)
     os.replace(os.path.join(root, partial), final)
-    _write_atomic(os.path.join(root, LATEST), tag)
+    write_atomic(os.path.join(root, LATEST), tag)
     for old in complete_tags(root)[keep_last:]:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
@@ -274,8 +238,10 @@ def resolve_resume_dir(resume: str, output_dir: str) -> str:
     """``--resume`` (``auto`` = this run's output dir) → the checkpoint root; must exist."""
     base = output_dir if resume == "auto" else os.path.abspath(os.path.expanduser(resume))
     root = base if os.path.basename(os.path.normpath(base)) == "checkpoints" else checkpoint_root(base)
-    if not os.path.isdir(base):
+    if not os.path.exists(base):
         raise BertOptError(f"resume directory {base} does not exist")
+    if not os.path.isdir(base):
+        raise BertOptError(f"resume directory {base} is not a directory (give the run's output directory)")
     if not os.path.isdir(root) or not complete_tags(root):
         raise BertOptError(
             f"resume directory {base} holds no complete checkpoint (checkpoints/stepNNNNNNNN/ with "
@@ -285,7 +251,6 @@ def resolve_resume_dir(resume: str, output_dir: str) -> str:
 
 
 # --- run identity -----------------------------------------------------------------------------------
-RUN_FILE = "run.json"
 # Keys that may differ between a run and its resumption: where and how often it reports, not what it computes;
 # how long it runs (a run may be extended: the LR schedule then spans the new length, and the loop says so); and
 # where the data cache is (the vocabulary and samples themselves are compared, see identity()).
@@ -386,81 +351,6 @@ def check_resumable(root: str, run_id: Optional[str], current: dict) -> None:
     problem = identity_mismatch(saved, current) if saved is not None else None
     if problem:
         raise BertOptError(f"cannot resume {tags[0]}: {problem}")
-
-
-def read_run_id(output_dir: str) -> Optional[str]:
-    path = os.path.join(output_dir, RUN_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh).get("run_id")
-
-
-def write_run_id(output_dir: str, run_id: str) -> None:
-    os.makedirs(output_dir, exist_ok=True)
-    _write_atomic(os.path.join(output_dir, RUN_FILE), json.dumps({"run_id": run_id}))
-
-
-# --- the run directory belongs to one run at a time -----------------------------------------------------
-LOCK_FILE = ".lock"
-
-
-def holds_run(output_dir: str) -> bool:
-    """Whether ``output_dir`` holds anything besides the lock file (an earlier run, or one running now)."""
-    return os.path.isdir(output_dir) and any(name != LOCK_FILE for name in os.listdir(output_dir))
-
-
-class RunLock:
-    """An exclusive OS lock (``flock``) on ``output_dir/.lock``, taken by rank 0 before the run's first write and
-    held while its process lives. The kernel drops it when the process ends, however it ends, so the lock file a
-    killed run leaves behind blocks nothing; the file says who holds it (pid, host, since when)."""
-
-    def __init__(self, output_dir: str):
-        os.makedirs(output_dir, exist_ok=True)
-        self.fh = open(os.path.join(output_dir, LOCK_FILE), "a+", encoding="utf-8")  # noqa: SIM115 - held
-        try:
-            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.fh.seek(0)
-            holder = self.fh.read().strip() or "holder unknown"
-            self.fh.close()
-            raise JobError(
-                f"train.output_dir: {output_dir} is in use by another run ({holder}); wait for it to end, or "
-                "choose another --output_dir"
-            ) from None
-        self.fh.seek(0)
-        self.fh.truncate()
-        self.fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        self.fh.flush()
-
-    def release(self) -> None:
-        if not self.fh.closed:
-            fcntl.flock(self.fh, fcntl.LOCK_UN)
-            self.fh.close()
-
-
-def start_fresh(output_dir: str, overwrite: bool, described: dict) -> str:
-    """Rank 0, holding the :class:`RunLock`: the run directory of a new run (``run.json`` with a new run id and
-    ``config.json``); an earlier run in it is removed with ``overwrite``, else refused. Returns the run id."""
-    if overwrite and holds_run(output_dir):
-        for name in os.listdir(output_dir):
-            path = os.path.join(output_dir, name)
-            if name == LOCK_FILE:
-                continue
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-        print0(f"overwrite_output_dir: removed the earlier run in {output_dir}")
-    elif holds_run(output_dir):
-        raise JobError(
-            f"train.output_dir: {output_dir} already holds a run, written after this run's pre-flight (another run "
-            "started with it at the same time?); continue it with --resume, or choose another --output_dir"
-        )
-    run_id = uuid.uuid4().hex[:12]
-    write_run_id(output_dir, run_id)
-    _write_atomic(os.path.join(output_dir, "config.json"), json.dumps(described, indent=2))
-    return run_id
 
 
 def read_marker(root: str, tag: str) -> dict:

@@ -27,13 +27,15 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from .. import dist, dsconfig, faults, optim
+from ..compat.deepspeed import loss_scale
 from ..config import describe, run_arg_parser, run_overrides
 from ..data.sampler import PlanBatchSampler
 from ..engine import initialize
 from ..data.identity import check_same_data
 from ..errors import BertOptError, JobError
 from ..log import print0, print_all
-from . import checkpoint
+from ..mounts import device_of
+from . import checkpoint, rundir
 from .metrics import Metrics, Window, progress_bar
 from .preflight import Plan, preflight, with_total_steps
 
@@ -217,16 +219,18 @@ class Trainer:
     # --- run directory and resume ------------------------------------------------------------------
     def _start_run_directory(self) -> None:
         """The first write of the run: only now, after the pre-flight and the data and model checks passed. Rank 0
-        first takes the directory's lock for the run's lifetime (:class:`~.checkpoint.RunLock`: a second run with
+        first takes the directory's lock for the run's lifetime (:class:`~.rundir.RunLock`: a second run with
         the same ``output_dir`` is refused, a killed run's lock is gone with its process); its verdict is
         broadcast, so every rank stops with the same line."""
         self.run_id, refused = self.plan.run_id, None
         if self.topo.is_main:
             try:
-                self.lock = checkpoint.RunLock(self.output_dir)
+                self.lock = rundir.RunLock(self.output_dir)
                 if self.plan.resume_root is None:
-                    described = describe(self.cfg)
-                    self.run_id = checkpoint.start_fresh(self.output_dir, self.b.train.overwrite_output_dir, described)
+                    overwrite, described = self.b.train.overwrite_output_dir, describe(self.cfg)
+                    self.run_id = rundir.start_fresh(self.output_dir, overwrite, described, self.plan.writes)
+                elif self.run_id is not None:  # what this continuation may write beside the run's earlier entries
+                    rundir.write_run(self.output_dir, self.run_id, self.plan.writes)
             except BertOptError as exc:
                 refused = str(exc)
         holder = [self.run_id, refused]
@@ -303,7 +307,7 @@ class Trainer:
         loss = float(torch.stack(losses).mean())
         if engine.fp16_enabled() and math.isfinite(loss):  # the dynamic loss scaler at work, not a broken run
             window.skipped += 1
-            scale = getattr(engine.optimizer, "loss_scale", "?")
+            scale = loss_scale(engine.optimizer, "?")
             print0(f"step {self.step}: skipped by the fp16 loss scaler (gradient overflow), loss scale now {scale}")
             return
         self._skipped(window, loss)
@@ -364,8 +368,8 @@ class Trainer:
             self.evaluate()
         sample_log = None
         if t.log_samples:
-            os.makedirs(os.path.join(self.output_dir, "samples"), exist_ok=True)
-            path = os.path.join(self.output_dir, "samples", f"rank{self.topo.rank}.jsonl")
+            os.makedirs(os.path.join(self.output_dir, rundir.SAMPLES_DIR), exist_ok=True)
+            path = os.path.join(self.output_dir, rundir.SAMPLES_DIR, f"rank{self.topo.rank}.jsonl")
             sample_log = open(path, "a", encoding="utf-8", buffering=1)  # closed in the finally
         previous = {s: signal.signal(s, self._on_signal) for s in PREEMPTION_SIGNALS}
         bar = progress_bar(self.max_steps, self.step, self.task.name, self.topo.is_main)
@@ -408,7 +412,7 @@ class Trainer:
                 sample_log.close()
             del batches_iter  # stops the loader's workers
         if t.save_model:
-            self.task.save_final(self.engine, os.path.join(self.output_dir, "final"), self.topo)
+            self.task.save_final(self.engine, os.path.join(self.output_dir, rundir.FINAL_DIR), self.topo)
         return {**self.history, "step": self.step}
 
 
@@ -457,7 +461,7 @@ def main(task, argv: Optional[list[str]] = None) -> int:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         print_all(
-            f"error: no space left on {checkpoint.device_of(exc.filename or '.')} while writing "
+            f"error: no space left on {device_of(exc.filename or '.')} while writing "
             f"{exc.filename or 'the run directory'}",
             file=sys.stderr,
         )

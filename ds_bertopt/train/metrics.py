@@ -16,13 +16,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ..log import print0
+from .rundir import METRICS_FILE
 
 
 class Metrics:
     """Rank 0 appends JSON lines to ``output_dir/metrics.jsonl`` and feeds DeepSpeed's monitor."""
 
     def __init__(self, engine, output_dir: str, is_main: bool):
-        self.engine, self.is_main, self.path = engine, is_main, os.path.join(output_dir, "metrics.jsonl")
+        self.engine, self.is_main, self.path = engine, is_main, os.path.join(output_dir, METRICS_FILE)
 
     def write(self, record: dict, samples: int) -> None:
         if not self.is_main:

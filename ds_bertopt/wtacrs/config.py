@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Literal, Optional
 
@@ -113,6 +114,11 @@ class LoraConfig:
     """Module names (PEFT ``target_modules``) that get adapters; ``["auto"]``: the query and value
     projections of the model's family (``q_lin``/``v_lin`` in DistilBERT, ``Wqkv`` in ModernBERT, …)."""
 
+    def dead_fields(self) -> dict[str, str]:
+        if self.enabled:
+            return {}
+        return {name: "lora.enabled is false" for name in ("r", "alpha", "dropout", "targets")}
+
     def __post_init__(self) -> None:
         check(self.r >= 1, f"r: must be at least 1, got {self.r}")
         check(self.alpha > 0, f"alpha: must be positive, got {self.alpha}")
@@ -211,6 +217,23 @@ class WtaCrsConfig:
     """Coverage is an error: a module that the kit or WTA-CRS cannot convert in this model's family
     (an attention without an SDPA path, a non-``nn.LayerNorm`` norm, an unknown family, …) raises a
     ``ConfigError`` instead of the one ``warning:`` line naming it."""
+
+    def dead_fields(self) -> dict[str, str]:
+        """Fields nothing reads under the rest of the section, judged after the preset filled it (with ``preset:
+        "auto"`` every candidate's settings count)."""
+        dead = {}
+        auto = self.preset == "auto"
+        if not auto:
+            for name in ("budget_seq_length", "auto_candidates"):
+                dead[name] = f'only preset "auto" measures candidates (preset is {json.dumps(self.preset)})'
+        if not self.enabled and not auto:
+            for name in ("ratio", "targets", "min_k", "keep", "grad_norm_cache", "cache_capacity"):
+                dead[name] = "wtacrs.enabled is false: no linear is sampled"
+        elif not self.grad_norm_cache:
+            dead["cache_capacity"] = "grad_norm_cache is false"
+        if not self.kit.layernorm_saves_output and not auto:
+            dead["kit.layernorm_min_abs_weight"] = "kit.layernorm_saves_output is false"
+        return dead
 
     def __post_init__(self) -> None:
         preset = PRESETS.get(self.preset, {}) if self.preset is not None else {}

@@ -18,6 +18,7 @@ from typing import Iterable, Optional, Sequence
 
 from torch import nn
 
+from ..compat.transformers import attention_implementation
 from ..errors import ConfigError
 from .config import PRESETS
 from .families import GROUPS, Detected, Family, detect, matches, pretrained_base, summarise
@@ -75,9 +76,7 @@ def kept_groups(model: nn.Module, kit=None) -> frozenset:
     config = getattr(base, "config", None)
     if sdpa is None or sdpa:
         keys = detect(model).family.attention.config_dropout
-        sdpa = getattr(config, "_attn_implementation", None) == "sdpa" and all(
-            getattr(config, key, 0.0) == 0.0 for key in keys
-        )
+        sdpa = attention_implementation(config) == "sdpa" and all(getattr(config, key, 0.0) == 0.0 for key in keys)
     if layernorm:
         groups |= {"qkv", "ffn_in", "lora_A"}
     if sdpa:

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compat.deepspeed import zero3_status
+from ..compat.transformers import attention_implementation
 from ..errors import ConfigError
 from .families import Detected, Family, detect, matches, pretrained_base, summarise
 from .linear import rebind_linear
@@ -305,8 +307,7 @@ class GammaGuard:
 def _whole(param: torch.Tensor) -> bool:
     """Not a ZeRO-3 partition nor in flight: ``ds_status`` (deepspeed.runtime.zero.partition_parameters.
     ZeroParamStatus) absent or ``AVAILABLE``."""
-    status = getattr(getattr(param, "ds_status", None), "name", None)
-    return status in (None, "AVAILABLE") and param.numel() > 0
+    return zero3_status(param) in (None, "AVAILABLE") and param.numel() > 0
 
 
 def _invalidate_after_load(module, incompatible_keys) -> None:
@@ -606,7 +607,7 @@ def use_sdpa_without_attention_dropout(
         gaps.append((label, f"{kind}: {spec.sdpa_blocker}; kept with its dropout"))
         return 0
     base.set_attn_implementation("sdpa")
-    implementation = getattr(base.config, "_attn_implementation", None)
+    implementation = attention_implementation(base.config)
     if implementation != "sdpa":
         gaps.append((label, f"transformers kept {implementation!r} attention (no SDPA path)"))
         return 0

@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch import nn
 
+from ..compat.transformers import TORCH_MODULES
 from ..configlib import load_section
 from ..child import run_in_child
 from .config import WtaCrsConfig
@@ -166,7 +167,7 @@ def build_model(model_dir: Optional[str] = None, model_config: Optional[Mapping[
         return AutoModelForSequenceClassification.from_config(config)
     if model_dir is None:
         raise ValueError("build_model: give model_dir or model_config")
-    return AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels)
+    return AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels, **TORCH_MODULES)
 
 
 def load_variant(

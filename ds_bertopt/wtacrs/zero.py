@@ -16,14 +16,11 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..compat.deepspeed import is_zero3_param, zero3_status
+
 
 def _is_partitioned(param: Optional[torch.Tensor]) -> bool:
-    # deepspeed.runtime.zero.utils.is_zero_param is ``hasattr(param, "ds_id")``
-    return (
-        param is not None
-        and hasattr(param, "ds_id")
-        and getattr(getattr(param, "ds_status", None), "name", None) == "NOT_AVAILABLE"
-    )
+    return param is not None and is_zero3_param(param) and zero3_status(param) == "NOT_AVAILABLE"
 
 
 @contextlib.contextmanager

@@ -13,6 +13,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from ds_bertopt.compat import deepspeed as ds_compat
+
 VOCAB, DIM, SEQ, MICRO = 50, 32, 6, 4
 BUCKET = 1500  # elements: the tied embedding (1600) gets a bucket of its own, the layers share
 
@@ -57,7 +59,9 @@ def ds_config(stage: int, gas: int, clip: dict | None, bf16: bool = False, extra
         "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
     }
     if bf16:
-        cfg["bf16"] = {"enabled": True, "check_grad_overflow": True}
+        cfg["bf16"] = {"enabled": True}
+        if ds_compat.version_at_least("0.17"):  # the key came with 0.17 (0.16's config parser refuses it)
+            cfg["bf16"]["check_grad_overflow"] = True
     # precision pinned: "auto" would pick bf16 on CPUs with native bf16 and miss the fp32 tolerances
     cfg["bertopt"] = {"train": {"precision": "bf16" if bf16 else "fp32"}}
     if clip is None:

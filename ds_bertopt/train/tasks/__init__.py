@@ -5,7 +5,8 @@ fine-tuning, and nothing else. A task is an object with:
   the loop's ``COMMON_SHORTCUTS``), ``global_loss_normalizer`` (divide by the step's target count over all ranks);
 * ``reads`` — the config keys it reads (dotted prefixes under ``bertopt``: a section, or one key); any other key
   the config sets is refused by the pre-flight, with ``unread_hints[section]`` saying where it belongs;
-* ``preflight(cfg, topo)`` — its inputs checked on this rank alone (files, model directory, labels);
+* ``preflight(cfg, topo, training=True)`` — its inputs checked on this rank alone (files, model directory, labels;
+  ``training=False``: for ``ds-bertopt config``, which may check a config before an earlier phase wrote its inputs);
   ``skips_padding(cfg)`` — whether its model's kernels skip padding (``packed_node_balance`` assumes they do);
 * ``build(cfg, topo) -> model`` — data and the model, before ``deepspeed.initialize``; afterwards ``lengths``
   (one per training sample) is what the loop's ``PlanBatchSampler`` plans the epochs from, and ``fingerprint``

@@ -15,6 +15,8 @@ from deepspeed.accelerator import get_accelerator
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from ...compat.deepspeed import zero3_numel
+from ...compat.transformers import TORCH_MODULES
 from ...config import RunConfig
 from ...data.collate import pad_classification_batch
 from ...data.identity import DataFingerprint, array_digest, vocabulary_digest
@@ -57,7 +59,7 @@ class FinetuneTask:
     }
     global_loss_normalizer = False
 
-    def preflight(self, cfg: RunConfig, topo: Topology) -> None:  # noqa: ARG002
+    def preflight(self, cfg: RunConfig, topo: Topology, training: bool = True) -> None:  # noqa: ARG002
         f = cfg.bertopt.finetune
         self.model_dir, model_config = resolve_model_dir(f.model_name_or_path, "finetune.model_name_or_path")
         positions = model_config.get("max_position_embeddings")
@@ -106,7 +108,9 @@ class FinetuneTask:
         )
         self.pad_multiple, self.eval_batch = b.sampler.pad_multiple, f.eval_batch_size
         self.nominal_micro = cfg.deepspeed["train_micro_batch_size_per_gpu"]
-        model = AutoModelForSequenceClassification.from_pretrained(self.model_dir, num_labels=self.num_labels)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            self.model_dir, num_labels=self.num_labels, **TORCH_MODULES
+        )
         wtacrs, _, auto_lines = resolve_auto(  # wtacrs.preset "auto": the fastest setup that fits memory_budget
             b.wtacrs,
             model_dir=self.model_dir,
@@ -181,7 +185,7 @@ class FinetuneTask:
 
     def describe_model(self, engine) -> str:
         # ZeRO-3 leaves partitioned params with numel 0; DeepSpeed keeps the full size in ds_numel
-        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
+        trainable = sum(zero3_numel(p) for p in engine.module.parameters() if p.requires_grad)
         return f"model: {self.model_dir}: {trainable / 1e6:.2f}M trainable parameters"
 
     def save_final(self, engine, path: str, topo: Topology) -> None:

@@ -9,6 +9,7 @@ run only at masked positions; the loss divided by the step's masked-token count 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import numpy as np
@@ -16,13 +17,15 @@ import torch
 
 from ...config import RunConfig
 from ...data.collate import IGNORE_INDEX, MLMCollator, PackedMLMCollator, step_generator
-from ...data.corpus import expand_train_files
+from ...data.corpus import check_cache_dir, check_dataset_dir, expand_train_files
 from ...data.pipeline import build_pretrain_data, length_warnings
 from ...data.sequences import special_token_count
+from ...data.tokenizer import check_tokenizer_location
 from ...dist import Topology
 from ...log import print0
 from ...model import SparseMLMHead, build_pretraining_model
 from ...model.bert import save_hf_model
+from ...model.local import check_model_dir
 from ...model.pretrained import resolve_checkpoint
 from ...model.unpadded import UnpaddedMLM
 from ..loop import main as run_task
@@ -62,12 +65,19 @@ class PretrainTask:
     }
     global_loss_normalizer = True
 
-    def preflight(self, cfg: RunConfig, topo: Topology) -> None:  # noqa: ARG002
-        data = cfg.bertopt.data
+    def preflight(self, cfg: RunConfig, topo: Topology, training: bool = True) -> None:  # noqa: ARG002
+        data, model = cfg.bertopt.data, cfg.bertopt.model
         if data.train_files:
             expand_train_files(data.train_files, data.text_field)
-        # data.tokenizer and model.init_checkpoint are checked where they are loaded (one line each): a phase-2
-        # config names phase 1's output, which `ds-bertopt config` may check before phase 1 has run
+        check_cache_dir(data.cache_dir, "data.cache_dir")
+        if data.dataset and (os.sep in data.dataset or data.dataset.startswith((".", "~"))):
+            check_dataset_dir(data.dataset)
+        if not training:  # a phase-2 config names phase 1's output, which `ds-bertopt config` may check first
+            return
+        if data.tokenizer:
+            check_tokenizer_location(data.tokenizer)
+        if model.init_checkpoint:
+            check_model_dir(os.path.expanduser(model.init_checkpoint), "model.init_checkpoint")
 
     @staticmethod
     def skips_padding(cfg: RunConfig) -> bool:
