@@ -51,7 +51,7 @@ def test_collate_pads_to_the_longest_rounded_to_the_pad_multiple():
     "args,message",
     [
         (["--train_file", "missing.csv"], "missing.csv does not exist"),
-        (["--model_name_or_path", "/nonexistent"], "finetune.model_name_or_path: /nonexistent is not a directory"),
+        (["--model_name_or_path", "/nonexistent"], "finetune.model_name_or_path: /nonexistent does not exist"),
         (["-o", "wtacrs.ratio=2"], "bertopt.wtacrs.ratio: must be in (0, 1]"),
         (["-o", "wtacrs.kit.dropout_mask=bytes"], 'bertopt.wtacrs.kit.dropout_mask: "bytes" is not one of'),
     ],
