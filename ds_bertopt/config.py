@@ -492,18 +492,52 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+@dataclass(frozen=True)
+class GpuBf16:
+    """What the current CUDA device offers for bf16."""
+
+    name: str
+    """The device's name (``torch.cuda.get_device_name``)."""
+    capability: tuple[int, int]
+    """Its compute capability."""
+
+    @property
+    def native(self) -> bool:
+        """bf16 in hardware: compute capability 8.0+ (Ampere on; ``torch.cuda.is_bf16_supported``'s rule with
+        ``including_emulation=False``). Below (V100 7.0, T4 7.5) bf16 is emulated, many times slower."""
+        return tuple(self.capability) >= (8, 0)
+
+    def describe(self) -> str:
+        return f"{self.name} (compute capability {self.capability[0]}.{self.capability[1]})"
+
+
+def cuda_capability() -> Optional[tuple[str, tuple[int, int]]]:
+    """``(name, compute capability)`` of the current CUDA device, or None when no GPU is visible (``ds-bertopt config
+    --device cuda`` on another machine). The one place that asks the device; the caller binds this rank's GPU first
+    (``dist.bind_device``)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device()
+    return torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device))
+
+
+def current_gpu_bf16() -> Optional[GpuBf16]:
+    """bf16 on the current CUDA device (None: no GPU visible)."""
+    found = cuda_capability()
+    return None if found is None else GpuBf16(*found)
+
+
 def auto_precision(device_type: str) -> tuple[str, str]:
     """What ``precision: "auto"`` picks on ``device_type``, and why (one phrase for the log)."""
     if device_type == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():  # `ds-bertopt config --device cuda` on a machine without the GPU
+        gpu = current_gpu_bf16()
+        if gpu is None:
             return "bf16", "no GPU visible here to ask: assuming native bf16 (compute capability 8.0+)"
-        # Native only: with emulation (the default) V100/T4 say yes and run bf16 matmuls many times slower.
-        # The answer is for the current device, so the caller binds this rank's GPU first (dist.bind_device).
-        if torch.cuda.is_bf16_supported(including_emulation=False):
-            return "bf16", "this GPU has native bf16"
-        return "fp16", "this GPU has no native bf16 (compute capability < 8.0)"
+        if gpu.native:
+            return "bf16", f"this GPU has native bf16 ({gpu.describe()})"
+        return "fp16", f"this GPU has no native bf16 ({gpu.describe()} would emulate it, many times slower)"
     if device_type != "cpu":
         return "fp32", f"no automatic choice for accelerator {device_type!r}"
     forced = os.environ.get(CPU_BF16_ENV, "").strip() in ("0", "1")
@@ -519,20 +553,43 @@ def auto_precision(device_type: str) -> tuple[str, str]:
 def apply_precision(ds: dict, precision: str, device_type: str) -> tuple[str, str]:
     """Fill DeepSpeed's ``bf16``/``fp16`` block from ``train.precision`` unless the user wrote one.
 
-    Returns ``(precision in use, why)``, the reason being one phrase for the log line."""
+    Returns ``(precision in use, why)``, the reason being one phrase for the log line. bf16 asked for by name (the
+    DeepSpeed block, or ``train.precision: "bf16"``) on a GPU that would emulate it is refused in one line naming the
+    GPU; ``"auto"`` picks fp16 there."""
     if "fp16" in ds or "bf16" in ds:
         return check_precision(ds, device_type), "set by the DeepSpeed fp16/bf16 block"
-    why = "set by train.precision"
+    why, asked = "set by train.precision", "train.precision"
     if precision == "auto":
         precision, reason = auto_precision(device_type)
-        why = f"train.precision auto: {reason}"
+        why, asked = f"train.precision auto: {reason}", None
     if precision in ("bf16", "fp16"):
         ds[precision] = {"enabled": True}
-    return check_precision(ds, device_type), why
+    return check_precision(ds, device_type, asked_by=asked), why
 
 
-def check_precision(ds: dict, device_type: str) -> str:
-    """Return ``"fp16"``, ``"bf16"`` or ``"fp32"``; refuse fp16 where DeepSpeed cannot run it."""
+BF16_WAYS_OUT = {
+    "deepspeed.bf16.enabled": '-o deepspeed.bf16.enabled=false -o deepspeed.fp16.enabled=true, or drop the "bf16" '
+    'block and set train.precision "auto"',
+    "train.precision": 'train.precision "fp16" (or "auto", which picks fp16 here)',
+    "TrainingArguments.bf16": "TrainingArguments(fp16=True) instead of bf16=True",
+}
+"""Where bf16 can be asked for by name, and how to ask for fp16 there instead."""
+
+
+def refuse_emulated_bf16(asked_by: str) -> None:
+    """bf16 asked for by ``asked_by`` (a key of :data:`BF16_WAYS_OUT`) on a CUDA device that would emulate it: one
+    line naming the GPU. Nothing is said where no GPU is visible."""
+    gpu = current_gpu_bf16()
+    if gpu is not None and not gpu.native:
+        raise ConfigError(
+            f"{asked_by}: bf16 on {gpu.describe()}, which has no native bf16 and would emulate it many times slower; "
+            f"use fp16: {BF16_WAYS_OUT[asked_by]}"
+        )
+
+
+def check_precision(ds: dict, device_type: str, asked_by: Optional[str] = "deepspeed.bf16.enabled") -> str:
+    """Return ``"fp16"``, ``"bf16"`` or ``"fp32"``; refuse fp16 where DeepSpeed cannot run it, and bf16 asked for by
+    ``asked_by`` (a key of :data:`BF16_WAYS_OUT`; None: chosen by ``auto``) on a GPU without it in hardware."""
     blocks = {}
     for name in ("fp16", "bf16"):
         block = ds.get(name, {})
@@ -547,6 +604,8 @@ def check_precision(ds: dict, device_type: str) -> str:
         raise ConfigError(
             'fp16 is not supported on CPU by DeepSpeed; set "bf16": {"enabled": true} and "fp16": {"enabled": false}'
         )
+    if bf16 and device_type == "cuda" and asked_by:
+        refuse_emulated_bf16(asked_by)
     return "fp16" if fp16 else "bf16" if bf16 else "fp32"
 
 

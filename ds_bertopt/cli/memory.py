@@ -17,7 +17,8 @@ budget of that many tokens holds at most (the longest sequences; size a budget o
 the largest micro-batch whose measured peak fits (a secant search on measured peaks, at most 6 children),
 the median step time there, sequences per second, and the fastest that fits — what ``wtacrs.preset: "auto"``
 does at start-up for the run's own micro-batch. Peaks: CPU RSS of a fresh child above the bare interpreter
-(Linux), or ``torch.cuda.max_memory_allocated`` (``--device cuda``).
+(Linux), or on ``--device cuda`` what the process holds on the GPU: the caching allocator's reserved peak plus the
+CUDA context and NCCL's buffers (measured once per device). A setup that runs out of memory is over the budget.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..model.families import family_of_type
 from ..model.local import check_model_dir, default_model_dir
 from ..train.finetune_memory import task_variant
 from ..wtacrs.sizing import GiB, choose, describe, fit_largest_batch, measure, recommendation
+from ..child import OutOfMemory
 from ..wtacrs.memory import CATEGORIES, PRECISIONS, MiB, measure_step_in_child, peak_unmeasurable, variant
 
 COMPARED = {
@@ -153,6 +155,11 @@ def main(argv: list[str]) -> int:
         if message.startswith("wtacrs.targets:"):
             raise BertOptError("--targets:" + message[len("wtacrs.targets:") :]) from None
         raise
+    except OutOfMemory as exc:
+        raise BertOptError(
+            f"--batch: a step of batch {args.batch} × seq {args.seq} ran out of memory on {device} ({exc}); lower "
+            f"--batch{', or size it with --compare' if args.budget_gb else ''}"
+        ) from None
     full, ours = results["full"][args.batch], results["chosen"][args.batch]
     checkpointing = results["checkpointing"][args.batch]
     print(f"model {model}, batch {args.batch} × seq {args.seq}{_task(args)}, {_precision(args)}, {device}")
@@ -165,8 +172,12 @@ def main(argv: list[str]) -> int:
     print(f"saved-for-backward ratio full/chosen: {full['saved']['total'] / ours['saved']['total']:.2f}x")
     print(
         f"whole-step peak ratio full/chosen: {full['step_peak'] / ours['step_peak']:.2f}x "
-        f"(peak RSS of a fresh child above the bare interpreter: weights, grads, optimizer state, "
-        f"activations, transients)"
+        + (
+            f"(held on the GPU: reserved peak + {full['overhead'] / MiB:.0f} MiB of CUDA context and NCCL buffers)"
+            if device == "cuda"
+            else "(peak RSS of a fresh child above the bare interpreter: weights, grads, optimizer state, "
+            "activations, transients)"
+        )
     )
     versus = checkpointing["step_peak"] / ours["step_peak"]
     print(

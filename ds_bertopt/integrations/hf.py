@@ -55,7 +55,7 @@ from transformers import Trainer, TrainerCallback
 
 from .. import optim
 from ..compat.transformers import TESTED_VERSIONS, check_api, describe, untested_versions, versions_line
-from ..config import BertOptConfig, leaf_keys
+from ..config import BertOptConfig, leaf_keys, refuse_emulated_bf16
 from ..configlib import dead_fields_of, load_section
 from ..data.collate import padded_positions
 from ..data.sampler import PlanBatchSampler
@@ -285,6 +285,8 @@ def check_compatibility(cfg: HfBertOptConfig, ds_config: Optional[dict], args: A
                 )
     if ds_config is not None:
         check_combinations(b, ds_config, our_optimizer=cfg.uses_our_optimizer)
+    if getattr(args, "bf16", False) is True and not getattr(args, "use_cpu", False):
+        refuse_emulated_bf16("TrainingArguments.bf16")  # transformers accepts emulated bf16 (is_bf16_supported())
     if b.bucket_clip.enabled:
         if ds_config is None:
             raise ConfigError(

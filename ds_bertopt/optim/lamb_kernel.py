@@ -222,10 +222,14 @@ class Plan:
     """Per held tensor, the end of its last piece (elements): checked against the tensors of every step."""
     whole: bool
     """Piece ``i`` is held tensor ``i`` from its start and layer ``i`` (no address arithmetic, no gathers)."""
+    covers_tensors: bool = False
+    """Every piece ends where its held tensor does (checked at every step); otherwise a piece may end earlier (a ZeRO
+    shard's last real element before its alignment padding)."""
 
 
-def plan(fragments: Sequence[tuple[int, int, int, int]], threads: int) -> Plan:
-    """Pieces from ``(tensor, start, numel, layer)`` fragments; split for ``threads`` when there is enough work."""
+def plan(fragments: Sequence[tuple[int, int, int, int]], threads: int, covers_tensors: bool = False) -> Plan:
+    """Pieces from ``(tensor, start, numel, layer)`` fragments; split for ``threads`` when there is enough work.
+    ``covers_tensors``: each fragment is its whole held tensor."""
     extent: dict = {}
     for tensor, start, numel, _ in fragments:
         if tensor < 0 or start < 0 or numel < 0:
@@ -256,6 +260,7 @@ def plan(fragments: Sequence[tuple[int, int, int, int]], threads: int) -> Plan:
         tuple(sorted(set(bounds))),
         extent,
         tensors == layers == tuple(range(len(rows))) and not any(starts),
+        covers_tensors,
     )
 
 
@@ -293,7 +298,7 @@ class Step:
         n = len(tensors[0])
         for tensor, end in pieces.extent.items():
             size = tensors[0][tensor].numel() if tensor < n else -1
-            if end > size or (pieces.whole and end != size):
+            if end > size or (pieces.covers_tensors and end != size):
                 raise ValueError(f"LAMB layout: a fragment ends at element {end} of held tensor {tensor} of {size}")
         self.plan, self.k, self.lib = pieces, len(pieces.tensor), library()
         self.tensors = tensors  # the addresses stay valid while the step lives

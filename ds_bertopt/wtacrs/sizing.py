@@ -7,7 +7,8 @@ config as one candidate sees it). Glue: :func:`measure` (peak and step time of o
 through :mod:`ds_bertopt.wtacrs.memory`) and :func:`resolve_auto` (``wtacrs.preset: "auto"`` at start-up).
 
 "Fastest" is sequences per second at the setup's own batch; at one fixed micro-batch (the training run's) that
-is the shortest step. A peak *fits* when it is at most the budget.
+is the shortest step. A peak *fits* when it is at most the budget; a step that ran out of memory has an infinite
+peak (over every budget), and the search goes on below it.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ class Measured:
     """Its name (``full``, ``preset exact``, …)."""
     batch: int
     """Micro-batch (sequences); 0 when not even one sequence fits."""
-    peak: int
-    """Whole-step peak in bytes (see :func:`ds_bertopt.wtacrs.memory.measure_step`)."""
+    peak: float
+    """Whole-step peak in bytes (see :func:`ds_bertopt.wtacrs.memory.measure_step`); ``inf``: ran out of memory."""
     step_s: float
     """Median seconds per training step at ``batch`` (``inf`` when not measured)."""
 
@@ -59,21 +60,22 @@ def fit_largest_batch(points: dict[int, int], budget: float) -> tuple[int, float
 
 
 def largest_fitting_batch(
-    peak_at: Callable[[int], int], budget: float, probe: int, max_batch: int, tries: int = 4
-) -> tuple[int, dict[int, int]]:
+    peak_at: Callable[[int], float], budget: float, probe: int, max_batch: int, tries: int = 4
+) -> tuple[int, dict[int, float]]:
     """The largest micro-batch ``≤ max_batch`` whose *measured* peak fits ``budget``, and every peak measured.
 
     Peaks at ``probe // 2`` and ``probe`` start it. Then, ``tries`` times at most: while no measured batch above
     the largest that fits is over the budget, the line through the two largest measured batches is extrapolated
     (a line that does not rise, as RSS noise at small batches can make it, tries ``max_batch``); once one is
-    over, the line through the bracket (the largest that fits, the smallest over it) is interpolated. Each guess
-    is measured. Returns ``(0, peaks)`` when even a batch of 1 does not fit.
+    over, the line through the bracket (the largest that fits, the smallest over it) is interpolated, or halved when
+    its top ran out of memory (an infinite peak: no line goes through it). Each guess is measured. Returns
+    ``(0, peaks)`` when even a batch of 1 does not fit.
     """
-    peaks: dict[int, int] = {}
+    peaks: dict[int, float] = {}
 
     def measure(batch: int) -> None:
         if batch not in peaks:
-            peaks[batch] = int(peak_at(batch))
+            peaks[batch] = float(peak_at(batch))
 
     def largest_fitting() -> int:
         return max((b for b, p in peaks.items() if p <= budget and b <= max_batch), default=0)
@@ -93,8 +95,11 @@ def largest_fitting_batch(
             break
         else:  # bracketed (with nothing fitting yet: by the two smallest measured)
             pair = (best, over) if best else sorted(peaks)[:2]
-            line, slope, _ = fit_largest_batch({b: peaks[b] for b in pair}, budget)
-            guess = max(1, min(over - 1, line)) if slope > 0 else max(1, best)
+            if all(math.isfinite(peaks[b]) for b in pair):
+                line, slope, _ = fit_largest_batch({b: peaks[b] for b in pair}, budget)
+                guess = max(1, min(over - 1, line)) if slope > 0 else max(1, best)
+            else:  # the step ran out of memory there
+                guess = max(1, (best + over) // 2)
         if guess <= best or guess in peaks:
             break
         measure(guess)
@@ -107,9 +112,13 @@ def choose(measured: list[Measured], budget: float) -> Measured:
     fitting = [m for m in measured if m.batch > 0 and m.peak <= budget]
     if not fitting:
         smallest = min(measured, key=lambda m: m.peak)
+        found = (
+            f"the smallest peak is {smallest.setup}'s {smallest.peak / GiB:.2f} GiB at batch {max(smallest.batch, 1)}"
+            if math.isfinite(smallest.peak)
+            else f"every setup ran out of memory (at batch {max(smallest.batch, 1)} at the least)"
+        )
         raise ConfigError(
-            f"memory budget {budget / GiB:.2f} GiB: no setup fits; the smallest peak is {smallest.setup}'s "
-            f"{smallest.peak / GiB:.2f} GiB at batch {max(smallest.batch, 1)} (raise the budget, shorten the "
+            f"memory budget {budget / GiB:.2f} GiB: no setup fits; {found} (raise the budget, shorten the "
             f"sequences or lower the micro-batch)"
         )
     return max(fitting, key=lambda m: (m.rate, -measured.index(m)))
@@ -119,7 +128,8 @@ def describe(m: Measured, budget: float) -> str:
     """``"preset exact: batch 64, peak 1.23 GiB (fits 2.00), 0.412 s/step, 155.3 sequences/s"``."""
     verdict = "fits" if m.peak <= budget else "over"
     speed = f"{m.step_s:.3f} s/step, {m.rate:.1f} sequences/s" if math.isfinite(m.step_s) else "not timed"
-    return f"{m.setup}: batch {m.batch}, peak {m.peak / GiB:.2f} GiB ({verdict} {budget / GiB:.2f}), {speed}"
+    peak = f"peak {m.peak / GiB:.2f} GiB" if math.isfinite(m.peak) else "out of memory"
+    return f"{m.setup}: batch {max(m.batch, 1)}, {peak} ({verdict} {budget / GiB:.2f}), {speed}"
 
 
 def recommendation(chosen: Measured, measured: list[Measured], budget: float) -> str:
@@ -185,11 +195,16 @@ def measure(
 ) -> Measured:
     """``setup`` (``spec["wtacrs"]``) measured in fresh children: at ``batch`` when given (the run's micro-batch),
     else at the largest batch ``≤ max_batch`` that fits (:func:`largest_fitting_batch` from ``probe``); then the
-    median of ``steps`` timed steps there (default allocator, one warm-up). Not timed when it does not fit."""
+    median of ``steps`` timed steps there (default allocator, one warm-up). Not timed when it does not fit; a batch
+    whose child runs out of memory is over the budget."""
+    from ..child import OutOfMemory
     from .memory import measure_step_in_child, time_steps_in_child
 
-    def peak_at(b: int) -> int:
-        return measure_step_in_child({**spec, "batch": b})["step_peak"]
+    def peak_at(b: int) -> float:
+        try:
+            return measure_step_in_child({**spec, "batch": b})["step_peak"]
+        except OutOfMemory:
+            return math.inf
 
     if batch is not None:
         found, peaks = batch, {batch: peak_at(batch)}
@@ -199,7 +214,10 @@ def measure(
         return Measured(setup, 0, min(peaks.values()), math.inf)
     if peaks[found] > budget:
         return Measured(setup, found, peaks[found], math.inf)
-    times = time_steps_in_child({**spec, "batch": found, "steps": steps, "warmup": 1})["step_s"]
+    try:
+        times = time_steps_in_child({**spec, "batch": found, "steps": steps, "warmup": 1})["step_s"]
+    except OutOfMemory:  # the default allocator's layout did not fit where the measured one did
+        return Measured(setup, found, math.inf, math.inf)
     return Measured(setup, found, peaks[found], statistics.median(times))
 
 
