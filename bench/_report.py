@@ -140,7 +140,7 @@ def write_report(out: Path, runs: dict) -> Path:
         if run is None:
             how = f"Recorded {record.get('time', '?')} by a direct run of its benchmark (not through `run_all.py`)."
         else:
-            command = run["command"].replace(str(Path(__file__).resolve().parents[1]) + "/", "")
+            command = _checkout_relative(run["command"])
             how = f"`python {command}` — {run['status']} in {run['seconds']:.0f} s (log: `logs/{name}.log`)."
         lines = [f"## {name}", "", how, ""]
         if record is None:
