@@ -31,6 +31,7 @@ CAPABILITIES = (  # (record name prefix, heading): the pages of docs/benchmarks/
     ("bucket_clip", "Bucket-wise clipping before allreduce"),
     ("optim", "Large-batch optimizers"),
     ("wtacrs", "Fine-tuning memory (WTA-CRS, memory kit)"),
+    ("finetune_tasks", "Fine-tuning tasks: pairs, NER, QA (unpadded vs Trainer)"),
     ("", "Other measurements"),
 )
 

@@ -61,13 +61,17 @@ class Layout:
     num_layers: int
     group: object = None
     """Process group over which the per-layer sums are all-reduced; None: no reduction."""
+    covers_tensors: bool = False
+    """Each fragment is the whole of its held tensor (:meth:`whole`). A ZeRO shard's fragments may end before the
+    shard does: its last rank with real elements holds alignment padding after them."""
     _index: dict = field(default_factory=dict, repr=False)
     _plans: dict = field(default_factory=dict, repr=False)
 
     @staticmethod
     def whole(tensors: Tensors) -> "Layout":
         """Every tensor is one whole layer (the unpartitioned case)."""
-        return Layout(tuple(Fragment(i, 0, t.numel(), i) for i, t in enumerate(tensors)), len(tensors))
+        fragments = tuple(Fragment(i, 0, t.numel(), i) for i, t in enumerate(tensors))
+        return Layout(fragments, len(tensors), covers_tensors=True)
 
     def layer_index(self, device: torch.device) -> torch.Tensor:
         """Layer of each fragment, as an index tensor on ``device`` (cached)."""
@@ -80,7 +84,7 @@ class Layout:
         """The fragments as the fused kernel's piece table for ``threads`` (cached)."""
         if threads not in self._plans:
             self._plans[threads] = lamb_kernel.plan(
-                [(f.tensor, f.start, f.numel, f.layer) for f in self.fragments], threads
+                [(f.tensor, f.start, f.numel, f.layer) for f in self.fragments], threads, self.covers_tensors
             )
         return self._plans[threads]
 
@@ -238,6 +242,8 @@ def lamb_update(
     :func:`adam_directions`, or a function returning it (called unless the fused CPU kernel steps).
     """
     layout = layout or Layout.whole(params)
+    if not layout.fragments:  # a ZeRO partition of padding only: no layer here, but the ranks' reduction is joined
+        return _nothing_held(layout.num_layers, params[0].device, adapt, allreduce, (min_trust_ratio, max_trust_ratio))
     bc2_sqrt, factors = _bias_terms(steps, beta1, beta2, bias_correction)
     tensors = (params, grads, exp_avgs, exp_avg_sqs)
     step = _fused_step(kernel, layout, tensors, [(f, eps * b) for f, b in zip(factors, bc2_sqrt)])
@@ -272,6 +278,18 @@ def lamb_update(
     scales = (ratios * -lr).to(params[0].dtype).index_select(0, layout.layer_index(ratios.device))
     torch._foreach_addcmul_(param_views, update_views, list(scales.unbind()))
     return ratios
+
+
+def _nothing_held(num_layers: int, device: torch.device, adapt: bool, allreduce, clamps: tuple) -> torch.Tensor:
+    """The step of a rank whose flat shard holds DeepSpeed's alignment padding only (``stage_1_and_2.py`` pads each
+    group to a multiple of 2 × world and splits it evenly, so at large worlds the last ranks of a small group hold no
+    element of any layer). Nothing is updated (the padding is never read), but the per-layer sums are all-reduced as
+    on every other rank, with zeros from here: the ranks' collectives stay matched and the ratios are theirs. The
+    layout alone decides this, on the host, when it is attached: no value is read from the device."""
+    if not adapt:
+        return torch.ones(num_layers, dtype=torch.float64, device=device)
+    sums = torch.zeros(2, num_layers, dtype=torch.float64, device=device)
+    return _reduced_ratios(sums, allreduce, clamps)
 
 
 def _multi_tensor(kernel: str, tensors: tuple, betas: tuple, bias_correction: bool) -> bool:

@@ -280,10 +280,14 @@ class Plan:
     its ratio is known when its first pass ends and its second pass runs while its state is still in cache."""
     largest_alone: int
     """Elements of the largest such piece (0: none)."""
+    covers_tensors: bool = False
+    """Every piece ends where its held tensor does (checked at every step); otherwise a piece may end earlier (a ZeRO
+    shard's last real element before its alignment padding)."""
 
 
-def plan(fragments: Sequence[tuple[int, int, int, int]], threads: int) -> Plan:
-    """Pieces from ``(tensor, start, numel, layer)`` fragments; split for ``threads`` when there is enough work."""
+def plan(fragments: Sequence[tuple[int, int, int, int]], threads: int, covers_tensors: bool = False) -> Plan:
+    """Pieces from ``(tensor, start, numel, layer)`` fragments; split for ``threads`` when there is enough work.
+    ``covers_tensors``: each fragment is its whole held tensor."""
     extent: dict = {}
     for tensor, start, numel, _ in fragments:
         if tensor < 0 or start < 0 or numel < 0:
@@ -317,6 +321,7 @@ def plan(fragments: Sequence[tuple[int, int, int, int]], threads: int) -> Plan:
         tensors == layers == tuple(range(len(rows))) and not any(starts),
         array.array("b", [pieces_of[layer] == 1 for layer in layers]),
         max((n for n, layer in zip(sizes, layers) if pieces_of[layer] == 1), default=0),
+        covers_tensors,
     )
 
 
@@ -381,7 +386,7 @@ class Step:
         n = len(tensors[0])
         for tensor, end in pieces.extent.items():
             size = tensors[0][tensor].numel() if tensor < n else -1
-            if end > size or (pieces.whole and end != size):
+            if end > size or (pieces.covers_tensors and end != size):
                 raise ValueError(f"LAMB layout: a fragment ends at element {end} of held tensor {tensor} of {size}")
         self.plan, self.k, self.lib = pieces, len(pieces.tensor), library()
         self.fused = False  # the last moments() stepped the pieces that are alone in their layer

@@ -68,13 +68,13 @@ def directions(
     tensors: tuple[Tensors, Tensors, Tensors, Tensors],
     steps: Sequence[int],
     *,
+    grad_scale: Union[float, torch.Tensor] = 1.0,
+    out: Optional[Tensors] = None,
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay: float,
     bias_correction: bool,
-    grad_scale: Union[float, torch.Tensor] = 1.0,
-    out: Optional[Tensors] = None,
 ) -> list[torch.Tensor]:
     """``tensors``: (params, grads, exp_avgs, exp_avg_sqs). Advance the moments in place with ``grad_scale × grad``;
     return ``u = m̂/(√v̂ + ε) + λw`` per tensor (two
