@@ -263,7 +263,7 @@ def lamb_update(
     scratch = scratch() if callable(scratch) else scratch
     if _multi_tensor(kernel, tensors, (beta1, beta2), bias_correction):
         out = None if scratch is None else scratch[1]
-        updates = lamb_multi.directions(tensors, steps, grad_scale=grad_scale, out=out, **options)
+        updates = lamb_multi.directions(*tensors, steps, grad_scale=grad_scale, out=out, **options)
     else:
         updates = adam_directions(*tensors, steps, grad_scale=grad_scale, scratch=scratch, **options)
     param_views, update_views = _fragment_views(params, layout.fragments), _fragment_views(updates, layout.fragments)

@@ -65,7 +65,10 @@ def _step_tensors(steps: Sequence[int], bias_correction: bool, device: torch.dev
 
 
 def directions(
-    tensors: tuple[Tensors, Tensors, Tensors, Tensors],
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
     steps: Sequence[int],
     *,
     grad_scale: Union[float, torch.Tensor] = 1.0,
@@ -76,11 +79,9 @@ def directions(
     weight_decay: float,
     bias_correction: bool,
 ) -> list[torch.Tensor]:
-    """``tensors``: (params, grads, exp_avgs, exp_avg_sqs). Advance the moments in place with ``grad_scale × grad``;
-    return ``u = m̂/(√v̂ + ε) + λw`` per tensor (two
+    """Advance the moments in place with ``grad_scale × grad``; return ``u = m̂/(√v̂ + ε) + λw`` per tensor (two
     multi-tensor kernels; see the module docstring). ``out``: buffers shaped like ``params`` to hold ``u`` (on the
     CPU, where a fresh allocation page-faults every step; filled tensor by tensor there)."""
-    params, grads, exp_avgs, exp_avg_sqs = tensors
     device = params[0].device
     if out is None:
         updates = torch._foreach_mul(list(params), weight_decay)
