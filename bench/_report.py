@@ -31,6 +31,7 @@ CAPABILITIES = (  # (record name prefix, heading): the pages of docs/benchmarks/
     ("bucket_clip", "Bucket-wise clipping before allreduce"),
     ("optim", "Large-batch optimizers"),
     ("wtacrs", "Fine-tuning memory (WTA-CRS, memory kit)"),
+    ("finetune_tasks", "Fine-tuning tasks: pairs, NER, QA (unpadded vs Trainer)"),
     ("", "Other measurements"),
 )
 
@@ -139,7 +140,7 @@ def write_report(out: Path, runs: dict) -> Path:
         if run is None:
             how = f"Recorded {record.get('time', '?')} by a direct run of its benchmark (not through `run_all.py`)."
         else:
-            command = run["command"].replace(str(Path(__file__).resolve().parents[1]) + "/", "")
+            command = _checkout_relative(run["command"])
             how = f"`python {command}` — {run['status']} in {run['seconds']:.0f} s (log: `logs/{name}.log`)."
         lines = [f"## {name}", "", how, ""]
         if record is None:

@@ -318,7 +318,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench_optim_") as tmp:
             study = convergence_study(args, Path(tmp))
     if not args.skip_step_time:
-        step_time_study(repeats=7)
+        step_time_study(repeats=25)
     figures = (
         [
             {

@@ -303,8 +303,40 @@ def write_preset(point: Point, args) -> Path:
     return path
 
 
-STEP_TARGET = 1.5
-"""The issue's target: our LAMB step ≤ 1.5× torch's fused AdamW on CPU (the two-pass floor is ~10/7 ≈ 1.43×)."""
+STEP_TARGET = 1.45
+"""The issue's target: our LAMB step ≤ 1.45× torch's fused AdamW on CPU, near the traffic limit of two passes
+(40 bytes an element against AdamW's 28: 1.43×)."""
+
+
+def cache_bytes() -> int:
+    """The last-level cache of this CPU (bytes; 0 when the system does not say)."""
+    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        try:
+            size = os.sysconf(name)
+        except (ValueError, OSError):
+            size = 0
+        if size > 0:
+            return size
+    for index in (3, 2):
+        try:
+            text = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        return int(text.rstrip("KMG")) * unit
+    return 0
+
+
+def multi_tensor_ops(lamb) -> list[str]:
+    """The launching torch ops of one step of ``lamb`` (its multi-tensor path, the step on CUDA without apex), counted
+    as CUDA runs it: without the CPU's reused scratch buffers, which take ``λw`` tensor by tensor."""
+    from ds_bertopt.testing.measure import VIEW_OPS, torch_ops
+
+    lamb._scratch_for = lambda params: None  # shadows the method for this count only
+    try:
+        return [name for name, _ in torch_ops(lamb.step) if name not in VIEW_OPS]
+    finally:
+        del lamb._scratch_for
 
 
 def step_time_study(repeats: int) -> None:
@@ -320,7 +352,7 @@ def step_time_study(repeats: int) -> None:
     print(
         f"fused CPU LAMB kernel: ready in {time.perf_counter() - started:.3f} s (built once per machine, then loaded)"
         if ready
-        else f"fused CPU LAMB kernel: unavailable ({lamb_kernel.unavailable_reason()}); ours runs the foreach path"
+        else f"fused CPU LAMB kernel: unavailable ({lamb_kernel.unavailable_reason()}); ours runs the multi-tensor path"
     )
 
     def model_with_grads():
@@ -345,10 +377,12 @@ def step_time_study(repeats: int) -> None:
         )
 
     # torch_optimizer.Lamb does no global-norm clipping: "ours" matches that work, "ours+clip" adds ours.
-    # "ours (foreach)": the torch._foreach_* path, the step before the fused kernel (and the CUDA path).
+    # "ours (multi-tensor)": the step LAMB takes on CUDA without apex, here on torch's CPU fused Adam kernel.
+    # "ours (foreach)": the torch._foreach_* path, the step before the fused kernels.
     variants = {
         "ours": ours(0.0),
         "ours+clip": ours(1.0),
+        "ours (multi-tensor)": ours(0.0, "multi_tensor"),
         "ours (foreach)": ours(0.0, "foreach"),
         "adamw": torch.optim.AdamW(param_groups(model_with_grads(), 0.01), lr=1e-3, fused=True),
     }
@@ -369,36 +403,51 @@ def step_time_study(repeats: int) -> None:
                 "LAMB optimizer step time (ours)", times["ours"], times["torch_optimizer"], "torch_optimizer.Lamb"
             )
         )
-        print(
-            ratio_line(
-                "LAMB optimizer step time (ours, with global-norm clipping)",
-                times["ours+clip"],
-                times["torch_optimizer"],
-                "torch_optimizer.Lamb",
-            )
-        )
     else:
         print(
             "LAMB optimizer step time (ours) vs torch_optimizer.Lamb: not available (torch_optimizer is not "
             "installed in this environment; see docs/optim.md for the separate bench venv)"
         )
-    ratio = median(times["ours"]) / median(times["adamw"])
-    kernel = "fused CPU kernel" if ready else "foreach path: the fused kernel is unavailable"
+    cache = cache_bytes()
+    adapted = [p.numel() for g in variants["ours"].param_groups if g["adapt"] for p in g["params"]]
+    plain = sum(p.numel() for g in variants["ours"].param_groups if not g["adapt"] for p in g["params"])
+    ours_bytes = (lamb_kernel.traffic(adapted, cache) * sum(adapted) + lamb_kernel.ADAMW_BYTES * plain) / (
+        sum(adapted) + plain
+    )
+    cached = sum(n for n in adapted if 12 * n <= cache)
     say(
-        ratio_line(f"LAMB optimizer step time (ours, {kernel})", times["ours"], times["adamw"], "torch fused AdamW")
+        f"bytes moved to and from memory per fp32 element: torch fused AdamW {lamb_kernel.ADAMW_BYTES} (one pass); "
+        f"ours {ours_bytes:.1f} on this model ({lamb_kernel.ADAMW_BYTES} for a layer whose p, m, v stay in the "
+        f"{cache / 2**20:.0f} MiB last-level cache between its two passes: {cached / 1e6:.2f}M of the "
+        f"{sum(adapted) / 1e6:.2f}M elements with the trust ratio; {lamb_kernel.TWO_PASS_BYTES} for the rest, and "
+        f"under a ZeRO split); two passes' limit {lamb_kernel.TWO_PASS_BYTES / lamb_kernel.ADAMW_BYTES:.2f}x AdamW"
+    )
+    ratio = median(times["ours"]) / median(times["adamw"])
+    kernel = "fused CPU kernel" if ready else "multi-tensor path: the fused kernel is unavailable"
+    say(
+        ratio_line(f"LAMB step ({kernel})", times["ours"], times["adamw"], "torch fused AdamW on CPU")
         + f"; target <= {STEP_TARGET}x: {status(ratio <= STEP_TARGET)}"
     )
     say(
         ratio_line(
-            "LAMB optimizer step time (ours, with global-norm clipping)",
-            times["ours+clip"],
+            "LAMB step (ours, with global-norm clipping)", times["ours+clip"], times["adamw"], "torch fused AdamW"
+        )
+    )
+    ops = multi_tensor_ops(variants["ours (multi-tensor)"])
+    passes = [name for name in ops if name.startswith(("_foreach_", "_fused_"))]
+    say(
+        ratio_line(
+            "LAMB step (ours, multi-tensor: the step on CUDA without apex, here on torch's CPU fused Adam kernel)",
+            times["ours (multi-tensor)"],
             times["adamw"],
             "torch fused AdamW",
         )
+        + f"; per step of the 2 param groups {len(ops)} launching ops, {len(passes)} of them over the parameters "
+        f"({', '.join(passes)})"
     )
     say(
         ratio_line(
-            "LAMB optimizer step time (ours, foreach path: the step before the fused kernel, for reference)",
+            "LAMB step (ours, foreach path: the step before the fused kernels, for reference)",
             times["ours (foreach)"],
             times["adamw"],
             "torch fused AdamW",

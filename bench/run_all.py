@@ -59,7 +59,9 @@ BENCHES: dict[str, tuple[str, list[str], list[str], int, int]] = {
     ),
     "time_to_train": ("time_to_train", ["--quick"], [], 900, 14400),
     "preprocess": ("preprocess", ["--repeats", "2"], [], 600, 1200),
+    "corpus_scale": ("corpus_scale", ["--sizes", "5", "25", "50", "--slice-mb", "5"], [], 1800, 7200),
     "mfu": ("mfu", [], [], 900, 1800),
+    "finetune_tasks": ("finetune_tasks", ["--quick"], [], 1800, 14400),
     "time_to_train_continued": (
         "time_to_train",
         ["--scenarios", "continued128", "--seeds", "1", "2", "--steps", "80", "--points", "4", "--masks", "2"]

@@ -26,7 +26,8 @@ or in full mode ``frontier`` runs every ``--frontier-cells`` and ``budget`` unle
 * budget — ``ds-bertopt memory --compare``'s choice under ``--budget-gb`` at seq 128, checked: every setup that fits
   re-timed at its own batch (interleaved); the choice fits and runs within 5 % of the fastest.
 * accuracy — ``launch/finetune.py`` on ``../shared/data/rt_polarity`` (train → dev accuracy), one
-  process per run, each run under the shared CPU lock on its own.
+  process per run, each run under the shared CPU lock on its own, with ``ds_configs/finetune_zero0.json`` as shipped
+  (unpadded, ``packed_node_balance`` since issue 39; records before it ran padded): every variant on the same path.
 * families — the whole-step peak of full fine-tuning vs exact kit + WTA@0.3 vs LoRA (r=8 on the family's
   q/v) + exact kit, at equal batch, for BERT-base-, RoBERTa-base-, DeBERTa-v3-base- and
   ModernBERT-base-shaped random-init models (transformers config classes, no download) and MiniLM-L6

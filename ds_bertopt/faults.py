@@ -5,8 +5,9 @@
 ``kill@save:rank=1:step=4`` dies inside the step-4 checkpoint after DeepSpeed wrote its files,
 ``raise@forward:…`` raises, ``hang@forward:…`` stops responding, ``nan@loss:rank=0:step>=2`` turns
 the loss into NaN, ``enospc@write:rank=0:step=4`` makes rank 0's first checkpoint file write of step 4
-fail as a full disk does (``OSError`` ENOSPC). Real jobs never set it; the cost when unset is one dictionary
-lookup.
+fail as a full disk does (``OSError`` ENOSPC), ``sleep20@build:rank=0:step>=1`` makes every part of rank 0's data
+build 20 s slower (at ``build`` the step is the part's number in the process's whole build). Real jobs never set
+it; the cost when unset is one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import re
 import signal
 import time
 
-_SPEC = re.compile(r"^(kill|raise|hang|nan|enospc)@(\w+):rank=(\d+):step(>=|=)(\d+)$")
+_SPEC = re.compile(r"^(kill|raise|hang|nan|enospc|sleep\d+)@(\w+):rank=(\d+):step(>=|=)(\d+)$")
 
 
 def _parse():
@@ -46,6 +47,8 @@ def inject(point: str, rank: int, step: int, value=None):
         raise RuntimeError(f"injected failure at {point} of step {step}")
     if action == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"injected at {point} of step {step}")
+    if action.startswith("sleep"):
+        time.sleep(int(action[len("sleep") :]))
     if action == "hang":
         while True:
             time.sleep(3600)

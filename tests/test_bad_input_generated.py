@@ -278,7 +278,12 @@ def test_every_path_field_is_generated():
         if any(word in doc.lower() for word in ("directory", " file", "folder", "path"))
         and _inner(FIELDS[key][0]) in (str, tuple)
     }
-    assert paths - set(PATH_ARGUMENTS) <= {"data.text_field", "finetune.train_split", "finetune.validation_split"}
+    assert paths - set(PATH_ARGUMENTS) <= {
+        "data.text_field",
+        "finetune.tags_column",
+        "finetune.train_split",
+        "finetune.validation_split",
+    }
 
 
 def _bad_path(tmp_path: Path, kind: str) -> Path:

@@ -13,7 +13,6 @@ import pytest
 
 from ds_bertopt.testing.distributed import free_port
 from _launch import deepspeed_cmd, run  # noqa: E402
-from ds_bertopt.data.collate import pad_classification_batch  # noqa: E402
 from ds_bertopt.train.tasks.finetune import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,14 +36,6 @@ def sentiment_csv(path: Path, n: int, seed: int) -> str:
         lines.append(f'"{" ".join(words)}",{label}')
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return str(path)
-
-
-def test_collate_pads_to_the_longest_rounded_to_the_pad_multiple():
-    batch = pad_classification_batch([[101, 5, 102], [101, 102]], [1, 0], [7, 9], pad_id=0)
-    assert batch["input_ids"].tolist() == [[101, 5, 102], [101, 102, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
-    assert batch["labels"].tolist() == [1, 0] and batch["example_ids"].tolist() == [7, 9]
-    assert pad_classification_batch([[101, 5, 102]], [1], [0], pad_id=0, pad_multiple=8)["input_ids"].shape == (1, 8)
 
 
 @pytest.mark.parametrize(
@@ -110,8 +101,9 @@ def _launch(
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_launcher_finetunes_and_learns_zero3_with_cache(tmp_path):
-    """A small random BERT learns an easy task through the launcher: ZeRO-3, WTA-CRS on ffn_out + q/k/v with
-    the gradient-norm cache, the exact kit (the hardest path: gathered weights in the sampled backward)."""
+    """A small random BERT learns an easy task through the launcher: ZeRO-3, unpadded, WTA-CRS on ffn_out + q/k/v
+    with the gradient-norm cache on packed rows, the exact kit (the hardest path: gathered weights in the sampled
+    backward)."""
     model = _tiny_checkpoint(tmp_path / "model")
     train = sentiment_csv(tmp_path / "train.csv", 192, seed=1)
     dev = sentiment_csv(tmp_path / "dev.csv", 64, seed=2)
@@ -125,7 +117,7 @@ def test_launcher_finetunes_and_learns_zero3_with_cache(tmp_path):
             "optimizer.lr=0.003",
             "deepspeed.train_micro_batch_size_per_gpu=8",
             "finetune.max_seq_length=32",
-            "wtacrs.grad_norm_cache=true",
+            "wtacrs.grad_norm_cache=true",  # on packed rows (the shipped configs are unpadded)
             'wtacrs.targets=["ffn_out","qkv"]',
         ],
         "--epochs",
@@ -152,7 +144,6 @@ PLAIN = [
 
 @pytest.mark.slow
 @pytest.mark.shared_data
-@pytest.mark.precision
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not (SHARED / "rt_polarity").is_dir(), reason="../shared/data is absent")
 def test_launcher_finetunes_minilm_on_rt_polarity_at_zero_0_2_3(tmp_path):

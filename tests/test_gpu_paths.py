@@ -11,10 +11,13 @@ import pytest
 import torch
 from _launch import deepspeed_cmd, pretrain_args, run
 
+from ds_bertopt import config
 from ds_bertopt.comm.scaling import loss_scale_reader
 from ds_bertopt.compat.deepspeed import register_as_producer, wait_for_bucket_producers
 from ds_bertopt.config import apply_precision
 from ds_bertopt.engine import _as_run_config, prepare_deepspeed_config
+from ds_bertopt.errors import ConfigError
+from ds_bertopt.testing.gpu_paths import Row, conformance_problems, gradient_part
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,16 +120,90 @@ def test_the_makefile_leaves_the_accelerator_to_the_host():
     assert not [line for line in make.stdout.splitlines() if line.startswith("DS_ACCELERATOR")]
 
 
+V100, A100 = ("Tesla V100-SXM2-32GB", (7, 0)), ("NVIDIA A100-SXM4-80GB", (8, 0))
+
+
 def test_auto_precision_wants_native_bf16_on_the_bound_gpu(monkeypatch):
-    """A V100/T4 answers is_bf16_supported() True by emulation; auto must pick fp16 there."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    """A V100/T4 answers is_bf16_supported() True by emulation; auto must pick fp16 there (the device stubbed at the
+    one seam that asks it, config.cuda_capability)."""
+    monkeypatch.setattr(config, "cuda_capability", lambda: V100)
     assert apply_precision({}, "auto", "cuda") == (
         "fp16",
-        "train.precision auto: this GPU has no native bf16 (compute capability < 8.0)",
+        "train.precision auto: this GPU has no native bf16 (Tesla V100-SXM2-32GB (compute capability 7.0) would "
+        "emulate it, many times slower)",
     )
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(config, "cuda_capability", lambda: A100)
     assert apply_precision({}, "auto", "cuda")[0] == "bf16"
+
+
+@pytest.mark.parametrize(
+    "ds, precision, key",
+    [
+        ({"bf16": {"enabled": True}}, "auto", "deepspeed.bf16.enabled"),  # the block wins over auto
+        ({"bf16": {"enabled": True}}, "fp32", "deepspeed.bf16.enabled"),
+        ({}, "bf16", "train.precision"),
+    ],
+)
+def test_bf16_asked_for_by_name_on_a_gpu_that_emulates_it_is_refused_in_one_line(monkeypatch, ds, precision, key):
+    monkeypatch.setattr(config, "cuda_capability", lambda: V100)
+    with pytest.raises(ConfigError) as caught:
+        apply_precision(dict(ds), precision, "cuda")
+    message = str(caught.value)
+    assert message.startswith(f"{key}: bf16 on Tesla V100-SXM2-32GB (compute capability 7.0)") and "\n" not in message
+    assert "fp16" in message.split("use fp16:")[1]
+    monkeypatch.setattr(config, "cuda_capability", lambda: A100)
+    assert apply_precision(dict(ds), precision, "cuda")[0] == "bf16"
+    monkeypatch.setattr(config, "cuda_capability", lambda: None)  # `ds-bertopt config --device cuda` with no GPU here
+    assert apply_precision(dict(ds), precision, "cuda")[0] == "bf16"
+
+
+GPU_CONFIGS_WITH_THE_BF16_BLOCK = ("bert_large_adam.json", "bert_large_lamb.json", "mlperf_bert_large.json")
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS_WITH_THE_BF16_BLOCK)
+def test_shipped_gpu_configs_with_the_bf16_block_are_refused_on_a_t4_and_run_on_an_a100(monkeypatch, name):
+    from ds_bertopt.config import load_config
+
+    path = os.path.join(REPO_ROOT, "ds_configs", name)
+    assert load_config(path).deepspeed.get("bf16") == {"enabled": True}
+    monkeypatch.setattr(config, "cuda_capability", lambda: ("Tesla T4", (7, 5)))
+    with pytest.raises(ConfigError, match=r"^deepspeed\.bf16\.enabled: bf16 on Tesla T4 \(compute capability 7\.5\)"):
+        prepare_deepspeed_config(load_config(path), 1024, "cuda")
+    monkeypatch.setattr(config, "cuda_capability", lambda: A100)
+    assert prepare_deepspeed_config(load_config(path), 1024, "cuda")["bf16"] == {"enabled": True}
+
+
+def test_the_hf_trainer_refuses_emulated_bf16_too(monkeypatch):
+    from ds_bertopt.integrations.hf import check_compatibility, load_bertopt
+
+    monkeypatch.setattr(config, "cuda_capability", lambda: V100)
+    args = SimpleNamespace(bf16=True, use_cpu=False)
+    with pytest.raises(ConfigError, match=r"^TrainingArguments\.bf16: bf16 on Tesla V100"):
+        check_compatibility(load_bertopt({}), None, args)
+    check_compatibility(load_bertopt({}), None, SimpleNamespace(bf16=False, fp16=True, use_cpu=False))
+
+
+def test_the_conformance_check_sees_an_update_made_of_weight_decay_alone():
+    """apex's LAMB with the 0.0 bound moved the weights by −lr·w (decay alone), and `moved > 1e-4` passed it."""
+    torch.manual_seed(0)
+    before = {"w": torch.randn(8, 8), "b": torch.zeros(8), "ln": torch.ones(8)}
+    decay_only = {n: w * (1 - 0.01) for n, w in before.items()}
+    trained = {n: w - 0.01 * torch.randn_like(w).sign() for n, w in before.items()}
+    assert gradient_part(before, decay_only) < 1e-4 and gradient_part(before, trained) > 0.5
+    row = Row("bf16", "lamb", 0, apex=True)
+    result = {
+        "optimizer": "FusedLAMB", "wrapper": "FP16_UnfusedOptimizer", "step1_applied": True, "step2_applied": True,
+        "clip_coefficients": [0.1], "nan_applied": False, "changed_by_nan_step": 0.0, "recovered_applied": True,
+        "recovered_finite": True, "resumed_step": 1, "resumed_step2_applied": True, "resume_difference": 0.0,
+    }  # fmt: skip
+    for after, ok in ((decay_only, False), (trained, True)):
+        figures = {**result, "moved": max_difference(after, before), "moved_by_gradients": gradient_part(before, after)}
+        problems = conformance_problems(row, figures)
+        assert (not problems) == ok, problems
+
+
+def max_difference(a: dict, b: dict) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
 def test_main_binds_the_gpu_before_the_preflight_asks_it_anything(monkeypatch):

@@ -91,10 +91,10 @@ def test_what_cannot_run_unpadded_is_refused_in_one_line(tmp_path):
     cases = [
         (dict(collator=transformers.DataCollatorWithPadding(transformers.AutoTokenizer.from_pretrained(MINILM))),
          "model.unpadded: the Trainer's data_collator is a DataCollatorWithPadding; pass a DataCollatorForLanguage"),
-        (dict(model=transformers.BertForSequenceClassification(transformers.BertConfig(vocab_size=99, **{
+        (dict(model=transformers.BertForNextSentencePrediction(transformers.BertConfig(vocab_size=99, **{
             "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}))),
-         "model.unpadded: BertForSequenceClassification cannot run unpadded (expected a masked-LM model"),
-        (dict(wtacrs={"enabled": True}), "model.unpadded: not with wtacrs"),
+         "model.unpadded: BertForNextSentencePrediction cannot run unpadded (expected a masked-LM model"),
+        (dict(wtacrs={"enabled": True}), "model.unpadded: not with wtacrs for a masked-LM model"),
     ]  # fmt: skip
     for kwargs, message in cases:
         with pytest.raises(ConfigError) as err:

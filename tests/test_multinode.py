@@ -194,6 +194,10 @@ def test_two_nodes_with_their_own_caches_train_on_the_same_data(tmp_path, repo_r
         2, 1, pretrain_args(tmp_path / "run", caches[0], *common), cwd=str(repo_root), timeout=300, node_args=node_args
     )
     assert [r.returncode for r in results] == [0, 0], results[0].output[-3000:] + results[1].output[-3000:]
+    for node, result in enumerate(results):  # each node detected that it is alone in its cache directory
+        assert f"is node {node}'s own (no other node's file is seen there): node {node} builds its own copy" in (
+            result.output
+        )
     vocabularies = [
         json.loads(next(c.glob("tokenizers/*/tokenizer.json")).read_text())["model"]["vocab"] for c in caches
     ]
@@ -218,3 +222,23 @@ def test_two_nodes_with_their_own_caches_train_on_the_same_data(tmp_path, repo_r
     ) in lines[0]
     assert "Traceback" not in "".join(r.output for r in results)
     assert not out.exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_data_build_slower_than_the_collective_timeout_completes_on_two_nodes(tmp_path, repo_root):
+    """The first run of a corpus: its build outlasts train.dist_timeout_s (node 0's first part, counting words, made
+    12 s slower; the timeout 10 s). It died before, rank 1 saying "lost contact with the other ranks"; now the nodes,
+    which share one cache directory, build it together and wait for each other on the store, saying so."""
+    cache = tmp_path / "shared_cache"
+    args = pretrain_args(
+        tmp_path / "run", cache, "--max_steps", "1", "--eval_every", "0", "-o", "train.save_model=false",
+        "-o", "train.dist_timeout_s=10", "-o", "data.num_proc=1",
+    )  # fmt: skip
+    env = {"DS_BERTOPT_FAULT": "sleep12@build:rank=0:step=1"}
+    results = run_local_multinode(2, 1, args, cwd=str(repo_root), timeout=240, env=env)
+    text = results[0].output + results[1].output
+    assert [r.returncode for r in results] == [0, 0], text[-4000:]
+    assert "is shared by nodes 0, 1 (each sees the others' files there)" in results[1].output
+    waits = [line for line in results[1].output.splitlines() if "waiting for node 0's data build: " in line]
+    assert waits and "counting words for the vocabulary" in text and "lost contact" not in text, text[-4000:]
+    assert "data: built in " in results[0].output and "done: 1 steps" in results[0].output

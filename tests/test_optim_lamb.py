@@ -1,15 +1,17 @@
-"""LAMB math against an independent float64 formula, per-layer trust ratio, groups, state; the fused CPU kernel
-against the foreach path; no host reads in the step."""
+"""LAMB math against an independent float64 formula, per-layer trust ratio, groups, state; the fused CPU kernel and
+the multi-tensor step against the foreach path; the multi-tensor step's op count; no host reads in the step."""
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 
 from ds_bertopt.optim import lamb_kernel, param_groups
 from ds_bertopt.optim.lamb import Fragment, Lamb, Layout, lamb_update, trust_ratios
+from ds_bertopt.testing.measure import VIEW_OPS, torch_ops
 
 SHAPES = [(7,), (3, 5), (4, 3, 2), (1,), (16, 9)]
 
@@ -97,7 +99,7 @@ def _kernel_or_skip(kernel: str) -> str:
     return kernel
 
 
-KERNELS = ["fused", "foreach"]
+KERNELS = ["fused", "multi_tensor", "foreach"]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -350,9 +352,10 @@ def test_state_dict_resume_is_bit_exact():
 
 
 def _twin_runs(groups_of, steps=5, **kw):
-    """The same LAMB, fused and foreach, over the same parameters and gradients; returns both optimizers."""
+    """The same LAMB on every kernel that runs here, over the same parameters and gradients; returns the optimizers
+    by kernel."""
     runs = {}
-    for kernel in KERNELS:
+    for kernel in [k for k in KERNELS if k != "fused" or lamb_kernel.library() is not None]:
         groups = groups_of()
         lamb = Lamb(groups, kernel=kernel, **kw)
         gen = torch.Generator().manual_seed(21)
@@ -362,7 +365,7 @@ def _twin_runs(groups_of, steps=5, **kw):
                     p.grad = torch.randn(p.shape, generator=gen) * 3.0
             lamb.step()
         runs[kernel] = lamb
-    return runs["fused"], runs["foreach"]
+    return runs
 
 
 @pytest.mark.parametrize(
@@ -378,12 +381,13 @@ def _twin_runs(groups_of, steps=5, **kw):
 )
 def test_fused_kernel_equals_foreach(options):
     """Several steps, a decayed group with the trust ratio and a no-decay group (adapt per ``adapt_no_decay``):
-    parameters, moments and ratios equal the foreach path's in fp32. Tolerance rtol 2e-6, atol 1e-7: both round
-    every step; the kernel computes u = λw + f·m/(√v + e) in the foreach path's order, but its sums are fp32
+    parameters, moments and ratios of the fused CPU kernel and of the multi-tensor step (torch's fused Adam kernel)
+    equal the foreach path's in fp32. Tolerance rtol 2e-6, atol 1e-7: all round every step; the kernel computes
+    u = λw + f·m/(√v + e) in the foreach path's order, but its sums are fp32
     blocks added in double (foreach: fp32 norms squared in double) and its moments b·m + (1−b)·g (foreach:
     lerp), so values differ by an ulp or two per step (observed ≤ 4.8e-7 on weights of magnitude ≤ 4; atol 1e-7
-    also for the moments, where m cancels near 0 with terms of the gradients' size, 3)."""
-    _kernel_or_skip("fused")
+    also for the moments, where m cancels near 0 with terms of the gradients' size, 3). Without a C compiler the
+    multi-tensor step is still compared."""
     adapt_no_decay = options.pop("adapt_no_decay", False)
     shapes = [(7,), (3, 5), (4, 3, 2), (1,), (16, 9), (130, 33), (0,)]
 
@@ -394,18 +398,122 @@ def test_fused_kernel_equals_foreach(options):
             {"params": params[5:], "weight_decay": 0.0, "adapt": adapt_no_decay},
         ]
 
-    fused, foreach = _twin_runs(groups_of, lr=0.02, **options)
-    for a, b in zip(
-        [p for g in fused.param_groups for p in g["params"]], [p for g in foreach.param_groups for p in g["params"]]
-    ):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=2e-6, atol=1e-7)
-        for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(fused.state[a][key], foreach.state[b][key], rtol=2e-6, atol=1e-7)
-    for r_fused, r_foreach in zip(fused.last_trust_ratios, foreach.last_trust_ratios):
-        torch.testing.assert_close(r_fused, r_foreach, rtol=1e-5, atol=0)
-    if "max_grad_norm" in options:
-        assert float(fused.last_grad_scale) < 1.0
-        torch.testing.assert_close(fused.last_grad_scale, foreach.last_grad_scale, rtol=1e-6, atol=0)
+    runs = _twin_runs(groups_of, lr=0.02, **options)
+    foreach = runs.pop("foreach")
+    for fused in runs.values():
+        for a, b in zip(
+            [p for g in fused.param_groups for p in g["params"]],
+            [p for g in foreach.param_groups for p in g["params"]],
+        ):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=2e-6, atol=1e-7)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(fused.state[a][key], foreach.state[b][key], rtol=2e-6, atol=1e-7)
+        for r_fused, r_foreach in zip(fused.last_trust_ratios, foreach.last_trust_ratios):
+            torch.testing.assert_close(r_fused, r_foreach, rtol=1e-5, atol=0)
+        if "max_grad_norm" in options:
+            assert float(fused.last_grad_scale) < 1.0
+            torch.testing.assert_close(fused.last_grad_scale, foreach.last_grad_scale, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("clamps", [(None, None), (0.9, 1.1)], ids=["free", "clamped"])
+def test_fused_kernel_one_sweep_equals_two_passes(clamps):
+    """A piece that is its whole layer, with nothing to all-reduce, is stepped inside the first pass with the C
+    kernel's ratio (``scale_of``); with a stand-in all-reduce the same step takes two passes and ``trust_ratios``'
+    ratio from torch. The same bits either way: free and clamped ratios (both clamps binding), a zero layer."""
+    _kernel_or_skip("fused")
+    results = []
+    for allreduce in (None, lambda sums: None):
+        params = [p.detach() for p in _params(31, [(33, 17), (5,), (64,)])]
+        params[0].mul_(3.0)
+        params[1].zero_()  # ‖w‖ = ‖u‖ = 0 (zero gradients too): ratio 1
+        params[2].mul_(0.05)
+        moments = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+        gen = torch.Generator().manual_seed(8)
+        for step in range(1, 4):
+            grads = _grads(params, gen)
+            grads[1].zero_()
+            ratios = lamb_update(
+                params,
+                grads,
+                *moments,
+                [step] * 3,
+                lr=0.05,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-6,
+                weight_decay=0.01,
+                bias_correction=True,
+                min_trust_ratio=clamps[0],
+                max_trust_ratio=clamps[1],
+                allreduce=allreduce,
+                kernel="fused",
+            )
+        results.append((params, ratios))
+    (one, ratios), (two, ratios_two) = results
+    assert torch.equal(ratios, ratios_two)
+    if clamps[0] is not None:
+        assert ratios.tolist() == [1.1, 1.0, 0.9]
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+def _ops_and_host_reads(fn) -> tuple:
+    """The torch ops ``fn`` calls (:func:`torch_ops`), and the top-level op above each read of a value on the host
+    (``aten::item``, from the profiler). On CUDA the fused Adam kernel reads its step tensors on the device
+    (``adam_math``'s ``*step_count``); the CPU kernel reads its CPU step tensor with ``item``."""
+    with torch.profiler.profile() as prof:
+        ops = torch_ops(fn)
+    reads = []
+    for event in prof.events():
+        if event.name == "aten::item":
+            while event.cpu_parent is not None:
+                event = event.cpu_parent
+            reads.append(event.name)
+    return ops, reads
+
+
+def test_multi_tensor_step_ops_per_group_are_few_and_counted():
+    """The step LAMB takes on CUDA without apex (``multi_tensor``), profiled on the CPU where torch runs the same ops:
+    per param group, clipped, with the trust ratio, the same ops for 3 tensors as for 30 (nothing per tensor in
+    Python), four passes over the parameters (λw, torch's fused Adam kernel for the moments and the direction, the
+    norms, the update), each a multi-tensor op whose lists match tensor for tensor (torch's fast path) but the update,
+    whose per-layer scales are 0-d device tensors (on CUDA one kernel per tensor, together one pass); at most 22
+    launching ops in all, the rest on per-layer vectors; nothing read on the host."""
+    counts = []
+    for n in (3, 30):
+        params = [p.detach() for p in _params(5, [(16, 8), (8,), (3, 5)] * (n // 3))]
+        gen = torch.Generator().manual_seed(2)
+        grads = _grads(params, gen)
+        moments = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+        clip = torch.tensor(0.5)
+
+        step = functools.partial(
+            lamb_update,
+            params,
+            grads,
+            *moments,
+            [1] * n,
+            lr=0.05,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-6,
+            weight_decay=0.01,
+            bias_correction=True,
+            grad_scale=clip,
+            kernel="multi_tensor",
+        )
+        ops, reads = _ops_and_host_reads(step)
+        assert set(reads) <= {"aten::_fused_adam_"}, reads  # only the CPU kernel reads its CPU step tensor
+        passes = [(name, lists) for name, lists in ops if name.startswith(("_foreach_", "_fused_"))]
+        assert [name for name, _ in passes] == ["_foreach_mul", "_fused_adam_", "_foreach_norm", "_foreach_addcmul_"]
+        shapes = [tuple(p.shape) for p in params]
+        for name, lists in passes[:2]:  # every list shaped like the parameters (the step list: 0-d step tensors)
+            assert all(shape == shapes for shape in lists if shape[0] != ()), (name, lists)
+        assert passes[2][1] == [shapes + shapes]  # the norms of w and u, one op
+        assert passes[3][1] == [shapes, shapes, [()] * n]  # the update: per-layer scales are 0-d device tensors
+        counts.append([name for name, _ in ops if name not in VIEW_OPS])
+    assert counts[0] == counts[1]
+    assert len(counts[0]) <= 22, counts[0]  # 4 passes + 18 on per-layer vectors (torch 2.13); one launch each
 
 
 def test_fused_kernel_split_over_threads_equals_one_thread(monkeypatch):
@@ -447,6 +555,8 @@ def test_kernel_choice_and_fallback(monkeypatch):
     assert torch.isfinite(strided).all()
     with pytest.raises(RuntimeError, match="contiguous fp32 CPU"):
         Lamb([strided], kernel="fused").step()
+    with pytest.raises(RuntimeError, match="multi_tensor.*contiguous tensors of one device and dtype"):
+        Lamb([strided], kernel="multi_tensor").step()
     with pytest.raises(ValueError, match="past|ends at element"):
         lamb_update(
             [torch.zeros(4)],

@@ -174,7 +174,7 @@ def test_unread_keys_are_refused_in_one_line(capsys, tmp_path):
             ["--task", "finetune", "ds_configs/finetune_zero0.json", "-o", "model.unpadded=true"]
             + ["-o", "model.hidden_size=64", "-o", "data.max_seq_length=512"],
             "bertopt.data.max_seq_length: fine-tuning does not read it (its data settings are finetune.*, e.g. "
-            "finetune.train_file, finetune.max_seq_length) (and 2 more: model.hidden_size, model.unpadded)",
+            "finetune.train_file, finetune.max_seq_length) (and 1 more: model.hidden_size)",
         ),
     ]
     for argv, fragment in cases:

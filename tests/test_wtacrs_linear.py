@@ -196,6 +196,45 @@ def test_weight_grad_unbiased_with_grad_norm_cache():
     assert mse(cached) < mse(plain), "the gradient-norm cache should lower the variance here"
 
 
+class PackedWrapper(Wrapper):
+    """A packed (padding-free) row's model: ``max_seqlen`` is the width of the padded layout its index refers to."""
+
+    def forward(self, x, max_seqlen=None):
+        return sum(head(x) for head in self.heads)
+
+
+def test_grad_norm_cache_keys_packed_tokens_by_example_and_position_as_padded_ones():
+    """The same examples padded and packed (``wtacrs_packed_index``): one backward leaves the same cache entries, and
+    the scores the next step reads at each packed token are the padded layout's at its (example, position)."""
+    from ds_bertopt.data.collate import padded_positions
+
+    torch.manual_seed(3)
+    padded_model, packed_model = Wrapper(), PackedWrapper()
+    packed_model.load_state_dict(padded_model.state_dict())
+    for model in (padded_model, packed_model):
+        convert(model, ratio=0.25, targets=("heads.*",), min_k=4, cache_capacity=8)
+    lengths = (16, 9, 16, 5)
+    mask = torch.zeros(4, 16, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = True
+    x, grad = heavy_input(seed=3), torch.randn(4, 16, 6, generator=torch.Generator().manual_seed(4))
+    ids = torch.tensor([5, 6, 7, 13])
+    padded_model(x, attention_mask=mask.long(), wtacrs_example_ids=ids).backward(grad * mask[..., None])
+    index = padded_positions(lengths, 16)
+    kwargs = {"wtacrs_example_ids": ids, "wtacrs_packed_index": index, "max_seqlen": 16}
+    packed_model(x[mask], **kwargs).backward(grad[mask])
+    padded_cache, packed_cache = padded_model.heads[0].cache, packed_model.heads[0].cache
+    assert torch.equal(packed_cache.tags, padded_cache.tags)
+    assert torch.equal(packed_cache.values, padded_cache.values) and float(packed_cache.values.sum()) > 0
+    scores = padded_cache.scores(ids, mask).flatten()[index]
+    context = packed_model.heads[0].context
+    context.begin(None, ids, packed_index=index, packed_width=16)
+    layout_index, layout = context.packed_layout(x[mask])
+    torch.testing.assert_close(packed_cache.scores(ids, layout).flatten()[layout_index], scores)
+    with pytest.raises(ValueError, match="wtacrs_packed_index: pass max_seqlen"):
+        context.begin(None, ids, packed_index=index)
+
+
 def test_shared_input_stores_one_selection():
     """q/k/v (or LoRA A projections) reading one tensor share one stored row set."""
     x = heavy_input(batch=8, seq=32, d=16).requires_grad_()

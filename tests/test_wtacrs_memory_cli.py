@@ -105,3 +105,69 @@ def test_compare_sizes_every_setup_and_recommends_the_fastest_that_fits(monkeypa
     assert all(s[1:] == (8, 64, 3, 16) for s in seen), seen
     assert "full: batch 32, peak 3.00 GiB (over 2.00)" in out, out
     assert re.search(r"^recommended: fastest that fits 2\.00 GiB: preset exact \(batch 32", out, re.M), out
+
+
+@pytest.mark.timeout(240)
+def test_memory_report_measures_a_task_on_packed_rows(capsys, saved_tiny):
+    """``--task`` and ``--unpadded``: the task's model with its targets, on packed rows (the unpadded task model and
+    its loss), in the children; the kit still cuts what it saves."""
+    argv = ["memory", "--model", str(saved_tiny), "--batch", "8", "--seq", "32", "--preset", "exact"]
+    assert cli_main([*argv, "--task", "question_answering", "--unpadded"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 8 × seq 32, question answering, packed rows" in out, out
+    full, chosen = map(float, re.search(r"^\s+total\s+([\d.]+)\s+([\d.]+)$", out, re.M).groups())
+    assert chosen < 0.6 * full, out
+
+
+@pytest.mark.parametrize("task", ["classification", "regression", "token_classification", "question_answering"])
+def test_every_task_is_measured_padded_and_packed_on_the_same_tokens(saved_tiny, task):
+    """``train.finetune_memory.task_variant`` (what ``--task``/``--unpadded`` and ``preset: "auto"`` measure): the
+    padded and the packed step hold the same real tokens, train, and save about as much for backward (every sequence
+    is full length: packing removes no padding here, only the attention mask)."""
+    import torch
+
+    from ds_bertopt.train.finetune_memory import task_variant
+    from ds_bertopt.wtacrs import saved_tensor_bytes
+
+    saved = {}
+    for packed in (False, True):
+        model, make_batch = task_variant({"model": str(saved_tiny), "task": task, "packed": packed, "num_labels": 3})
+        batch = make_batch(4, 16, 0)
+        tokens = batch["input_ids"].numel()
+        assert tokens == 64 and (batch["input_ids"].shape[0] == 1) == packed
+        loss = model(**batch).loss
+        assert torch.isfinite(loss) and loss.requires_grad
+        saved[packed] = saved_tensor_bytes(model, batch)["total"]
+        real = task_variant({"model": str(saved_tiny), "task": task, "packed": packed, "lengths": [5, 16, 9]})[1]
+        shape = tuple(real(3, 16, 0)["input_ids"].shape)  # a real batch's lengths: padded to the longest, or packed
+        assert shape == ((1, 30) if packed else (3, 16))
+    assert saved[True] == pytest.approx(saved[False], rel=0.25), saved
+
+
+def test_recomputation_saves_as_much_on_packed_rows(saved_tiny):
+    """The wrapper that runs a prepared model on packed rows brackets its recompute scope (``wtacrs.run_from``):
+    ``recompute_ffn``/``recompute_qkv`` cut as much saved-for-backward memory packed as padded."""
+    from ds_bertopt.train.finetune_memory import task_variant
+    from ds_bertopt.wtacrs import saved_tensor_bytes
+
+    kit = {"sdpa_attention": True, "layernorm_saves_output": True, "recompute_gelu": True}
+    cut = {}
+    for packed in (False, True):
+        saved = []
+        for recompute in (False, True):
+            parts = {**kit, "recompute_ffn": recompute, "recompute_qkv": recompute}
+            model, make_batch = task_variant({"model": str(saved_tiny), "packed": packed, "wtacrs": {"kit": parts}})
+            saved.append(saved_tensor_bytes(model, make_batch(4, 16, 0))["total"])
+        cut[packed] = saved[0] - saved[1]
+    assert cut[False] > 0 and cut[True] == pytest.approx(cut[False], rel=0.1), cut
+
+
+def test_unpadded_families_only(tmp_path, capsys):
+    import transformers
+
+    config = transformers.DebertaV2Config(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                          intermediate_size=32, max_position_embeddings=64)  # fmt: skip
+    transformers.DebertaV2ForSequenceClassification(config).save_pretrained(tmp_path / "deberta")
+    assert cli_main(["memory", "--model", str(tmp_path / "deberta"), "--seq", "16", "--unpadded"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--unpadded: deberta-v2 cannot run unpadded" in err[0], err

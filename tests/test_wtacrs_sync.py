@@ -33,6 +33,7 @@ from ds_bertopt.configlib import load_section  # noqa: E402
 from ds_bertopt.wtacrs import (
     EXAMPLE_IDS_KWARG,
     NUM_VALID_ROWS_KWARG,
+    PACKED_INDEX_KWARG,
     GammaGuard,
     OutputSavingLayerNorm,  # noqa: E402
     SampledLinear,
@@ -150,6 +151,17 @@ def test_selection_cache_and_sampled_linear_have_no_host_sync():
                 attention_mask=mask,
                 **{EXAMPLE_IDS_KWARG: ids, NUM_VALID_ROWS_KWARG: int(mask.sum())},
             )
+            out.sum().backward()
+    assert detector.hits == [], detector.hits
+    packed = nn.Module()  # the same rows packed (model.unpadded): the cache reads them by example and position
+    packed.heads = nn.ModuleList(nn.Linear(8, 6) for _ in range(3))
+    packed.forward = lambda x, max_seqlen=None: sum(h(x) for h in packed.heads)  # noqa: E731
+    convert(packed, ratio=0.3, targets=("heads.*",), min_k=2, cache_capacity=8)
+    index = torch.nonzero(mask.flatten()).flatten()  # host-made by the collator (padded_positions)
+    with detector:
+        for _ in range(2):
+            out = packed(x[mask.bool()].detach().requires_grad_(), max_seqlen=16, **{
+                EXAMPLE_IDS_KWARG: ids, PACKED_INDEX_KWARG: index, NUM_VALID_ROWS_KWARG: index.numel()})  # fmt: skip
             out.sum().backward()
     assert detector.hits == [], detector.hits
 

@@ -9,7 +9,8 @@ detail lines read ``[gpu_check]   <section> | ...``; the exit status is 1 iff a 
 * ``precision``  — bf16/fp16 pretraining (``launch/pretrain.py``, ``ds_configs/bert.json``) with the bucket-clip
   hook at ZeRO 0/1/2, and LAMB at ZeRO 0/2; every run exits 0, its loss is finite and falls.
 * ``lamb_equal`` — ``tests/scripts/optim_zero_check.py`` on the accelerator: ZeRO-1/2 LAMB takes ZeRO-0's steps,
-  resume is bit-exact, bf16 through DeepSpeed's wrappers; the tolerances of ``tests/test_optim_zero.py``.
+  resume is bit-exact, bf16 through DeepSpeed's wrappers; the tolerances of ``tests/test_optim_zero.py``. Where apex
+  is installed, its ``FusedLAMB`` as we build it takes our LAMB's step (``apex_lamb.py``).
 * ``resume``     — a reference run vs a run killed mid-way (fault injector) and ``--resume``d: final weights,
   per-step losses and samples, bit-exact or the largest difference.
 * ``wtacrs``     — the sampled linear's fp32/bf16/fp16 paths: unbiased weight gradient over draws, no host sync,

@@ -6,6 +6,7 @@ import math
 import sys
 from pathlib import Path
 
+from .apex_lamb import apex_checks
 from .runner import (
     ENTRY,
     ROOT,
@@ -189,11 +190,16 @@ def section_lamb_equal(ctx: Ctx) -> Result:
     world = 2 if ctx.cuda and ctx.gpus >= 2 else 1
     checks = ("stages", "per_shard", "resume", "bf16")
     failures, count, seconds = run_lamb_checks(ctx, world, checks, f"{world} rank{'s' if world > 1 else ''}")
+    apex = apex_checks(ctx)
+    for name, ok, detail in apex:
+        ctx.detail(f"apex: {'ok  ' if ok else 'FAIL'} {name}" + (f" ({detail})" if detail else ""))
+    failures += [name for name, ok, _ in apex if not ok]
     where = f"{'NCCL' if ctx.cuda else 'gloo'}, {world} rank{'s' if world > 1 else ''}"
     if failures:
-        return Result("FAIL", f"{len(failures)} of {count or '?'} checks failed ({where}): {'; '.join(failures)}")
+        return Result("FAIL", f"{len(failures)} of {count + len(apex)} checks failed ({where}): {'; '.join(failures)}")
     return Result(
         "PASS",
         f"{count} checks of tests/test_optim_zero.py hold on {ctx.device} ({where}, "
-        f"{seconds:.0f} s): ZeRO-1/2 LAMB = ZeRO-0, resume bit-exact, bf16 wrappers agree",
+        f"{seconds:.0f} s): ZeRO-1/2 LAMB = ZeRO-0, resume bit-exact, bf16 wrappers agree"
+        + (f"; apex FusedLAMB = ours ({len(apex)} checks)" if apex and ctx.cuda else ""),
     )

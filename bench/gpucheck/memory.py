@@ -229,6 +229,13 @@ def section_memory(ctx: Ctx) -> Result:
             against.append(f"{key[0].split(' ')[0]} {key[1]} {key[2]}: " + ", ".join(cells))
     figures += "; preset peak vs HF checkpointing: " + ("; ".join(against) or "n/a")
     figures += "; budget mode: " + ("; ".join(budget_recommendations(results, ctx.detail)) or "n/a")
+    from ds_bertopt.wtacrs.memory import device_overhead  # what ds-bertopt memory adds to the reserved peak
+
+    overhead = device_overhead("cuda:0")
+    ctx.detail(f"a process's CUDA context and NCCL buffers on cuda:0: {overhead / 2**20:.0f} MiB (ds-bertopt memory)")
+    if not 16 * 2**20 <= overhead <= 8 * 2**30:
+        failures.append(f"device_overhead {overhead / 2**20:.0f} MiB is implausible (16 MiB to 8 GiB expected)")
+    figures += f"; process overhead {overhead / 2**20:.0f} MiB"
     if failures or worse:
         failed_text = f"{len(failures)} measurements failed: {'; '.join(failures)[:600]}; " if failures else ""
         return Result("FAIL", failed_text + (f"kit+WTA not below full in {worse}; " if worse else "") + figures)

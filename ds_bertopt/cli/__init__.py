@@ -21,6 +21,11 @@ COMMANDS = {
         "saved-activation bytes and peak memory of fine-tuning, full vs WTA-CRS / LoRA / kit",
     ),
     "config": ("ds_bertopt.cli.config", "main", "validate a config file and print the resolved result"),
+    "prepare-data": (
+        "ds_bertopt.cli.prepare_data",
+        "main",
+        "build a pretraining config's data cache ahead of the job (which then opens it in seconds)",
+    ),
     "hostfile": (
         "ds_bertopt.hostfile",
         "main",

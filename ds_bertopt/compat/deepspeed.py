@@ -197,7 +197,8 @@ def _check_fp16_wrappers() -> Optional[str]:
     for cls in _fp16_wrapper_classes():
         if not callable(getattr(cls, "initialize_optimizer_states", None)):
             return f"{cls.__name__} has no initialize_optimizer_states"
-        missing = _source_sets(cls, "optimizer", "fp16_groups", "overflow_checker")
+        masters = ("fp32_groups_flat", "fp16_groups_flat") if cls.__name__ == "FP16_Optimizer" else ("fp32_groups",)
+        missing = _source_sets(cls, "optimizer", "fp16_groups", "overflow_checker", *masters)
         if missing:
             return f"{cls.__name__} sets no {', '.join(missing)}"
     return None
@@ -409,10 +410,20 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         "fp16_wrapper.initial_step",
-        "FP16_Optimizer / FP16_UnfusedOptimizer .optimizer and initialize_optimizer_states' zero-gradient step",
-        "an optimizer whose first real step is step 1 (Adam's bias correction) at ZeRO 0 under bf16/fp16",
-        "exact Adam steps at ZeRO 0 under bf16/fp16",
-        ("initialize_optimizer_states", "overflow_checker", "loss_scale_config", "_skip_invalid_grad_norm"),
+        "FP16_Optimizer / FP16_UnfusedOptimizer .optimizer, initialize_optimizer_states' zero-gradient step and the "
+        "fp32 masters it moves (.fp32_groups_flat / .fp16_groups_flat, .fp32_groups / .fp16_groups)",
+        "an optimizer whose first real step is step 1 (Adam's bias correction) and changes no weight before it, at "
+        "ZeRO 0 under bf16/fp16",
+        "exact first steps at ZeRO 0 under bf16/fp16",
+        (
+            "initialize_optimizer_states",
+            "overflow_checker",
+            "loss_scale_config",
+            "_skip_invalid_grad_norm",
+            "fp32_groups_flat",
+            "fp16_groups_flat",
+            "fp32_groups",
+        ),
         _check_fp16_wrappers,
     ),
     Hook(
@@ -953,6 +964,19 @@ def loss_scale(optimizer, default=LOSS_SCALE_ABSENT):
 def fp16_wrapped_optimizer(wrapper):
     """The basic optimizer inside DeepSpeed's ZeRO 0 fp16/bf16 wrapper, or None for any other optimizer."""
     return wrapper.optimizer if isinstance(wrapper, _fp16_wrapper_classes()) else None
+
+
+def fp16_wrapper_masters(wrapper) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(fp32 master, 16-bit model weight)`` pairs of DeepSpeed's ZeRO 0 fp16/bf16 wrapper (empty for any other
+    optimizer): the flat groups of ``FP16_Optimizer`` (``fp32_groups_flat[i]`` made as
+    ``fp16_groups_flat[i].clone().float()``), one pair per parameter of ``FP16_UnfusedOptimizer`` (``fp32_groups``
+    made as ``p.clone().float()``), alike in 0.16.9-0.19.8."""
+    fused, unfused = _fp16_wrapper_classes()
+    if isinstance(wrapper, fused):
+        return list(zip(wrapper.fp32_groups_flat, wrapper.fp16_groups_flat))
+    if isinstance(wrapper, unfused):
+        return [pair for g32, g16 in zip(wrapper.fp32_groups, wrapper.fp16_groups) for pair in zip(g32, g16)]
+    return []
 
 
 def checkpoint_writer(engine):

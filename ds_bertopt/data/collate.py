@@ -9,10 +9,12 @@ reproducible and a resumed run sees exactly the masks an uninterrupted run would
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Sequence
 
 import torch
 
+from ..errors import ConfigError
 from ..labels import IGNORE_INDEX
 
 
@@ -177,25 +179,6 @@ class PackedMLMCollator(MLMCollator):
         return with_mlm_labels(batch, ids, labels)
 
 
-def pad_classification_batch(
-    ids: list[list[int]], labels: list[int], example_ids: list[int], pad_id: int, pad_multiple: int = 1
-) -> dict:
-    """Dynamic padding to the longest input of the micro-batch, rounded up to ``pad_multiple``."""
-    longest = max(len(x) for x in ids)
-    longest = -(-longest // pad_multiple) * pad_multiple
-    input_ids = torch.full((len(ids), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(ids), longest), dtype=torch.long)
-    for row, tokens in enumerate(ids):
-        input_ids[row, : len(tokens)] = torch.tensor(tokens)
-        mask[row, : len(tokens)] = 1
-    return {
-        "input_ids": input_ids,
-        "attention_mask": mask,
-        "labels": torch.tensor(labels),
-        "example_ids": torch.tensor(example_ids),
-    }
-
-
 def step_generator(*keys: int) -> torch.Generator:
     """A generator seeded deterministically from integer keys (seed, epoch, step, rank, …)."""
     seed = 0
@@ -204,3 +187,137 @@ def step_generator(*keys: int) -> torch.Generator:
     gen = torch.Generator()
     gen.manual_seed(seed)
     return gen
+
+
+def padded_positions(lengths: Sequence[int], width: int) -> torch.Tensor:
+    """Each packed token's flat position ``row × width + position`` in the padded ``[len(lengths), width]`` layout
+    (``ds_bertopt.model.heads.to_padded`` lays packed values out with it)."""
+    return torch.cat([torch.arange(n) + row * width for row, n in enumerate(lengths)])
+
+
+def collate_task_batch(samples: Sequence[dict], task: str, *, packed: bool, pad_id: int, pad_multiple: int = 1) -> dict:
+    """One fine-tuning micro-batch, packed (:func:`pack_sequences`) or padded (:func:`pad_batch`).
+
+    ``samples``: dicts with ``input_ids``, ``token_type_ids`` and the task's target: ``label`` (classification: an
+    int, regression: a float), ``labels`` (token classification: one per token, ``-100`` where not labelled) or
+    ``start_position``/``end_position`` (question answering: token indices within the sample). The batch carries
+    ``labels`` ``[S]`` (token classification: ``[P]``, the labelled tokens only, at ``label_positions``: flat indices
+    into the packed row or the padded ``[S, L]`` batch), ``start_positions``/``end_positions`` ``[S]``, ``pad_index``
+    (packed: each token's flat position in ``[S, max_seqlen]``), and the host ints ``num_tokens`` (real tokens) and
+    ``num_targets`` (sequences; token classification: labelled tokens)."""
+    tokens = [{"input_ids": s["input_ids"], "token_type_ids": s["token_type_ids"]} for s in samples]
+    if task == "token_classification":
+        for sample, kept in zip(samples, tokens):
+            kept["labels"] = sample["labels"]
+    if packed:
+        batch = pack_sequences(tokens)
+        batch["pad_index"] = padded_positions(batch["seq_lengths"], batch["max_seqlen"])
+        num_tokens = int(batch["input_ids"].numel())
+    else:
+        batch = pad_batch(tokens, pad_id, pad_multiple, cap=1 << 30)
+        num_tokens = int(batch["attention_mask"].sum())
+        if task == "token_classification":
+            labels = torch.full(batch["input_ids"].shape, IGNORE_INDEX, dtype=torch.long)
+            for row, sample in enumerate(samples):
+                labels[row, : len(sample["labels"])] = torch.as_tensor(sample["labels"], dtype=torch.long)
+            batch["labels"] = labels.reshape(-1)
+    if task == "token_classification":
+        positions = torch.nonzero(batch.pop("labels") != IGNORE_INDEX).flatten()
+        flat = torch.cat([torch.as_tensor(s["labels"], dtype=torch.long) for s in samples])
+        batch.pop("masked_positions", None)
+        batch["labels"] = flat[flat != IGNORE_INDEX]
+        batch["label_positions"] = positions
+        num_targets = len(positions)
+    else:
+        num_targets = len(samples)
+    if task in ("classification", "regression"):
+        dtype = torch.float32 if task == "regression" else torch.long
+        batch["labels"] = torch.as_tensor([s["label"] for s in samples], dtype=dtype)
+    elif task == "question_answering":
+        batch["start_positions"] = torch.as_tensor([s["start_position"] for s in samples], dtype=torch.long)
+        batch["end_positions"] = torch.as_tensor([s["end_position"] for s in samples], dtype=torch.long)
+    return {**batch, "num_tokens": num_tokens, "num_targets": num_targets}
+
+
+# --- a Trainer-style collator: features in, one packed row out --------------------------------------------------
+TARGET_KEYS = {
+    "classification": ("labels",),
+    "regression": ("labels",),
+    "token_classification": ("labels",),
+    "question_answering": ("start_positions", "end_positions"),
+}
+
+
+def _real_tokens(feature: Mapping, index: int) -> int:
+    """The feature's token count: all of ``input_ids``, or the leading ones its ``attention_mask`` keeps."""
+    mask = feature.get("attention_mask")
+    length = len(feature["input_ids"])
+    if mask is None:
+        return length
+    mask = [int(m) for m in mask]
+    n = sum(mask)
+    if mask != [1] * n + [0] * (length - n):
+        raise ConfigError(
+            f"model.unpadded: feature {index} of the batch is not right-padded (its attention_mask is not ones then "
+            "zeros); tokenize with padding_side='right'"
+        )
+    return n
+
+
+def _label(feature: Mapping):
+    for key in ("labels", "label", "label_ids"):
+        if key in feature and feature[key] is not None:
+            return feature[key]
+    return None
+
+
+class PackedTaskFeatures:
+    """A ``Trainer`` collator for ``task``: features (mappings with ``input_ids``, optionally ``token_type_ids``,
+    ``attention_mask`` and the task's targets ``labels``/``label``, or ``start_positions``/``end_positions``) → one
+    packed row for ``ds_bertopt.model.heads.UnpaddedTaskWithLoss``: token-wise tensors ``[1, T]``, ``cu_seqlens``,
+    the host ``max_seqlen`` and ``seq_lengths``, ``pad_index`` (token classification, question answering), and the
+    targets, first (``Trainer`` counts examples by the first tensor's first dimension): ``labels [S]``, token
+    classification's ``[S, L]`` padded with ``-100``, ``start_positions``/``end_positions [S]``. A feature padded up
+    front (its ``attention_mask`` ones then zeros) is cut to its real tokens. Targets are given for every feature of a
+    batch or for none (prediction)."""
+
+    def __init__(self, task: str):
+        self.task = task
+
+    def __call__(self, features: list) -> dict:
+        samples, targets = [], {key: [] for key in TARGET_KEYS[self.task]}
+        for index, feature in enumerate(features):
+            if not isinstance(feature, Mapping) or "input_ids" not in feature:
+                raise ConfigError("model.unpadded: training examples must be mappings with input_ids")
+            n = _real_tokens(feature, index)
+            types = feature.get("token_type_ids")
+            samples.append(
+                {"input_ids": list(feature["input_ids"])[:n], "token_type_ids": list(types)[:n] if types else [0] * n}
+            )
+            for key in targets:
+                value = _label(feature) if key == "labels" else feature.get(key)
+                targets[key].append(list(value)[:n] if self.task == "token_classification" and value else value)
+        packed = pack_sequences(samples)
+        width = packed["max_seqlen"]
+        batch = {}
+        for key, values in targets.items():
+            given = [v is not None for v in values]
+            if any(given) and not all(given):
+                raise ConfigError(f"model.unpadded: some examples of a batch have {key} and some not")
+            if all(given):
+                batch[key] = self._target(values, width)
+        for key in ("input_ids", "token_type_ids", "position_ids"):
+            batch[key] = packed[key][None]
+        batch.update(cu_seqlens=packed["cu_seqlens"], max_seqlen=width, seq_lengths=packed["seq_lengths"])
+        if self.task in ("token_classification", "question_answering"):
+            batch["pad_index"] = padded_positions(packed["seq_lengths"], width)
+        return batch
+
+    def _target(self, values: list, width: int) -> torch.Tensor:
+        if self.task == "token_classification":  # [S, L], -100 beyond each sequence
+            out = torch.full((len(values), width), IGNORE_INDEX, dtype=torch.long)
+            for row, labels in enumerate(values):
+                out[row, : len(labels)] = torch.as_tensor(labels, dtype=torch.long)
+            return out
+        dtype = torch.float32 if self.task == "regression" else torch.long
+        return torch.as_tensor(values, dtype=dtype).reshape(len(values))

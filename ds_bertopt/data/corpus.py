@@ -117,8 +117,8 @@ def check_json_field(path: str, field: str) -> None:
         )
 
 
-def expand_train_files(patterns: tuple[str, ...] | list[str], text_field: str | None = None) -> list[str]:
-    """Expand globs (sorted, deduplicated) and check every file (and, for jsonl, ``text_field``)."""
+def expand_patterns(patterns: tuple[str, ...] | list[str]) -> list[str]:
+    """Expand globs (sorted, deduplicated), without reading the files."""
     files: list[str] = []
     for pattern in patterns:
         expanded = os.path.expanduser(pattern)
@@ -128,6 +128,12 @@ def expand_train_files(patterns: tuple[str, ...] | list[str], text_field: str | 
         for match in matches:
             if match not in files:
                 files.append(match)
+    return files
+
+
+def expand_train_files(patterns: tuple[str, ...] | list[str], text_field: str | None = None) -> list[str]:
+    """Expand globs (sorted, deduplicated) and check every file (and, for jsonl, ``text_field``)."""
+    files = expand_patterns(patterns)
     for path in files:
         check_corpus_file(path)
         if text_field is not None and file_kind(path) == "json":
@@ -178,7 +184,12 @@ def embedded_corpus_path(cache_dir: str) -> str:
     if count == 0:
         os.unlink(tmp)
         raise DataError(f"no docstrings found under {sysconfig.get_paths()['stdlib']} for the embedded corpus")
-    os.replace(tmp, path)
+    try:
+        os.link(tmp, path)  # never replaces: another node sharing the cache may have recorded the first one's mtime
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
     return path
 
 

@@ -51,23 +51,54 @@ def array_digest(arrays) -> str:
     return h.hexdigest()[:16]
 
 
-def columns_digest(dataset, columns) -> str:
-    """Digest of ``columns`` of a ``datasets.Dataset`` (list columns: their lengths and flat values), read as
-    Arrow (no Python objects per row)."""
+def _column_arrays(column):
+    """A column (an Arrow ``ChunkedArray``) as :func:`array_digest` sees it, one ``(dtype, length, chunks)`` per
+    array: a list column as its list lengths, then its flat values. The chunks are zero-copy numpy views."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    table = dataset.with_format("arrow")[:]  # honours select()'s index mapping
+    chunks = column.chunks
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        sizes = [pc.list_value_length(chunk).to_numpy(zero_copy_only=False) for chunk in chunks]
+        yield np.dtype(np.int64 if pa.types.is_large_list(column.type) else np.int32), sizes
+        chunks = [pc.list_flatten(chunk) for chunk in chunks]
+        column = pa.chunked_array(chunks, type=column.type.value_type)
+    yield np.dtype(column.type.to_pandas_dtype()), [chunk.to_numpy(zero_copy_only=False) for chunk in chunks]
 
-    def arrays():
-        for name in columns:
-            column = table.column(name)
-            if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
-                yield pc.list_value_length(column).to_numpy()
-                column = pc.list_flatten(column)
-            yield column.to_numpy()
 
-    return array_digest(arrays())
+def table_digest(table, columns) -> str:
+    """Digest of ``columns`` of an Arrow table (list columns: their lengths, then their flat values), chunk by
+    chunk: no copy of the table is made (a memory-mapped one stays on disk), and the digest is
+    :func:`array_digest` of the whole columns, whatever their chunks."""
+    h = hashlib.sha1()
+    for name in columns:
+        for dtype, arrays in _column_arrays(table.column(name)):
+            h.update(f"{dtype.str}{(sum(len(a) for a in arrays),)}".encode())
+            for array in arrays:
+                h.update(np.ascontiguousarray(array, dtype=dtype).data)
+    return h.hexdigest()[:16]
+
+
+def columns_digest(dataset, columns) -> str:
+    """Digest of ``columns`` of a ``datasets.Dataset`` (:func:`table_digest`), read as Arrow (no Python objects per
+    row, no copy of the memory-mapped table)."""
+    return table_digest(dataset.with_format("arrow")[:], columns)  # [:] honours select()'s index mapping
+
+
+def sampled_rows(num_rows: int, count: int) -> np.ndarray:
+    """``count`` row indices spread evenly over ``num_rows`` (all of them when there are fewer)."""
+    return (
+        np.unique(np.linspace(0, num_rows - 1, min(num_rows, count)).astype(np.int64))
+        if num_rows
+        else np.zeros(0, np.int64)
+    )
+
+
+def sampled_digest(dataset, columns, count: int) -> str:
+    """:func:`table_digest` of :func:`sampled_rows` of ``dataset``: a cheap check that a cache still holds what it
+    held when it was fingerprinted."""
+    sampled = dataset.with_format("arrow")[sampled_rows(len(dataset), count)]
+    return table_digest(sampled.combine_chunks(), columns)  # a gather gives a chunk per row
 
 
 def disagreement(views: list[tuple]) -> Optional[str]:

@@ -1,6 +1,7 @@
-"""Labelled text for sequence classification: ``.csv``, ``.jsonl`` or a ``datasets`` directory.
+"""Labelled text for sequence classification and regression: ``.csv``, ``.jsonl`` or a ``datasets`` directory.
 
-``load_labelled(path, text_column, label_column)`` returns texts and integer labels, or raises
+``load_labelled(path, text_column, label_column)`` returns texts (and, with ``pair_column``, the second text of
+each pair) and integer labels (``regression``: numbers), or raises
 :class:`~ds_bertopt.errors.DataError` with one line naming the file and, where it applies, the line,
 the column or the value: a missing or empty file, a missing text/label column, a label that is not
 an integer (``"1"``, ``"1.0"`` and ``1.0`` are accepted, ``"pos"`` and ``1.5`` are not), a negative label, a
@@ -35,12 +36,14 @@ FILE_SUFFIXES = (CSV_SUFFIX, *JSONL_SUFFIXES)
 class LabelledData:
     texts: tuple[str, ...]
     """Input texts, in file order."""
-    labels: tuple[int, ...]
-    """Integer class labels, ``>= 0``."""
+    labels: tuple
+    """Integer class labels, ``>= 0`` (regression: floats)."""
     source: str
     """Where they came from (for log lines)."""
     skipped: str = ""
     """Rows skipped for empty text, as the data line says it (``Skipped.line``); empty when none was."""
+    pairs: Optional[tuple[str, ...]] = None
+    """The second text of each pair (``pair_column``), or ``None`` for single texts."""
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -51,21 +54,27 @@ class LabelledData:
 
     def subset(self, limit: Optional[int], seed: int, shuffle: bool) -> "LabelledData":
         """At most ``limit`` examples: a fixed random subset, or the first ones."""
-        if limit is None or limit >= len(self):
+        picks = subset_indices(len(self), limit, seed, shuffle)
+        if picks is None:
             return self
-        import torch
-
-        picks = (
-            torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))[:limit].tolist()
-            if shuffle
-            else list(range(limit))
-        )
         return LabelledData(
             tuple(self.texts[i] for i in picks),
             tuple(self.labels[i] for i in picks),
             f"{self.source} ({limit} of {len(self)})",
             self.skipped,
+            tuple(self.pairs[i] for i in picks) if self.pairs is not None else None,
         )
+
+
+def subset_indices(size: int, limit: Optional[int], seed: int, shuffle: bool) -> Optional[list[int]]:
+    """The examples a ``limit`` keeps: a fixed random subset (``shuffle``) or the first ones; ``None``: all."""
+    if limit is None or limit >= size:
+        return None
+    if not shuffle:
+        return list(range(limit))
+    import torch
+
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed))[:limit].tolist()
 
 
 MAX_CLASSES = 100
@@ -103,6 +112,18 @@ def _as_label(value: Any, where: str, column: str, names: tuple[str, ...] = ()) 
     return label
 
 
+def _as_target(value: Any, where: str, column: str) -> float:
+    """A regression target: a finite number, or text that reads as one."""
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value) if math.isfinite(value) else None
+    elif isinstance(value, str):
+        number = _number(value)
+    if number is None:
+        raise DataError(f"{where}: {column} {value!r} is not a number (finetune.task regression needs numeric labels)")
+    return number
+
+
 def _number(text: str) -> Optional[float]:
     """A finite number written as text (``"1"``, ``"1.0"``, ``" 2 "``), or None."""
     try:
@@ -120,36 +141,48 @@ def _collect(
     columns: Optional[Iterable[str]] = None,
     names: tuple[str, ...] = (),
     max_skipped_fraction: float = 0.01,
+    pair_column: Optional[str] = None,
+    regression: bool = False,
 ) -> LabelledData:
     """``rows`` yields ``(place, record)`` (``"line 4"``); ``columns`` (when known up front) are checked first."""
+    text_columns = (text_column,) if pair_column is None else (text_column, pair_column)
     if columns is not None:
-        columns = list(columns)
-        for column in (text_column, label_column):
-            if column not in columns:
-                raise DataError(f"{path} has no column {column!r} (columns: {', '.join(map(str, columns)) or 'none'})")
-    texts, labels = [], []
+        check_columns(path, list(columns), (*text_columns, label_column))
+    texts: tuple[list, ...] = tuple([] for _ in text_columns)
+    labels = []
     skipped = Skipped("rows")
     for place, record in rows:
         where = f"{path} {place}"
         skipped.total += 1
-        for column in (text_column, label_column):
+        for column in (*text_columns, label_column):
             if column not in record:
                 raise DataError(f"{where}: no {column!r} field (fields: {', '.join(map(str, record)) or 'none'})")
         label = record[label_column]
         if label is None or (isinstance(label, str) and not label.strip()):
             raise DataError(f"{where}: {label_column} is empty")
-        text = record[text_column]
-        if text is None or (isinstance(text, str) and not text.strip()):
+        values = [record[column] for column in text_columns]
+        if any(text is None or (isinstance(text, str) and not text.strip()) for text in values):
             skipped.add("empty text", place)
             continue
-        if not isinstance(text, str):
-            raise DataError(f"{where}: {text_column} must be a string, got {type(text).__name__}")
-        texts.append(text)
-        labels.append(_as_label(label, where, label_column, names))
+        for column, text, kept in zip(text_columns, values, texts):
+            if not isinstance(text, str):
+                raise DataError(f"{where}: {column} must be a string, got {type(text).__name__}")
+            kept.append(text)
+        labels.append(
+            _as_target(label, where, label_column) if regression else _as_label(label, where, label_column, names)
+        )
     skipped.check(path, max_skipped_fraction)
-    if not texts:
+    if not labels:
         raise DataError(f"{path} has no examples")
-    return LabelledData(tuple(texts), tuple(labels), path, skipped.line())
+    pairs = tuple(texts[1]) if pair_column is not None else None
+    return LabelledData(tuple(texts[0]), tuple(labels), path, skipped.line(), pairs)
+
+
+def check_columns(path: str, columns: list, wanted: Iterable[str]) -> None:
+    """One line naming the first of ``wanted`` that ``path`` lacks, and the columns it has."""
+    for column in wanted:
+        if column not in columns:
+            raise DataError(f"{path} has no column {column!r} (columns: {', '.join(map(str, columns)) or 'none'})")
 
 
 def _read_text(path: str) -> str:
@@ -200,34 +233,48 @@ def load_labelled(
     split: Optional[str] = None,
     label_names: tuple[str, ...] = (),
     max_skipped_fraction: float = 0.01,
+    pair_column: Optional[str] = None,
+    regression: bool = False,
 ) -> LabelledData:
     """Read labelled examples from ``path`` (see the module docstring)."""
+    columns, rows = read_records(path, split, (".csv", ".jsonl", ".json"))
+    return _collect(
+        rows,
+        path,
+        text_column,
+        label_column,
+        columns,
+        tuple(label_names),
+        max_skipped_fraction,
+        pair_column,
+        regression,
+    )
+
+
+def read_records(
+    path: str, split: Optional[str], formats: tuple[str, ...]
+) -> tuple[Optional[list], Iterator[tuple[str, dict]]]:
+    """``(columns or None, rows)`` of a ``.csv``, ``.jsonl`` (``.json``: one object a line) or ``datasets`` directory,
+    each row ``(place, record)``; one-line errors for a missing, empty or unreadable file."""
     if not path:
         raise DataError("no labelled data file given")
     if not os.path.exists(path):
         raise DataError(f"{path} does not exist")
     if os.path.isdir(path):
-        return _load_dataset_dir(path, text_column, label_column, split, tuple(label_names), max_skipped_fraction)
+        data = load_dataset_dir(path, split)
+        return data.column_names, ((f"row {i}", record) for i, record in enumerate(data))
     if os.path.getsize(path) == 0:
         raise DataError(f"{path} is empty")
     lower = path.lower()
-    if lower.endswith(CSV_SUFFIX):
-        columns, rows = _csv_rows(path, _read_text(path))
-        return _collect(rows, path, text_column, label_column, columns, tuple(label_names), max_skipped_fraction)
+    if lower.endswith(CSV_SUFFIX) and CSV_SUFFIX in formats:
+        return _csv_rows(path, _read_text(path))
     if lower.endswith(JSONL_SUFFIXES):
-        rows = _jsonl_rows(path, _read_text(path))
-        return _collect(rows, path, text_column, label_column, None, tuple(label_names), max_skipped_fraction)
-    raise DataError(f"{path}: unsupported format; use .csv, .jsonl or a directory saved by datasets")
+        return None, _jsonl_rows(path, _read_text(path))
+    raise DataError(f"{path}: unsupported format; use {', '.join(formats)} or a directory saved by datasets")
 
 
-def _load_dataset_dir(
-    path: str,
-    text_column: str,
-    label_column: str,
-    split: Optional[str],
-    names: tuple[str, ...] = (),
-    max_skipped_fraction: float = 0.01,
-) -> LabelledData:
+def load_dataset_dir(path: str, split: Optional[str]):
+    """A ``datasets.Dataset`` saved with ``save_to_disk`` (``split`` chooses in a ``DatasetDict``)."""
     import datasets
 
     try:
@@ -241,8 +288,7 @@ def _load_dataset_dir(
                 + (f" (not {split!r})" if split else "")
             )
         data = data[split]
-    rows = ((f"row {i}", record) for i, record in enumerate(data))
-    return _collect(rows, path, text_column, label_column, data.column_names, names, max_skipped_fraction)
+    return data
 
 
 def check_labels(

@@ -16,7 +16,10 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .. import faults
 
 MIN_BYTES_PER_PROCESS = 4 << 20
 """The default gives a process at least this much text (about 700k words, seconds of one core's tokenizing): a
@@ -48,15 +51,74 @@ def aligned_ranges(num_items: int, parts: int, align: int) -> list[tuple[int, in
     return [(a, min(b, num_items)) for a, b in zip(bounds, bounds[1:]) if a < min(b, num_items)]
 
 
+@dataclass(frozen=True)
+class Share:
+    """This node's share of work cut into parts for the nodes that build one cache directory together (see
+    :mod:`.crew`): part ``i`` belongs to the node owning process slot ``i mod sum(procs)`` (every node computes the
+    same parts and the same owners)."""
+
+    procs: tuple[int, ...]
+    """``data.num_proc`` of every node of the group, in group order."""
+    index: int
+    """This node's position in the group."""
+    wait: Callable[[str], None]
+    """``wait(stage)``: says this node wrote its parts of ``stage`` and returns when every other node has too."""
+
+    def owned(self, parts: int) -> list[int]:
+        slots = [node for node, count in enumerate(self.procs) for _ in range(count)]
+        return [i for i in range(parts) if slots[i % len(slots)] == self.index]
+
+
 _JOBS: list[tuple] = []
-"""The parts of the running :func:`parallel_map`, set before its workers fork: they inherit them (the dataset, the
+"""The jobs of the running :func:`run_parts`, set before its workers fork: they inherit them (the dataset, the
 function and its arguments, e.g. a loaded tokenizer) instead of unpickling a copy per part."""
+_RUN_BEFORE = [0]
+"""Parts this process ran in earlier :func:`run_parts` calls: the fault point ``build``'s step is a part's number in
+this process's whole build (1: its first part, whichever stage)."""
 
 
-def _map_part(index: int):
-    dataset, start, end, function, fn_kwargs, options, cache_file = _JOBS[index]
+def _run_job(index: int):
+    function, args = _JOBS[index]
+    step = _RUN_BEFORE[0] + index + 1
+    faults.inject("build", int(os.environ.get("RANK", "0") or 0), step)  # tests: a slow or failing build
+    return index, function(*args)
+
+
+def run_parts(jobs: list[tuple[Callable, tuple]], num_proc: int, progress=None) -> list:
+    """``function(*args)`` of every job, in ``num_proc`` forked processes (inline for one), results in job order;
+    ``progress.advance()`` as each ends."""
+    results: list = [None] * len(jobs)
+    _JOBS[:] = jobs
+    try:
+        if num_proc <= 1 or len(jobs) <= 1:
+            finished = map(_run_job, range(len(jobs)))
+            for index, result in finished:
+                results[index] = result
+                if progress is not None:
+                    progress.advance()
+        else:
+            # each worker works on its one core; forked workers inherit the loaded tokenizer (no re-load)
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            with multiprocessing.get_context("fork").Pool(min(num_proc, len(jobs))) as pool:
+                for index, result in pool.imap_unordered(_run_job, range(len(jobs)), chunksize=1):
+                    results[index] = result
+                    if progress is not None:
+                        progress.advance()
+    finally:
+        _RUN_BEFORE[0] += len(jobs)
+        _JOBS.clear()
+    return results
+
+
+def _map_part(dataset, start, end, function, fn_kwargs, options, cache_file):
     part = dataset.select(range(start, end))
-    return part.map(function, fn_kwargs={**fn_kwargs, "offset": start}, cache_file_name=cache_file, **options)
+    part.map(function, fn_kwargs={**fn_kwargs, "offset": start}, cache_file_name=cache_file, **options)
+    return cache_file
+
+
+def part_ranges(num_items: int, procs: int, align: int) -> list[tuple[int, int]]:
+    """The parts a dataset is cut into for ``procs`` processes in all (every node of a group computes the same)."""
+    return aligned_ranges(num_items, PARTS_PER_PROCESS * procs, align) or [(0, num_items)]
 
 
 def parallel_map(
@@ -70,44 +132,32 @@ def parallel_map(
     cache_dir: str,
     fn_kwargs: dict,
     desc: str,
+    share: Optional[Share] = None,
+    progress=None,
     **options,
 ):
-    """``dataset.map(function, batched=True, batch_size=...)`` in ``num_proc`` processes, cut at multiples of
-    ``align`` only, cached under ``cache_dir/<fingerprint>*.arrow``. ``function`` gets the keyword ``offset``: the
-    absolute index of its part's first row (add it to ``with_indices`` indices)."""
+    """``dataset.map(function, batched=True, batch_size=...)`` cut into parts at multiples of ``align`` only, the
+    parts mapped in ``num_proc`` processes, each cached as ``cache_dir/<fingerprint>-<start>-<end>.arrow`` (a part
+    found there is reused). ``function`` gets the keyword ``offset``: the absolute index of its part's first row (add
+    it to ``with_indices`` indices). With ``share`` this node maps only its own parts and waits for the other nodes'
+    (``share.wait``); ``progress`` (a :class:`~ds_bertopt.handoff.Work`) counts this node's parts."""
     import datasets
 
-    ranges = aligned_ranges(len(dataset), PARTS_PER_PROCESS * num_proc, align) if num_proc > 1 else []
+    ranges = part_ranges(len(dataset), sum(share.procs) if share else num_proc, align)
+    mine = share.owned(len(ranges)) if share else list(range(len(ranges)))
+    files = [os.path.join(cache_dir, f"{fingerprint}-{start}-{end}.arrow") for start, end in ranges]
     options = dict(batched=True, batch_size=batch_size, **options)
-    if len(ranges) <= 1:
-        return dataset.map(
-            function,
-            fn_kwargs={**fn_kwargs, "offset": 0},
-            new_fingerprint=fingerprint,
-            cache_file_name=os.path.join(cache_dir, f"{fingerprint}.arrow"),
-            desc=desc,
-            **options,
-        )
-    # each worker tokenizes on its one core; forked workers inherit the loaded tokenizer (no re-load)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _JOBS[:] = [
-        (
-            dataset,
-            start,
-            end,
-            function,
-            fn_kwargs,
-            {**options, "new_fingerprint": f"{fingerprint}-{start}-{end}", "desc": f"{desc} ({i + 1}/{len(ranges)})"},
-            os.path.join(cache_dir, f"{fingerprint}-{start}-{end}.arrow"),
-        )
-        for i, (start, end) in enumerate(ranges)
-    ]
-    try:
-        with multiprocessing.get_context("fork").Pool(min(num_proc, len(_JOBS))) as pool:
-            parts = pool.map(_map_part, range(len(_JOBS)), chunksize=1)
-    finally:
-        _JOBS.clear()
-    return datasets.concatenate_datasets(parts)
+    jobs = []
+    for i in mine:
+        part_options = {**options, "new_fingerprint": f"{fingerprint}-{i}", "desc": f"{desc} ({i + 1}/{len(ranges)})"}
+        jobs.append((_map_part, (dataset, *ranges[i], function, fn_kwargs, part_options, files[i])))
+    if progress is not None:
+        progress.stage(desc, total=len(jobs))
+    run_parts(jobs, num_proc, progress)
+    if share is not None:
+        share.wait(fingerprint)
+    parts = [datasets.Dataset.from_file(path) for path in files]
+    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
 
 
-__all__ = ["aligned_ranges", "available_cores", "default_num_proc", "parallel_map"]
+__all__ = ["Share", "aligned_ranges", "available_cores", "default_num_proc", "parallel_map", "run_parts"]

@@ -19,18 +19,19 @@ import random
 import re
 from typing import Callable, Optional
 
+import numpy as np
+
 _PARAGRAPH = re.compile(r"\n\s*\n")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
-_SPACE = re.compile(r"\s+")
 
 
 def split_sentences(text: str) -> list[str]:
     """Paragraphs (blank-line separated), each split after ``. ! ?`` before a capital or digit."""
     sentences = []
     for paragraph in _PARAGRAPH.split(text):
-        paragraph = _SPACE.sub(" ", paragraph).strip()
-        if paragraph:
-            sentences.extend(s for s in _SENTENCE_END.split(paragraph) if s)
+        paragraph = " ".join(paragraph.split())  # runs of white space as one space (str.split: the same as \s+)
+        if paragraph:  # (stripped: no piece of the split is empty)
+            sentences.extend(_SENTENCE_END.split(paragraph))
     return sentences
 
 
@@ -132,11 +133,21 @@ def nsp_pairs(
     return pairs
 
 
+def assemble_ids(tokens_a: list[int], tokens_b: list[int], cls_id: int, sep_id: int) -> list[int]:
+    """``[CLS] A [SEP] (B [SEP])``."""
+    return [cls_id, *tokens_a, sep_id, *tokens_b, sep_id] if tokens_b else [cls_id, *tokens_a, sep_id]
+
+
+def token_types(lengths: np.ndarray, second_lengths: np.ndarray) -> np.ndarray:
+    """The token-type ids of sequences assembled by :func:`assemble_ids`, flat: 0 over ``[CLS] A [SEP]``, 1 over the
+    last ``second_lengths`` tokens (``B [SEP]``; 0 without B)."""
+    total = int(lengths.sum())
+    first_of_b = np.repeat(np.cumsum(lengths) - second_lengths, lengths)
+    return (np.arange(total) >= first_of_b).astype(np.int8)
+
+
 def assemble(tokens_a: list[int], tokens_b: list[int], cls_id: int, sep_id: int) -> tuple[list[int], list[int]]:
     """``[CLS] A [SEP] (B [SEP])`` and its token-type ids."""
-    ids = [cls_id, *tokens_a, sep_id]
-    types = [0] * len(ids)
-    if tokens_b:
-        ids += [*tokens_b, sep_id]
-        types += [1] * (len(tokens_b) + 1)
-    return ids, types
+    ids = assemble_ids(tokens_a, tokens_b, cls_id, sep_id)
+    second = len(tokens_b) + 1 if tokens_b else 0
+    return ids, token_types(np.array([len(ids)]), np.array([second])).tolist()

@@ -15,11 +15,13 @@ back to ``##`` pieces afterwards. The result is saved as a Hugging Face fast tok
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections import Counter
 from typing import Iterable, Mapping
 
 from ..errors import DataError
+from .parallel import part_ranges, run_parts
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 TRAINER_VERSION = "det1"
@@ -60,8 +62,16 @@ def load_tokenizer(name_or_path: str, key: str = "data.tokenizer"):
     return tok
 
 
+_ASCII_WORD = re.compile(r"[!-/:-@\[-`{-~]|[^ !-/:-@\[-`{-~]+")
+"""BERT's pre-tokenizer on normalized ASCII text: after the normalizer the only white space left is " ", and each
+ASCII punctuation character is a word of its own."""
+
+
 def count_words(texts: Iterable[str]) -> Counter:
-    """Words as BERT's lower-casing normaliser and pre-tokenizer split them, with their counts."""
+    """Words as BERT's lower-casing normaliser and pre-tokenizer split them, with their counts. The normalized text's
+    ASCII chunks (between spaces) are split by :data:`_ASCII_WORD` and counted in C; the other chunks by
+    ``BertPreTokenizer`` itself (Unicode punctuation), all of a document's in one call. The same counts as the
+    pre-tokenizer alone, in half the time or less."""
     from tokenizers import normalizers, pre_tokenizers
 
     normalizer = normalizers.BertNormalizer(
@@ -70,7 +80,13 @@ def count_words(texts: Iterable[str]) -> Counter:
     pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     counts: Counter = Counter()
     for text in texts:
-        counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+        normalized = normalizer.normalize_str(text)
+        if not normalized.isascii():
+            chunks = normalized.split(" ")
+            other = " ".join(chunk for chunk in chunks if not chunk.isascii())
+            counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(other))
+            normalized = " ".join(chunk for chunk in chunks if chunk.isascii())
+        counts.update(_ASCII_WORD.findall(normalized))
     return counts
 
 
@@ -120,16 +136,36 @@ def wordpiece_vocab(
     return {decode(piece): i for piece, i in bpe.get_vocab().items()}
 
 
-def train_wordpiece(documents, vocab_size: int, out_dir: str):
-    """Train a lower-cased WordPiece tokenizer on ``documents`` (a ``datasets`` text column) into ``out_dir``."""
+def _count_range(documents, start: int, end: int) -> Counter:
+    def texts():
+        for first in range(start, end, 1000):
+            yield from documents[first : min(end, first + 1000)]["text"]
+
+    return count_words(texts())
+
+
+def count_words_parallel(documents, num_proc: int, share=None, progress=None) -> Counter:
+    """:func:`count_words` of a ``datasets`` text column, cut into parts over ``num_proc`` processes (with ``share``,
+    a :class:`~.parallel.Share`: only this node's parts of the crew's). Counts add up: the same vocabulary for any
+    process or node count."""
+    ranges = part_ranges(len(documents), sum(share.procs) if share else num_proc, 1)
+    mine = share.owned(len(ranges)) if share else range(len(ranges))
+    if progress is not None:
+        progress.stage("counting words for the vocabulary", total=len(mine))
+    counts: Counter = Counter()
+    for part in run_parts([(_count_range, (documents, *ranges[i])) for i in mine], num_proc, progress):
+        counts.update(part)
+    return counts
+
+
+def save_wordpiece(word_counts: Mapping[str, int], vocab_size: int, out_dir: str) -> None:
+    """Train the lower-cased WordPiece vocabulary of ``word_counts`` (:func:`wordpiece_vocab`) and save it as a
+    Hugging Face fast tokenizer in ``out_dir`` (atomically)."""
     from tokenizers import BertWordPieceTokenizer
     from transformers import BertTokenizerFast
 
-    def texts():
-        for start in range(0, len(documents), 1000):
-            yield from documents[start : start + 1000]["text"]
-
-    vocab = wordpiece_vocab(count_words(texts()), vocab_size)
+    vocab = wordpiece_vocab(word_counts, vocab_size)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     tmp = f"{out_dir}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -152,21 +188,30 @@ def train_wordpiece(documents, vocab_size: int, out_dir: str):
         os.replace(tmp, out_dir)
     except OSError:  # another process finished first; theirs is identical
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def train_wordpiece(documents, vocab_size: int, out_dir: str, num_proc: int = 1):
+    """Train a lower-cased WordPiece tokenizer on ``documents`` (a ``datasets`` text column) into ``out_dir``."""
+    save_wordpiece(count_words_parallel(documents, num_proc), vocab_size, out_dir)
     return load_tokenizer(out_dir)
 
 
-def get_tokenizer(data_cfg, documents, cache_dir: str):
-    """The configured tokenizer, or the cached corpus-trained WordPiece one (trained on first use)."""
-    if data_cfg.tokenizer:
-        return load_tokenizer(data_cfg.tokenizer)
+def trained_dir(data_cfg, documents, cache_dir: str) -> str:
+    """Where the default tokenizer of this corpus and vocabulary size is cached."""
     if "text" not in documents.column_names:
         raise DataError(
             f"data.dataset: {data_cfg.dataset} holds input_ids (already tokenized); give data.tokenizer, the tokenizer "
             "that made them"
         )
     name = f"{documents._fingerprint}-v{data_cfg.tokenizer_vocab_size}-{TRAINER_VERSION}"
-    out_dir = os.path.join(cache_dir, "tokenizers", name)
+    return os.path.join(cache_dir, "tokenizers", name)
+
+
+def get_tokenizer(data_cfg, documents, cache_dir: str, num_proc: int = 1):
+    """The configured tokenizer, or the cached corpus-trained WordPiece one (trained on first use)."""
+    if data_cfg.tokenizer:
+        return load_tokenizer(data_cfg.tokenizer)
+    out_dir = trained_dir(data_cfg, documents, cache_dir)
     if os.path.exists(os.path.join(out_dir, "tokenizer.json")):
         return load_tokenizer(out_dir)
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    return train_wordpiece(documents, data_cfg.tokenizer_vocab_size, out_dir)
+    return train_wordpiece(documents, data_cfg.tokenizer_vocab_size, out_dir, num_proc)

@@ -55,16 +55,18 @@ from transformers import Trainer, TrainerCallback
 
 from .. import optim
 from ..compat.transformers import TESTED_VERSIONS, check_api, describe, untested_versions, versions_line
-from ..config import BertOptConfig, leaf_keys
+from ..config import BertOptConfig, leaf_keys, refuse_emulated_bf16
 from ..configlib import dead_fields_of, load_section
+from ..data.collate import padded_positions
 from ..data.sampler import PlanBatchSampler
 from ..dsconfig import zero_stage
 from ..engine import attach_extensions, check_combinations
 from ..errors import ConfigError
 from ..wtacrs import prepare_model
 from ..wtacrs.sizing import resolve_auto
-from ..wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, SampledLinear
-from .hf_mlm import UnpaddedMLMTrainerMixin
+from ..wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, PACKED_INDEX_KWARG, SampledLinear
+from .hf_tasks import measured_setup
+from .hf_unpadded import UnpaddedTrainerMixin
 
 SECTION = "bertopt"
 LOOP_ONLY_SECTIONS = ("model", "data", "train", "finetune")
@@ -283,6 +285,8 @@ def check_compatibility(cfg: HfBertOptConfig, ds_config: Optional[dict], args: A
                 )
     if ds_config is not None:
         check_combinations(b, ds_config, our_optimizer=cfg.uses_our_optimizer)
+    if getattr(args, "bf16", False) is True and not getattr(args, "use_cpu", False):
+        refuse_emulated_bf16("TrainingArguments.bf16")  # transformers accepts emulated bf16 (is_bf16_supported())
     if b.bucket_clip.enabled:
         if ds_config is None:
             raise ConfigError(
@@ -367,12 +371,15 @@ class ExampleIdCollator:
                 f"wtacrs.grad_norm_cache: the data collator returned a {type(batch).__name__}, "
                 "not a mapping, so example ids cannot join the batch"
             )
-        if "attention_mask" not in batch:
+        packed = "cu_seqlens" in batch  # model.unpadded: one padding-free row
+        if "attention_mask" not in batch and not packed:
             raise ConfigError(
                 "wtacrs.grad_norm_cache: the training batches have no attention_mask; the cache keys "
                 "token rows by it (use a collator that pads, e.g. DataCollatorWithPadding)"
             )
         batch[EXAMPLE_IDS_KWARG] = torch.tensor(ids, dtype=torch.long)
+        if packed:  # where each token sits in its example: the cache's key
+            batch[PACKED_INDEX_KWARG] = padded_positions(batch["seq_lengths"], batch["max_seqlen"])
         return self._with_count(batch)
 
     def _with_count(self, batch):
@@ -566,6 +573,7 @@ class BertOptTrainerMixin:
             num_labels=getattr(model.config, "num_labels", 2),
             threads=torch.get_num_threads(),
             search_batch=bool(args.auto_find_batch_size),
+            task=measured_setup(model, self._bertopt.bertopt.model.unpadded),
         )
         for line in lines:
             _say(line)
@@ -638,6 +646,8 @@ class BertOptTrainerMixin:
         column = self.args.length_column_name
         if hasattr(dataset, "column_names") and column in dataset.column_names:
             return [int(n) for n in dataset[column]]
+        if hasattr(dataset, "column_names") and "attention_mask" in dataset.column_names:
+            return [int(sum(m)) for m in dataset["attention_mask"]]  # examples padded up front (pad_to_max_length)
         names = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
         try:
             return [len(dataset[i][names[0]]) for i in range(len(dataset))]
@@ -748,9 +758,9 @@ class BertOptTrainerMixin:
         return self.lr_scheduler
 
 
-class BertOptTrainer(UnpaddedMLMTrainerMixin, BertOptTrainerMixin, Trainer):
+class BertOptTrainer(UnpaddedTrainerMixin, BertOptTrainerMixin, Trainer):
     """``transformers.Trainer`` plus the ``"bertopt"`` section (see the module docstring; ``model.unpadded``:
-    :mod:`ds_bertopt.integrations.hf_mlm`)."""
+    :mod:`ds_bertopt.integrations.hf_unpadded`)."""
 
 
 __all__ = [

@@ -1,6 +1,7 @@
 """Unpadded masked-LM pretraining inside a Hugging Face ``Trainer``: ``"bertopt": {"model": {"unpadded": true}}``.
 
-:class:`~ds_bertopt.integrations.hf.BertOptTrainer` mixes :class:`UnpaddedMLMTrainerMixin` in. With the key set:
+:class:`~ds_bertopt.integrations.hf.BertOptTrainer` mixes :class:`~.hf_unpadded.UnpaddedTrainerMixin` in; with the key
+set and a masked-LM model (task models: :mod:`.hf_tasks`):
 
 1. ``model`` (a masked-LM model of a family in :mod:`ds_bertopt.model.families`) is wrapped in
    :class:`TrainerUnpaddedMLM` before ``Trainer.__init__``, so DeepSpeed's engine (ZeRO 0–3) is built around it.
@@ -25,18 +26,14 @@ work for both layouts).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from typing import Optional
 
 import torch
-from transformers import TrainerCallback
 
 from ..data.collate import PackedMLMCollator
 from ..errors import ConfigError
-from ..log import print0
 from ..model.bert import PretrainOutput
-from ..model.families import FAMILIES
 from ..model.unpadded import UnpaddedMLM
 
 
@@ -44,14 +41,6 @@ class TrainerUnpaddedMLM(UnpaddedMLM):
     """:class:`UnpaddedMLM` as ``Trainer`` calls it (MLM only; ``labels`` is its one label argument)."""
 
     accepts_loss_kwargs = True  # Trainer passes num_items_in_batch (and scales the loss as for stock MLM models)
-
-    @property
-    def config(self):
-        """The wrapped model's config (Trainer and DeepSpeed's "auto" values read it)."""
-        return self.model.config
-
-    def activation_checkpointing_enable(self, *args, **kwargs):
-        return self.model.activation_checkpointing_enable(*args, **kwargs)
 
     def forward(
         self,
@@ -119,96 +108,8 @@ def packing_collator(collator) -> PackedMLMFeatures:
     return PackedMLMFeatures(collator.tokenizer, collator.mlm_probability)
 
 
-class _ChooseAttention(TrainerCallback):
-    """Once the engine has placed the model (train begin): the attention kernel, decided eagerly, logged by rank 0."""
-
-    def __init__(self, wrapper: TrainerUnpaddedMLM):
-        self.wrapper = wrapper
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        print0(f"model.unpadded: {self.wrapper.choose_attention()}")
-
-
-class UnpaddedMLMTrainerMixin:
-    """The ``model.unpadded`` part of :class:`~ds_bertopt.integrations.hf.BertOptTrainer` (placed before
-    ``BertOptTrainerMixin``, whose ``_bertopt`` config and ``_bertopt_prepare`` it extends)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if isinstance(self.model, TrainerUnpaddedMLM):
-            self._bertopt_packing = packing_collator(self.data_collator)
-            self.add_callback(_ChooseAttention(self.model))
-            print0(
-                f"model.unpadded: {type(self.model.model).__name__} ({self.model.family.name}) trains on packed, "
-                f"padding-free MLM batches (mlm_probability {self._bertopt_packing.packer.mlm_probability})"
-            )
-
-    def _bertopt_prepare(self, model):
-        if not self._bertopt.bertopt.model.unpadded or isinstance(model, TrainerUnpaddedMLM):
-            return super()._bertopt_prepare(model)
-        wtacrs = self._bertopt.bertopt.wtacrs
-        if wtacrs.enabled or wtacrs.kit.any or wtacrs.lora.enabled:
-            raise ConfigError(
-                "model.unpadded: not with wtacrs (its memory kit, WTA-CRS and LoRA are for fine-tuning); drop one"
-            )
-        model = super()._bertopt_prepare(model)
-        model_cfg = self._bertopt.bertopt.model
-        try:
-            return TrainerUnpaddedMLM(
-                model, attention=model_cfg.unpadded_attention, fused_dropout=model_cfg.fused_dropout
-            )
-        except (TypeError, ValueError) as exc:
-            supported = ", ".join(f.mlm_class for f in FAMILIES if not f.unpadded_blocker)
-            raise ConfigError(
-                f"model.unpadded: {type(model).__name__} cannot run unpadded ({exc}); it takes {supported}"
-            ) from None
-
-    @contextlib.contextmanager
-    def _bertopt_packing_loader(self):
-        collator = self.data_collator
-        if isinstance(self.model, TrainerUnpaddedMLM):
-            self.data_collator = self._bertopt_packing
-        try:
-            yield
-        finally:
-            self.data_collator = collator
-
-    def get_train_dataloader(self):
-        with self._bertopt_packing_loader():
-            return super().get_train_dataloader()
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        with self._bertopt_packing_loader():
-            return super().get_eval_dataloader(eval_dataset)
-
-    @contextlib.contextmanager
-    def _bertopt_hf_model(self):
-        """``self.model`` is the wrapped Hugging Face model for the duration (what is saved and loaded)."""
-        wrapper = self.model
-        if isinstance(wrapper, TrainerUnpaddedMLM):
-            self.model = wrapper.model
-        try:
-            yield
-        finally:
-            self.model = wrapper
-
-    def _save(self, output_dir=None, state_dict=None):
-        if isinstance(self.model, TrainerUnpaddedMLM) and state_dict is not None:
-            prefix = "model."  # the wrapper's state dict (ZeRO-3 gathers it) is the Hugging Face model's, prefixed
-            state_dict = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
-        with self._bertopt_hf_model():
-            return super()._save(output_dir, state_dict)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        if model is None and isinstance(self.model, TrainerUnpaddedMLM):
-            model = self.model.model
-        with self._bertopt_hf_model():
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-
-
 __all__ = [
     "PackedMLMFeatures",
     "TrainerUnpaddedMLM",
-    "UnpaddedMLMTrainerMixin",
     "packing_collator",
 ]

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from . import fused
 from .bert import IGNORE_INDEX, PretrainOutput, mlm_loss
-from .families import family_of
+from .families import MlmFamily, family_of
 
 try:  # torch >= 2.10; CUDA only at run time
     from torch.nn.attention.varlen import varlen_attn
@@ -122,10 +122,12 @@ def sdpa_loop_attention(
     for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths)):
         n = q.shape[0]
         mask = band_mask(n, window, q.device) if window is not None and n > window + 1 else None
+        # [1, heads, n, d]: SDPA's fused CPU kernel (flash) takes batched 4-D inputs only; 3-D ones fall back to the
+        # math path, which keeps every probability for backward (and runs ~1.4x slower)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, dropout_p=dropout_p, scale=scale
+            *(x.transpose(0, 1)[None] for x in (q, k, v)), attn_mask=mask, dropout_p=dropout_p, scale=scale
         )
-        outputs.append(out.transpose(0, 1))
+        outputs.append(out[0].transpose(0, 1))
     return torch.cat(outputs)
 
 
@@ -327,43 +329,47 @@ def local_window(config) -> Optional[int]:
     return None
 
 
-class UnpaddedMLM(torch.nn.Module):
-    """Runs a Hugging Face masked-LM model of a :mod:`.families` family on a packed, padding-free batch.
+class UnpaddedEncoder(torch.nn.Module):
+    """The packed forward shared by every unpadded model: a Hugging Face model of a :mod:`.families` family (or a PEFT
+    model around one) whose base model runs on the packed row with :data:`PACKED_ATTENTION`. ``.model`` is the model
+    given (its parameters, state dict and ``save_pretrained`` unchanged); ``.hf`` the transformers model in it.
+    Subclasses add their heads: :class:`UnpaddedMLM` (pretraining), :class:`~.heads.UnpaddedTaskModel` (fine-tuning)."""
 
-    The wrapped model is ``.model``; its parameters are used in place (no copies), so its ``state_dict`` /
-    ``save_pretrained`` are unchanged and load with stock ``from_pretrained`` (the attention implementation is
-    not saved). The forward runs the model's base model on the packed row with the attention implementation
-    :data:`PACKED_ATTENTION` and the MLM head at the masked positions only; ``BertForPreTraining`` adds NSP from
-    each sequence's first token. ``gradient_checkpointing_enable()`` / ``activation_checkpointing_enable()`` on
-    the wrapped model work as in the stock model (transformers checkpoints its own layers).
-    ``fused_dropout``: the model's dropout from packed random bits, fused with the residual add
-    (:func:`.fused.fuse_encoder`, ``model.fused_dropout``).
-    """
-
-    def __init__(self, model, attention: str = "auto", fused_dropout: bool = False):
+    def __init__(self, model, family: MlmFamily, attention: str = "auto", fused_dropout: bool = False):
         super().__init__()
-        family = family_of(model)
+        get_base = getattr(model, "get_base_model", None)  # PEFT wraps the transformers model
+        hf = get_base() if callable(get_base) else model
         if family.unpadded_blocker:
-            raise ValueError(f"UnpaddedMLM: {family.name} cannot run unpadded ({family.unpadded_blocker})")
-        config = model.config
+            raise ValueError(f"{type(self).__name__}: {family.name} cannot run unpadded ({family.unpadded_blocker})")
+        config = hf.config
         if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
             raise ValueError(
-                "UnpaddedMLM: decoder / cross-attention configs are not supported (bidirectional attention only)"
+                f"{type(self).__name__}: decoder / cross-attention configs are not supported (bidirectional attention "
+                "only)"
             )
         if attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"UnpaddedMLM: attention {attention!r} is not one of {ATTENTION_BACKENDS}")
+            raise ValueError(f"{type(self).__name__}: attention {attention!r} is not one of {ATTENTION_BACKENDS}")
         register_packed_attention()
-        model.set_attn_implementation(PACKED_ATTENTION)
+        hf.set_attn_implementation(PACKED_ATTENTION)
         self.model = model
+        object.__setattr__(self, "hf", hf)  # the same modules as .model: not registered twice
         self.family = family
         self.attention = attention
-        self.nsp = type(model).__name__ == family.pretraining_class
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.position_offset = family.position_offset(config)
         self.window = local_window(config)
         self.dropout_p = float(getattr(config, family.attention_dropout, 0.0) or 0.0)
         self._backends: dict[tuple, str] = {}  # (device, dtype, with dropout) -> "varlen" | "sdpa_loop"
-        self.fused = fused.fuse_encoder(model, family) if fused_dropout else None  # None: HF's own modules
+        self.fused = fused.fuse_encoder(hf, family) if fused_dropout else None  # None: HF's own modules
+
+    @property
+    def config(self):
+        """The wrapped model's config (``Trainer`` and DeepSpeed's ``"auto"`` values read it)."""
+        return self.hf.config
+
+    def activation_checkpointing_enable(self, *args, **kwargs):
+        """The wrapped model's own (transformers checkpoints its layers; ``Trainer`` calls this)."""
+        return self.model.activation_checkpointing_enable(*args, **kwargs)
 
     def choose_attention(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> str:
         """Decide the attention kernel for ``device``/``dtype`` (default: the parameters'), probing flash varlen
@@ -393,13 +399,72 @@ class UnpaddedMLM(torch.nn.Module):
                 backend = "varlen"
             elif self.attention == "varlen":
                 raise RuntimeError(
-                    f"UnpaddedMLM: attention 'varlen' is unusable for {dtype} on {device} (needs CUDA, fp16/bf16, "
-                    f"head_dim a multiple of 8 up to 256; see the warning above for a failed probe)"
+                    f"{type(self).__name__}: attention 'varlen' is unusable for {dtype} on {device} (needs CUDA, "
+                    "fp16/bf16, head_dim a multiple of 8 up to 256; see the warning above for a failed probe)"
                 )
             else:
                 backend = "sdpa_loop"
             self._backends[key] = backend
         return self._backends[key]
+
+    def encode(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        max_seqlen: Optional[int] = None,
+        seq_lengths: Optional[Sequence[int]] = None,
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """``(hidden [T, hidden], seq_lengths)`` of a packed batch (see :meth:`UnpaddedMLM.forward` for the inputs)."""
+        if seq_lengths is None:
+            seq_lengths = sequence_lengths(cu_seqlens)  # host sync
+        if max_seqlen is None:
+            max_seqlen = max(seq_lengths)
+        if position_ids is None:
+            position_ids = torch.cat([torch.arange(n, device=input_ids.device) for n in seq_lengths])
+        device_type = input_ids.device.type
+        dtype = (
+            torch.get_autocast_dtype(device_type)
+            if torch.is_autocast_enabled(device_type)
+            else self.hf.get_input_embeddings().weight.dtype
+        )
+        backend = self._backend(input_ids.device, dtype, self.training and self.dropout_p > 0)  # before any layer
+        packing = PackedSequences(cu_seqlens, int(max_seqlen), tuple(seq_lengths), backend)
+        inputs = {
+            "input_ids": input_ids[None],
+            "position_ids": (position_ids + self.position_offset if self.position_offset else position_ids)[None],
+            PACKING_KWARG: packing,
+        }
+        if self.family.token_types and token_type_ids is not None:
+            inputs["token_type_ids"] = token_type_ids[None]
+        if self.family.layer_type_masks:  # no mask to build for any layer type (ModernBERT builds one per type)
+            inputs["attention_mask"] = dict.fromkeys(self.hf.config.layer_types)
+        else:
+            # A 4-D mask is taken as already built (masking_utils._preprocess_mask_arguments returns it at once), so
+            # transformers neither builds a [T, T] mask our attention ignores nor, from 5.25 on, reads the restarting
+            # position_ids back on the host to detect packing (find_packed_sequence_indices). hf_packed_attention
+            # ignores it: the packing carries the sequence bounds.
+            inputs["attention_mask"] = input_ids.new_ones((1, 1, 1, 1), dtype=torch.bool)
+        return self.hf.base_model(**inputs).last_hidden_state[0], tuple(seq_lengths)
+
+
+class UnpaddedMLM(UnpaddedEncoder):
+    """Runs a Hugging Face masked-LM model of a :mod:`.families` family on a packed, padding-free batch.
+
+    The wrapped model is ``.model``; its parameters are used in place (no copies), so its ``state_dict`` /
+    ``save_pretrained`` are unchanged and load with stock ``from_pretrained`` (the attention implementation is
+    not saved). The forward runs the model's base model on the packed row with the attention implementation
+    :data:`PACKED_ATTENTION` and the MLM head at the masked positions only; ``BertForPreTraining`` adds NSP from
+    each sequence's first token. ``gradient_checkpointing_enable()`` / ``activation_checkpointing_enable()`` on
+    the wrapped model work as in the stock model (transformers checkpoints its own layers).
+    ``fused_dropout``: the model's dropout from packed random bits, fused with the residual add
+    (:func:`.fused.fuse_encoder`, ``model.fused_dropout``).
+    """
+
+    def __init__(self, model, attention: str = "auto", fused_dropout: bool = False):
+        super().__init__(model, family_of(model), attention, fused_dropout)
+        self.nsp = type(model).__name__ == self.family.pretraining_class
 
     def forward(
         self,
@@ -431,39 +496,9 @@ class UnpaddedMLM(torch.nn.Module):
         ``backward`` divides by the accumulation steps and whose gradient reduction averages ranks,
         pass the global count divided by ``grad_accum × dp_world`` (as ``ds_bertopt.train.loop`` does).
         """
-        if seq_lengths is None:
-            seq_lengths = sequence_lengths(cu_seqlens)  # host sync
-        if max_seqlen is None:
-            max_seqlen = max(seq_lengths)
         if masked_positions is None:
             masked_positions = torch.nonzero(labels != IGNORE_INDEX).flatten()  # host sync (data-dependent shape)
-        if position_ids is None:
-            position_ids = torch.cat([torch.arange(n, device=input_ids.device) for n in seq_lengths])
-        device_type = input_ids.device.type
-        dtype = (
-            torch.get_autocast_dtype(device_type)
-            if torch.is_autocast_enabled(device_type)
-            else self.model.get_input_embeddings().weight.dtype
-        )
-        backend = self._backend(input_ids.device, dtype, self.training and self.dropout_p > 0)  # before any layer
-        packing = PackedSequences(cu_seqlens, int(max_seqlen), tuple(seq_lengths), backend)
-        inputs = {
-            "input_ids": input_ids[None],
-            "position_ids": (position_ids + self.position_offset if self.position_offset else position_ids)[None],
-            PACKING_KWARG: packing,
-        }
-        if self.family.token_types and token_type_ids is not None:
-            inputs["token_type_ids"] = token_type_ids[None]
-        if self.family.layer_type_masks:  # no mask to build for any layer type (ModernBERT builds one per type)
-            inputs["attention_mask"] = dict.fromkeys(self.model.config.layer_types)
-        else:
-            # A 4-D mask is taken as already built (masking_utils._preprocess_mask_arguments returns it at once), so
-            # transformers neither builds a [T, T] mask our attention ignores nor, from 5.25 on, reads the restarting
-            # position_ids back on the host to detect packing (find_packed_sequence_indices). hf_packed_attention
-            # ignores it: the packing carries the sequence bounds.
-            inputs["attention_mask"] = input_ids.new_ones((1, 1, 1, 1), dtype=torch.bool)
-        hidden = self.model.base_model(**inputs).last_hidden_state[0]
-
+        hidden, _ = self.encode(input_ids, cu_seqlens, token_type_ids, position_ids, max_seqlen, seq_lengths)
         target = labels.index_select(0, masked_positions)
         mlm_logits = self.family.head(self.model, hidden.index_select(0, masked_positions))
         loss, mean_loss = mlm_loss(mlm_logits, target, loss_normalizer)
@@ -491,6 +526,7 @@ __all__ = [
     "PACKED_ATTENTION",
     "PackedSequences",
     "UnpaddedBert",
+    "UnpaddedEncoder",
     "UnpaddedMLM",
     "band_mask",
     "hf_packed_attention",

@@ -11,6 +11,8 @@ engine so ZeRO 1/2 keep its trust ratio per layer (:mod:`ds_bertopt.optim.zero`)
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Optional
 
 import torch
@@ -79,6 +81,76 @@ def apex_fused_lamb():
     return FusedLAMB
 
 
+APEX_NO_CLIP = math.inf
+"""The ``max_grad_norm`` that makes apex ``FusedLAMB`` clip nothing. Its kernel (NVIDIA/apex
+``csrc/multi_tensor_lamb.cu``, ``LAMBStage1Functor``) divides every gradient by
+``norm > max_grad_norm ? norm / max_grad_norm : 1``, with ``norm`` the global gradient norm ``FusedLAMB.step``
+computes over all groups, and ``max_grad_norm`` read from ``defaults`` only. With 0 (our "off") any nonzero norm
+gives ``norm / 0 = inf`` and every gradient becomes 0: the moments stay 0 and weight decay alone moves the weights.
+With +inf the comparison is false for every norm, finite, inf or NaN: the factor is exactly 1."""
+
+
+def apex_max_grad_norm(max_grad_norm: float) -> float:
+    """apex ``FusedLAMB``'s bound for our ``max_grad_norm`` (0 means no clipping: :data:`APEX_NO_CLIP`)."""
+    return max_grad_norm if max_grad_norm > 0 else APEX_NO_CLIP
+
+
+def _apex_problem(cfg: OptimizerConfig, zero_stage: int) -> Optional[str]:
+    """Why apex ``FusedLAMB`` cannot take ours' steps here (None: it can)."""
+    if zero_stage > 0:
+        return f"apex FusedLAMB sees ZeRO {zero_stage} shards, not layers; it runs at ZeRO 0 only"
+    if cfg.min_trust_ratio is not None or cfg.max_trust_ratio is not None:
+        return "apex FusedLAMB has no trust-ratio clamps"
+    if cfg.weight_decay == 0 and not cfg.adapt_no_decay:
+        # LAMBStage2Functor: the trust ratio only where `use_nvlamb || decay != 0`; ours takes it on every decay group
+        return "apex FusedLAMB takes no trust ratio in a group without weight decay (weight_decay is 0)"
+    return None
+
+
+def _training_device(model: torch.nn.Module) -> torch.device:
+    """Where ``deepspeed.initialize`` will put the model: ``get_accelerator().device_name(local_rank)``
+    (``DeepSpeedEngine._set_distributed_vars``, then ``_configure_distributed_model``'s ``module.to``), the local
+    rank being the launcher's ``LOCAL_RANK``."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:  # outside DeepSpeed the model stays where it is
+        return next(model.parameters()).device
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return torch.device("cpu")
+    return torch.device(accelerator.device_name(int(os.environ.get("LOCAL_RANK", "0") or 0)))
+
+
+def _build_apex_lamb(fused, model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float, max_grad_norm: float):
+    """apex ``FusedLAMB`` over ``model``, built where the model trains. ``FusedLAMB.__init__`` puts its overflow
+    buffer on the device of the first parameter (``_dummy_overflow_buf``), which every ``multi_tensor_applier`` call
+    of its step passes with the tensors: built before ``deepspeed.initialize`` moves the model, it stayed on the
+    CPU. So the model is placed first, on the device the engine would place it (the engine's own move is then a
+    no-op and keeps the same ``Parameter`` objects, ``nn.Module._apply``)."""
+    model.to(_training_device(model))
+    groups = param_groups(model, cfg.weight_decay)
+    bound = apex_max_grad_norm(max_grad_norm)
+    print0(
+        f'LAMB: apex FusedLAMB (found on this GPU machine; set optimizer.implementation "ours" to force ours), '
+        f"{f'global-norm clip {bound:g}' if math.isfinite(bound) else 'no clipping (max_grad_norm inf)'}"
+    )
+    return fused(groups, **apex_lamb_arguments(cfg, lr=lr, bound=bound))
+
+
+def apex_lamb_arguments(cfg: OptimizerConfig, *, lr: float, bound: float) -> dict:
+    """``FusedLAMB``'s keyword arguments for ``cfg`` at ``lr`` with clipping ``bound`` (see :func:`apex_max_grad_norm`);
+    its defaults otherwise (decoupled decay ``adam_w_mode``, ``grad_averaging``: our LAMB's)."""
+    return dict(
+        lr=lr,
+        bias_correction=cfg.bias_correction,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=bound,
+        use_nvlamb=cfg.adapt_no_decay,
+    )
+
+
 def _build_lamb(
     model: torch.nn.Module, cfg: OptimizerConfig, *, lr: float, zero_stage: int, bucket_clip: bool
 ) -> torch.optim.Optimizer:
@@ -87,43 +159,18 @@ def _build_lamb(
     if bucket_clip and max_grad_norm > 0:
         print0(f"bucket_clip is on: LAMB's own global-norm clipping (max_grad_norm {max_grad_norm:g}) is off")
         max_grad_norm = 0.0
+    fused = apex_fused_lamb() if cfg.implementation in ("auto", "apex") else None
+    problem = _apex_problem(cfg, zero_stage)
+    if cfg.implementation == "apex" and (fused is None or problem):
+        why = "apex.optimizers.FusedLAMB is not importable on a GPU here" if fused is None else problem
+        raise ConfigError(f'optimizer.implementation: "apex" requested but {why}; use "auto" or "ours"')
+    if fused is not None and problem is None:
+        return _build_apex_lamb(fused, model, cfg, lr=lr, max_grad_norm=max_grad_norm)
+    if fused is not None:
+        print0(f"LAMB: apex FusedLAMB found but not used ({problem}); using ours")
     groups = param_groups(
         model, cfg.weight_decay, decay_extra={"adapt": True}, no_decay_extra={"adapt": cfg.adapt_no_decay}
     )
-    clamped = cfg.min_trust_ratio is not None or cfg.max_trust_ratio is not None
-    fused = apex_fused_lamb() if cfg.implementation in ("auto", "apex") else None
-    if cfg.implementation == "apex":
-        problem = (
-            "apex.optimizers.FusedLAMB is not importable on a GPU here"
-            if fused is None
-            else f"apex FusedLAMB sees ZeRO {zero_stage} shards, not layers; it runs at ZeRO 0 only"
-            if zero_stage > 0
-            else "apex FusedLAMB has no trust-ratio clamps"
-            if clamped
-            else None
-        )
-        if problem:
-            raise ConfigError(f'optimizer.implementation: "apex" requested but {problem}; use "auto" or "ours"')
-    if fused is not None and zero_stage == 0 and not clamped:
-        for group in groups:
-            group.pop("adapt")
-        print0(
-            f'LAMB: apex FusedLAMB (found on this GPU machine; set optimizer.implementation "ours" to force '
-            f"ours), max_grad_norm {max_grad_norm:g}"
-        )
-        return fused(
-            groups,
-            lr=lr,
-            bias_correction=cfg.bias_correction,
-            betas=cfg.betas,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            max_grad_norm=max_grad_norm,
-            use_nvlamb=cfg.adapt_no_decay,
-        )
-    if fused is not None:
-        why = f"ZeRO {zero_stage} shards" if zero_stage > 0 else "trust-ratio clamps"
-        print0(f"LAMB: apex FusedLAMB found but not used ({why}); using ours")
     optimizer = Lamb(
         groups,
         lr=lr,
@@ -141,12 +188,8 @@ def _build_lamb(
 
 def _target_device_type(model: torch.nn.Module) -> str:
     """Where the model will train: the optimizer is built before ``deepspeed.initialize`` moves the model to
-    the accelerator, so the parameters' current device says nothing (the accelerator's name does)."""
-    try:
-        from deepspeed.accelerator import get_accelerator
-    except ImportError:  # outside DeepSpeed the model's own device is the one
-        return next(model.parameters()).device.type
-    return get_accelerator().device_name()
+    the accelerator, so the parameters' current device says nothing (:func:`_training_device` does)."""
+    return _training_device(model).type
 
 
 def _deepspeed_fused_adam(groups: list[dict], cfg: OptimizerConfig, lr: float):

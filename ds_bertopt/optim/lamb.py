@@ -7,10 +7,12 @@ The math is a set of pure functions over lists of tensors (vectorised with ``tor
 * :func:`trust_ratios` — ``‖w‖/‖u‖`` per layer, 1 where either norm is 0, optionally clamped;
 * :func:`lamb_update` — the whole step, with an optional ``allreduce`` of the per-layer sums.
 
-Two implementations of the same step (``kernel``): on contiguous fp32 CPU tensors ``"fused"`` runs
-:mod:`.lamb_kernel`'s two passes over memory (moments + per-piece sums, then the scaled update); elsewhere (CUDA,
-other dtypes, no C compiler) ``"foreach"`` runs the ``torch._foreach_*`` functions below. ``"auto"`` picks the
-first that applies. Neither reads a value back on the host: the clip factor and the ratios stay tensors.
+Three implementations of the same step (``kernel``): on contiguous fp32 CPU tensors ``"fused"`` runs
+:mod:`.lamb_kernel`'s two passes over memory (moments + per-piece sums, then the scaled update; one for a layer
+whose state stays in cache); on CUDA (and wherever torch has a fused Adam kernel) ``"multi_tensor"`` takes the
+moments and the direction in one kernel (:mod:`.lamb_multi`), then the norms and the update, four passes in all;
+``"foreach"`` (any device and dtype) runs the ``torch._foreach_*`` functions below, nine. ``"auto"`` picks the first
+that applies. None reads a value back on the host: the clip factor and the ratios stay tensors.
 
 A *layer* is one model parameter. Normally each tensor the optimizer holds is a whole layer. Under
 DeepSpeed ZeRO 1/2 it holds one flat fp32 shard per param group instead, and each layer is a
@@ -30,11 +32,11 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from . import lamb_kernel
+from . import lamb_kernel, lamb_multi
 
 Tensors = Sequence[torch.Tensor]
 Scale = Union[float, torch.Tensor]
-KERNELS = ("auto", "fused", "foreach")
+KERNELS = ("auto", "fused", "multi_tensor", "foreach")
 
 
 @dataclass(frozen=True)
@@ -59,13 +61,17 @@ class Layout:
     num_layers: int
     group: object = None
     """Process group over which the per-layer sums are all-reduced; None: no reduction."""
+    covers_tensors: bool = False
+    """Each fragment is the whole of its held tensor (:meth:`whole`). A ZeRO shard's fragments may end before the
+    shard does: its last rank with real elements holds alignment padding after them."""
     _index: dict = field(default_factory=dict, repr=False)
     _plans: dict = field(default_factory=dict, repr=False)
 
     @staticmethod
     def whole(tensors: Tensors) -> "Layout":
         """Every tensor is one whole layer (the unpartitioned case)."""
-        return Layout(tuple(Fragment(i, 0, t.numel(), i) for i, t in enumerate(tensors)), len(tensors))
+        fragments = tuple(Fragment(i, 0, t.numel(), i) for i, t in enumerate(tensors))
+        return Layout(fragments, len(tensors), covers_tensors=True)
 
     def layer_index(self, device: torch.device) -> torch.Tensor:
         """Layer of each fragment, as an index tensor on ``device`` (cached)."""
@@ -78,7 +84,7 @@ class Layout:
         """The fragments as the fused kernel's piece table for ``threads`` (cached)."""
         if threads not in self._plans:
             self._plans[threads] = lamb_kernel.plan(
-                [(f.tensor, f.start, f.numel, f.layer) for f in self.fragments], threads
+                [(f.tensor, f.start, f.numel, f.layer) for f in self.fragments], threads, self.covers_tensors
             )
         return self._plans[threads]
 
@@ -88,7 +94,7 @@ def _fused_step(kernel: str, layout: Layout, tensors: tuple, coefficients: list)
     ``"auto"`` takes the kernel where it applies and builds, ``"fused"`` insists on it, ``"foreach"`` never."""
     if kernel not in KERNELS:
         raise ValueError(f"LAMB kernel {kernel!r}: use one of {', '.join(KERNELS)}")
-    found = lamb_kernel.addresses(*tensors) if kernel != "foreach" else None
+    found = lamb_kernel.addresses(*tensors) if kernel in ("auto", "fused") else None
     if found is not None and lamb_kernel.library() is not None:
         return lamb_kernel.Step(layout.plan(lamb_kernel.threads()), tensors, found, coefficients)
     if kernel == "fused":
@@ -230,11 +236,14 @@ def lamb_update(
     ``layout`` (default: each tensor a whole layer) says which layer each fragment belongs to;
     ``allreduce`` sums the ``[2, num_layers]`` float64 norm tensor in place across the ranks that
     hold the other fragments. With ``adapt=False`` the ratio is 1 (plain AdamW step). ``grad_scale``: a number or
-    a 0-d tensor. ``kernel``: ``"auto"`` (the fused CPU kernel where it applies and builds, else foreach),
-    ``"fused"`` (insist) or ``"foreach"``. ``scratch``: as in :func:`adam_directions`, or a function returning it
-    (called only on the foreach path).
+    a 0-d tensor. ``kernel``: ``"auto"`` (the fused CPU kernel where it applies and builds, else the multi-tensor
+    step where torch's fused Adam kernel takes the tensors, else foreach), ``"fused"`` or ``"multi_tensor"`` (insist)
+    or ``"foreach"``; the multi-tensor step leaves the clipped gradients in ``grads``. ``scratch``: as in
+    :func:`adam_directions`, or a function returning it (called unless the fused CPU kernel steps).
     """
     layout = layout or Layout.whole(params)
+    if not layout.fragments:  # a ZeRO partition of padding only: no layer here, but the ranks' reduction is joined
+        return _nothing_held(layout.num_layers, params[0].device, adapt, allreduce, (min_trust_ratio, max_trust_ratio))
     bc2_sqrt, factors = _bias_terms(steps, beta1, beta2, bias_correction)
     tensors = (params, grads, exp_avgs, exp_avg_sqs)
     step = _fused_step(kernel, layout, tensors, [(f, eps * b) for f, b in zip(factors, bc2_sqrt)])
@@ -250,30 +259,48 @@ def lamb_update(
             num_layers=layout.num_layers,
             allreduce=allreduce,
         )
-    updates = adam_directions(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        steps,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction,
-        grad_scale=grad_scale,
-        scratch=scratch() if callable(scratch) else scratch,
-    )
-    if adapt:
-        sums = layer_sq_norms(params, updates, layout)
-        ratios = _reduced_ratios(sums, allreduce, (min_trust_ratio, max_trust_ratio))
+    options = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+    scratch = scratch() if callable(scratch) else scratch
+    if _multi_tensor(kernel, tensors, (beta1, beta2), bias_correction):
+        out = None if scratch is None else scratch[1]
+        updates = lamb_multi.directions(*tensors, steps, grad_scale=grad_scale, out=out, **options)
     else:
-        ratios = torch.ones(layout.num_layers, dtype=torch.float64, device=params[0].device)
-    # p += (−lr·ratio)·u per fragment, the scale a 0-d tensor (no host sync); on CPU one pass per tensor.
-    scales = (ratios * -lr).to(params[0].dtype).index_select(0, layout.layer_index(ratios.device))
+        updates = adam_directions(*tensors, steps, grad_scale=grad_scale, scratch=scratch, **options)
     param_views, update_views = _fragment_views(params, layout.fragments), _fragment_views(updates, layout.fragments)
+    if not adapt:  # ratio 1: one multi-tensor update with a host scalar
+        torch._foreach_add_(param_views, update_views, alpha=-lr)
+        return torch.ones(layout.num_layers, dtype=torch.float64, device=params[0].device)
+    sums = layer_sq_norms(params, updates, layout)
+    ratios = _reduced_ratios(sums, allreduce, (min_trust_ratio, max_trust_ratio))
+    # p += (−lr·ratio)·u per fragment, the scale a 0-d tensor (no host sync). torch's multi-tensor kernels take
+    # per-tensor scalars from the host only (ForeachUtils.h convert_tensor_to_scalar_list), so on CUDA this is one
+    # kernel per fragment, together one pass.
+    scales = (ratios * -lr).to(params[0].dtype).index_select(0, layout.layer_index(ratios.device))
     torch._foreach_addcmul_(param_views, update_views, list(scales.unbind()))
     return ratios
+
+
+def _nothing_held(num_layers: int, device: torch.device, adapt: bool, allreduce, clamps: tuple) -> torch.Tensor:
+    """The step of a rank whose flat shard holds DeepSpeed's alignment padding only (``stage_1_and_2.py`` pads each
+    group to a multiple of 2 × world and splits it evenly, so at large worlds the last ranks of a small group hold no
+    element of any layer). Nothing is updated (the padding is never read), but the per-layer sums are all-reduced as
+    on every other rank, with zeros from here: the ranks' collectives stay matched and the ratios are theirs. The
+    layout alone decides this, on the host, when it is attached: no value is read from the device."""
+    if not adapt:
+        return torch.ones(num_layers, dtype=torch.float64, device=device)
+    sums = torch.zeros(2, num_layers, dtype=torch.float64, device=device)
+    return _reduced_ratios(sums, allreduce, clamps)
+
+
+def _multi_tensor(kernel: str, tensors: tuple, betas: tuple, bias_correction: bool) -> bool:
+    """Whether the step takes :mod:`.lamb_multi`'s kernel: ``"auto"`` where it applies, ``"multi_tensor"``
+    insists (refused in one line where it cannot), ``"foreach"`` never."""
+    if kernel not in ("auto", "multi_tensor"):
+        return False
+    problem = lamb_multi.unusable(tensors, betas, bias_correction)
+    if problem and kernel == "multi_tensor":
+        raise RuntimeError(f'LAMB kernel "multi_tensor" requested but {problem}')
+    return problem is None
 
 
 def _reduced_ratios(sums: torch.Tensor, allreduce, clamps: tuple) -> torch.Tensor:
@@ -303,14 +330,19 @@ def _fused_update(
     if not adapt:  # ratio 1: pass 1 knows the update and applies it (AdamW's single pass)
         step.moments(*betas, weight_decay, gscale, scale=array.array("f", [-lr]) * step.k)
         return torch.ones(num_layers, dtype=torch.float64)
-    per_piece = step.moments(*betas, weight_decay, gscale).t()
+    # Without an all-reduce, a piece that is its whole layer is stepped inside pass 1 (lamb_kernel.scale_of is
+    # trust_ratios' rule; tests/test_optim_lamb.py::test_fused_kernel_one_sweep_equals_two_passes holds them equal).
+    fuse = (lr, *clamps) if allreduce is None else None
+    per_piece = step.moments(*betas, weight_decay, gscale, fuse=fuse).t()
     if step.plan.whole and allreduce is None:  # the pieces are the layers
         ratios = _reduced_ratios(per_piece, allreduce, clamps)
-        step.apply(weight_decay, (ratios * -lr).to(torch.float32))
+        if step.pending:
+            step.apply(weight_decay, (ratios * -lr).to(torch.float32))
         return ratios
     sums = torch.zeros(2, num_layers, dtype=torch.float64).index_add_(1, step.plan.layer, per_piece)
     ratios = _reduced_ratios(sums, allreduce, clamps)
-    step.apply(weight_decay, (ratios * -lr).to(torch.float32).index_select(0, step.plan.layer))
+    if step.pending:
+        step.apply(weight_decay, (ratios * -lr).to(torch.float32).index_select(0, step.plan.layer))
     return ratios
 
 
@@ -334,7 +366,8 @@ class Lamb(torch.optim.Optimizer):
     (apply the trust ratio; False gives plain AdamW steps, used for biases and LayerNorm weights),
     ``min_trust_ratio``, ``max_trust_ratio``. ``max_grad_norm`` (0: off) clips the global
     gradient norm before the moments, as NVIDIA's and MLPerf's LAMB do. ``kernel``: ``"auto"`` (the fused CPU
-    kernel where it applies, else foreach), ``"fused"`` or ``"foreach"`` (see :func:`lamb_update`).
+    kernel where it applies, else multi-tensor, else foreach), ``"fused"``, ``"multi_tensor"`` or ``"foreach"`` (see
+    :func:`lamb_update`).
 
     Under DeepSpeed, call ``ds_bertopt.optim.zero.attach_lamb(optimizer, engine)`` after
     ``deepspeed.initialize`` (``ds_bertopt.engine.initialize`` does): with ZeRO 1/2 the held tensors are flat
@@ -523,8 +556,9 @@ def describe_lamb(optimizer: Lamb) -> str:
     )
     clip = f"global-norm clip {optimizer.max_grad_norm:g}" if optimizer.max_grad_norm > 0 else "no LAMB clipping"
     kernel = {
-        "auto": "fused CPU kernel where it applies, else foreach",
+        "auto": "fused CPU kernel where it applies, else multi-tensor (torch's fused Adam kernel), else foreach",
         "fused": "fused CPU kernel",
+        "multi_tensor": "multi-tensor (torch's fused Adam kernel)",
         "foreach": "foreach",
     }[optimizer.kernel]
     return f"LAMB (ds_bertopt): {groups}; {clip}; {kernel}"

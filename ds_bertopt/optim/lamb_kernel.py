@@ -8,6 +8,11 @@ The lower bound for LAMB with a per-layer trust ratio is two passes (torch's fus
   scale (no trust ratio) it also writes ``p += scale·u`` in the same pass (7 streams, AdamW's);
 * ``lamb_apply`` reads m, v, p, recomputes ``u`` and writes ``p += scale·u`` — 4 streams.
 
+Where nothing is all-reduced (no ZeRO split) and a piece is its whole layer, its ratio is known when its first pass
+ends: ``lamb_moments`` takes it there and runs the second pass over the piece at once, while its p, m, v are still
+in cache. A layer whose state fits in the last-level cache then costs one pass over memory (7 streams, AdamW's);
+only larger layers and split ones pay the second (:func:`traffic`).
+
 A *piece* is a contiguous fp32 run of one held tensor (a whole tensor, a ZeRO fragment, or a part of one for
 threading); one call covers any number of pieces, so the per-tensor cost is a table row, not a Python call. The
 scalars that change every step (the clip factor, the per-piece ``-lr·ratio``) are read from tensors, so nothing
@@ -22,8 +27,10 @@ Without a compiler, or on a failed build, :func:`library` returns None and LAMB 
 from __future__ import annotations
 
 import array
+import collections
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shlex
@@ -53,11 +60,55 @@ SOURCE = r"""
 /* LAMB's direction u = λw + f·m/(√v + e), in the order the foreach path computes it. */
 #define DIRECTION(m, v, p) (wd * (p) + f * ((m) / (sqrtf(v) + e)))
 
+/* p += a·u over one piece, u recomputed from the advanced m, v. */
+static inline void apply_piece(float *restrict P, const float *restrict M, const float *restrict V, int64_t n,
+                               float f, float e, float wd, float a) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) P[i] += a * DIRECTION(M[i], V[i], P[i]);
+}
+
+/* The rule of lamb.trust_ratios (‖w‖/‖u‖, clamped to [lo, hi] where computed, 1 where a norm is 0) times −lr,
+   rounded to fp32 as the two-pass step rounds (ratios * -lr).to(float32); NaN stays NaN as torch.clamp keeps it. */
+static inline float scale_of(double sw, double su, const double *fuse) {
+  double r = 1.0;
+  if (sw > 0.0 && su > 0.0) {
+    r = sqrt(sw / su);
+    if (r < fuse[1]) r = fuse[1];
+    if (r > fuse[2]) r = fuse[2];
+  }
+  return (float)(r * fuse[0]);
+}
+
+/* The first pass over piece [0, n): advance m, v; (Σw², Σu²) summed in fp32 blocks, then in double; u kept in
+   U[i] when STORE. */
+#define SWEEP(STORE)                                                         \
+  for (int64_t b = 0; b < n; b += BLOCK) {                                   \
+    const int64_t stop = n - b < BLOCK ? n : b + BLOCK;                      \
+    float bw = 0.0f, bu = 0.0f;                                              \
+    _Pragma("omp simd reduction(+ : bw, bu)") for (int64_t i = b; i < stop; ++i) { \
+      const float g = G[i] * s, w = P[i];                                    \
+      const float m = b1 * M[i] + c1 * g, v = b2 * V[i] + c2 * (g * g);      \
+      M[i] = m;                                                              \
+      V[i] = v;                                                              \
+      const float u = DIRECTION(m, v, w);                                    \
+      STORE;                                                                 \
+      bw += w * w;                                                           \
+      bu += u * u;                                                           \
+    }                                                                        \
+    sw += bw;                                                                \
+    su += bu;                                                                \
+  }
+
 /* Pieces [begin, end) of a table of k: ptrs[0..3][k] are the addresses of p, g, m, v; coef[k][2] = (f, e).
-   Advances m, v with gscale·g. With scale (k floats) also p += scale·u; else sums[k][2] = (Σp², Σu²). */
+   Advances m, v with gscale·g. With scale (k floats) also p += scale·u; else sums[k][2] = (Σp², Σu²), and where
+   alone[c] (the piece is its layer, nothing to all-reduce) and fuse = (−lr, lo, hi) are given, the ratio is taken
+   and the piece stepped at once: its p, m, v are still in cache, so a layer that fits costs one pass over memory.
+   A stepped piece of at most work_len elements keeps u in work (this thread's), so that its second pass is
+   p += a·u from cache rather than a second √ and division per element. */
 CLONES void lamb_moments(int64_t begin, int64_t end, int64_t k, const int64_t *ptrs, const int64_t *numel,
                          const float *coef, float b1, float c1, float b2, float c2, float wd, const float *gscale,
-                         const float *scale, double *sums) {
+                         const float *scale, double *sums, const int8_t *alone, const double *fuse,
+                         float *work, int64_t work_len) {
   const float s = *gscale;
   for (int64_t c = begin; c < end; ++c) {
     float *restrict P = (float *)ptrs[c];
@@ -78,39 +129,35 @@ CLONES void lamb_moments(int64_t begin, int64_t end, int64_t k, const int64_t *p
       }
       continue;
     }
+    const int step = fuse && alone && alone[c];
+    float *restrict U = step && work && n <= work_len ? work : 0;
     double sw = 0.0, su = 0.0;
-    for (int64_t b = 0; b < n; b += BLOCK) {
-      const int64_t stop = n - b < BLOCK ? n : b + BLOCK;
-      float bw = 0.0f, bu = 0.0f;
-#pragma omp simd reduction(+ : bw, bu)
-      for (int64_t i = b; i < stop; ++i) {
-        const float g = G[i] * s, w = P[i];
-        const float m = b1 * M[i] + c1 * g, v = b2 * V[i] + c2 * (g * g);
-        M[i] = m;
-        V[i] = v;
-        const float u = DIRECTION(m, v, w);
-        bw += w * w;
-        bu += u * u;
-      }
-      sw += bw;
-      su += bu;
+    if (U) {
+      SWEEP(U[i] = u)
+    } else {
+      SWEEP((void)0)
     }
     sums[2 * c] = sw;
     sums[2 * c + 1] = su;
+    if (!step) continue;
+    const float a = scale_of(sw, su, fuse);
+    if (U) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) P[i] += a * U[i];
+    } else {
+      apply_piece(P, M, V, n, f, e, wd, a);
+    }
   }
 }
 
-/* p += scale·u over pieces [begin, end), u recomputed from the advanced m, v. */
+/* p += scale·u over pieces [begin, end), u recomputed from the advanced m, v; pieces marked alone are skipped
+   (lamb_moments stepped them). */
 CLONES void lamb_apply(int64_t begin, int64_t end, int64_t k, const int64_t *ptrs, const int64_t *numel,
-                       const float *coef, float wd, const float *scale) {
+                       const float *coef, float wd, const float *scale, const int8_t *alone) {
   for (int64_t c = begin; c < end; ++c) {
-    float *restrict P = (float *)ptrs[c];
-    const float *restrict M = (const float *)ptrs[2 * k + c];
-    const float *restrict V = (const float *)ptrs[3 * k + c];
-    const float f = coef[2 * c], e = coef[2 * c + 1], a = scale[c];
-    const int64_t n = numel[c];
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) P[i] += a * DIRECTION(M[i], V[i], P[i]);
+    if (alone && alone[c]) continue;
+    apply_piece((float *)ptrs[c], (const float *)ptrs[2 * k + c], (const float *)ptrs[3 * k + c], numel[c],
+                coef[2 * c], coef[2 * c + 1], wd, scale[c]);
   }
 }
 """
@@ -118,12 +165,18 @@ FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno")
 """``-fno-math-errno`` lets ``sqrtf`` vectorise; ``-fopenmp-simd`` honours the simd pragmas (no OpenMP runtime)."""
 MIN_PER_THREAD = 1 << 16
 """Below this many elements per thread a step runs on the calling thread (dispatch would cost more)."""
+WORK_LIMIT = 1 << 20
+"""Largest piece (elements) whose direction is kept between its two passes (4 MiB a thread: a larger layer's
+state leaves the cache anyway, and its second pass recomputes u as it streams p, m, v back)."""
 
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _library: Optional[ctypes.CDLL] = None
 _problem: Optional[str] = None
 _pool: Optional[ThreadPoolExecutor] = None
 _pool_size = 0
+_work: list = []
+"""Per thread range, the float32 buffer that holds a piece's direction between its passes (kept across steps: a
+fresh allocation of this size page-faults every step)."""
 
 
 def _cache_dir() -> Path:
@@ -163,9 +216,9 @@ def _build() -> ctypes.CDLL:
             if os.path.exists(partial):
                 os.unlink(partial)
     lib = ctypes.CDLL(str(target))
-    lib.lamb_moments.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _PTR, _F32, _F32, _F32, _F32, _F32, _PTR, _PTR, _PTR]
+    lib.lamb_moments.argtypes = [_I64, _I64, _I64, *[_PTR] * 3, *[_F32] * 5, *[_PTR] * 6, _I64]
     lib.lamb_moments.restype = None
-    lib.lamb_apply.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR]
+    lib.lamb_apply.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR, _PTR]
     lib.lamb_apply.restype = None
     return lib
 
@@ -222,10 +275,19 @@ class Plan:
     """Per held tensor, the end of its last piece (elements): checked against the tensors of every step."""
     whole: bool
     """Piece ``i`` is held tensor ``i`` from its start and layer ``i`` (no address arithmetic, no gathers)."""
+    alone: array.array
+    """Per piece (int8): 1 where the piece is the only one of its layer here, so that, with nothing to all-reduce,
+    its ratio is known when its first pass ends and its second pass runs while its state is still in cache."""
+    largest_alone: int
+    """Elements of the largest such piece (0: none)."""
+    covers_tensors: bool = False
+    """Every piece ends where its held tensor does (checked at every step); otherwise a piece may end earlier (a ZeRO
+    shard's last real element before its alignment padding)."""
 
 
-def plan(fragments: Sequence[tuple[int, int, int, int]], threads: int) -> Plan:
-    """Pieces from ``(tensor, start, numel, layer)`` fragments; split for ``threads`` when there is enough work."""
+def plan(fragments: Sequence[tuple[int, int, int, int]], threads: int, covers_tensors: bool = False) -> Plan:
+    """Pieces from ``(tensor, start, numel, layer)`` fragments; split for ``threads`` when there is enough work.
+    ``covers_tensors``: each fragment is its whole held tensor."""
     extent: dict = {}
     for tensor, start, numel, _ in fragments:
         if tensor < 0 or start < 0 or numel < 0:
@@ -248,6 +310,7 @@ def plan(fragments: Sequence[tuple[int, int, int, int]], threads: int) -> Plan:
     else:
         rows, bounds = list(fragments), [0, len(fragments)]
     tensors, starts, sizes, layers = (tuple(column) for column in zip(*rows)) if rows else ((), (), (), ())
+    pieces_of = collections.Counter(layers)
     return Plan(
         tensors,
         tuple(4 * start for start in starts),
@@ -256,7 +319,27 @@ def plan(fragments: Sequence[tuple[int, int, int, int]], threads: int) -> Plan:
         tuple(sorted(set(bounds))),
         extent,
         tensors == layers == tuple(range(len(rows))) and not any(starts),
+        array.array("b", [pieces_of[layer] == 1 for layer in layers]),
+        max((n for n, layer in zip(sizes, layers) if pieces_of[layer] == 1), default=0),
+        covers_tensors,
     )
+
+
+ADAMW_BYTES = 28
+"""Bytes per fp32 element a one-pass fused AdamW moves: reads p, g, m, v, writes p, m, v."""
+TWO_PASS_BYTES = 40
+"""Bytes per element of the two passes: 24 for the first (reads g, m, v, p, writes m, v), 16 for the second."""
+
+
+def traffic(layer_sizes: Sequence[int], cache_bytes: int) -> float:
+    """Bytes per element the fused step moves to and from memory over whole fp32 layers with the trust ratio,
+    nothing all-reduced, one thread: a layer whose p, m, v (12 B an element) fit in ``cache_bytes`` is re-read from
+    cache by its second pass (:data:`ADAMW_BYTES`), a larger one from memory (:data:`TWO_PASS_BYTES`)."""
+    total = sum(layer_sizes)
+    if not total:
+        return 0.0
+    cached = sum(n for n in layer_sizes if 12 * n <= cache_bytes)
+    return (ADAMW_BYTES * cached + TWO_PASS_BYTES * (total - cached)) / total
 
 
 def threads() -> int:
@@ -264,19 +347,29 @@ def threads() -> int:
 
 
 def _run(bounds: tuple[int, ...], call) -> None:
-    """``call(begin, end)`` per thread's range; ctypes releases the GIL, so the ranges run in parallel."""
+    """``call(j, begin, end)`` per thread's range ``j``; ctypes releases the GIL, so the ranges run in parallel."""
     global _pool, _pool_size
-    ranges = list(zip(bounds[:-1], bounds[1:]))
+    ranges = [(j, begin, end) for j, (begin, end) in enumerate(zip(bounds[:-1], bounds[1:]))]
     if len(ranges) <= 1:
-        for begin, end in ranges:
-            call(begin, end)
+        for j, begin, end in ranges:
+            call(j, begin, end)
         return
     if _pool_size < len(ranges) - 1:
         _pool, _pool_size = ThreadPoolExecutor(len(ranges) - 1, thread_name_prefix="lamb_kernel"), len(ranges) - 1
-    futures = [_pool.submit(call, begin, end) for begin, end in ranges[1:]]
+    futures = [_pool.submit(call, *r) for r in ranges[1:]]
     call(*ranges[0])
     for future in futures:
         future.result()
+
+
+def _work_buffers(count: int, size: int) -> list[int]:
+    """Addresses of ``count`` float32 buffers of at least ``size`` elements, one per thread range."""
+    for j in range(count):
+        if j == len(_work):
+            _work.append(torch.empty(0))
+        if _work[j].numel() < size:
+            _work[j] = torch.empty(size, dtype=torch.float32)
+    return [_work[j].data_ptr() for j in range(count)]
 
 
 def _address(buffer) -> int:
@@ -293,9 +386,10 @@ class Step:
         n = len(tensors[0])
         for tensor, end in pieces.extent.items():
             size = tensors[0][tensor].numel() if tensor < n else -1
-            if end > size or (pieces.whole and end != size):
+            if end > size or (pieces.covers_tensors and end != size):
                 raise ValueError(f"LAMB layout: a fragment ends at element {end} of held tensor {tensor} of {size}")
         self.plan, self.k, self.lib = pieces, len(pieces.tensor), library()
+        self.fused = False  # the last moments() stepped the pieces that are alone in their layer
         self.tensors = tensors  # the addresses stay valid while the step lives
         if pieces.whole:
             self.ptrs = array.array("q", found)  # [4][k]: p, g, m, v
@@ -312,10 +406,17 @@ class Step:
     def _table(self) -> tuple:
         return self.k, self.ptrs.buffer_info()[0], self.plan.numel.buffer_info()[0], self.coef.buffer_info()[0]
 
-    def moments(self, beta1, beta2, weight_decay, gscale, scale=None) -> Optional[torch.Tensor]:
+    def moments(self, beta1, beta2, weight_decay, gscale, scale=None, fuse=None) -> Optional[torch.Tensor]:
         """Advance m, v with ``gscale``·g (``gscale``: a 0-d float32 tensor or a 1-float array); return
-        ``[k, 2]`` float64 (Σw², Σu²) per piece, or, given ``scale`` (k float32), also step p and return None."""
+        ``[k, 2]`` float64 (Σw², Σu²) per piece, or, given ``scale`` (k float32), also step p and return None.
+        ``fuse = (lr, min_ratio, max_ratio)`` (the clamps None or floats): also step every piece that is alone in
+        its layer (:attr:`Plan.alone`), with its ratio, before leaving it; only for layers not all-reduced."""
         sums = None if scale is not None else torch.empty(self.k, 2, dtype=torch.float64)
+        fused = None
+        if fuse is not None and scale is None:
+            lr, low, high = fuse
+            fused = array.array("d", [-lr, -math.inf if low is None else low, math.inf if high is None else high])
+        self.fused = fused is not None
         args = (
             *self._table(),
             beta1,
@@ -326,11 +427,25 @@ class Step:
             _address(gscale),
             None if scale is None else _address(scale),
             None if sums is None else sums.data_ptr(),
+            self.plan.alone.buffer_info()[0] if fused is not None else None,
+            None if fused is None else fused.buffer_info()[0],
         )
-        _run(self.plan.bounds, lambda begin, end: self.lib.lamb_moments(begin, end, *args))
+        size = min(WORK_LIMIT, self.plan.largest_alone) if fused is not None else 0
+        work = _work_buffers(len(self.plan.bounds) - 1, size) if size else None
+
+        def call(j: int, begin: int, end: int) -> None:
+            self.lib.lamb_moments(begin, end, *args, None if work is None else work[j], size)
+
+        _run(self.plan.bounds, call)
         return sums
 
+    @property
+    def pending(self) -> bool:
+        """Pieces remain for :meth:`apply` after the last :meth:`moments`."""
+        return not self.fused or not all(self.plan.alone)
+
     def apply(self, weight_decay: float, scale: torch.Tensor) -> None:
-        """``p += scale·u`` per piece (``scale``: k contiguous float32)."""
-        args = (*self._table(), weight_decay, _address(scale))
-        _run(self.plan.bounds, lambda begin, end: self.lib.lamb_apply(begin, end, *args))
+        """``p += scale·u`` per piece (``scale``: k contiguous float32) not already stepped by :meth:`moments`."""
+        alone = self.plan.alone.buffer_info()[0] if self.fused else None
+        args = (*self._table(), weight_decay, _address(scale), alone)
+        _run(self.plan.bounds, lambda j, begin, end: self.lib.lamb_apply(begin, end, *args))

@@ -16,6 +16,7 @@ Used by ``tests/test_gpu_conformance.py`` and ``bench/gpu_check.py``; never by t
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -58,22 +59,26 @@ def cpu_fused_adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), ep
 
 
 @contextlib.contextmanager
-def cuda_optimizer_choice():
+def cuda_optimizer_choice(apex: bool = False):
     """Inside: ``ds_bertopt.optim`` builds the optimizers it builds on a CUDA host (DeepSpeed's FusedAdam for
-    AdamW, via :func:`cpu_fused_adam`)."""
+    AdamW, via :func:`cpu_fused_adam`; with ``apex``, a host where apex is installed: LAMB is apex's ``FusedLAMB``
+    where ``ds_bertopt.optim`` would take it, its kernel done on the CPU by :mod:`.apex_lamb`)."""
     from ds_bertopt import optim
 
-    saved = optim._target_device_type, optim._deepspeed_fused_adam
+    from .apex_lamb import FusedLAMB
+
+    saved = optim._target_device_type, optim._deepspeed_fused_adam, optim.apex_fused_lamb
 
     def fused_adam(groups, cfg, lr):
         return cpu_fused_adam(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
     optim._target_device_type = lambda model: "cuda"
     optim._deepspeed_fused_adam = fused_adam
+    optim.apex_fused_lamb = (lambda: FusedLAMB) if apex else (lambda: None)
     try:
         yield
     finally:
-        optim._target_device_type, optim._deepspeed_fused_adam = saved
+        optim._target_device_type, optim._deepspeed_fused_adam, optim.apex_fused_lamb = saved
 
 
 # --- the conformance matrix ---------------------------------------------------------------------------------------
@@ -92,10 +97,13 @@ class Row:
     stage: int
     offload: bool = False
     overlap: bool = False
+    apex: bool = False
+    """LAMB at ZeRO 0 on a host with apex installed: apex's ``FusedLAMB`` (on the CPU: :mod:`.apex_lamb`)."""
 
     @property
     def id(self) -> str:
-        extra = "".join(f"-{name}" for name, on in (("offload", self.offload), ("overlap", self.overlap)) if on)
+        flags = (("offload", self.offload), ("overlap", self.overlap), ("apex", self.apex))
+        extra = "".join(f"-{name}" for name, on in flags if on)
         return f"{self.precision}-{self.optimizer}-zero{self.stage}{extra}"
 
     def deepspeed_part(self) -> dict:
@@ -168,7 +176,7 @@ def cuda_choice(row: Row) -> CudaChoice:
     if row.precision == "fp16":
         cpu = "GPU only (DeepSpeed refuses fp16 on CPU); same wrapper class on CPU in the bf16 row; gpu_check"
     elif row.optimizer == "lamb" and row.stage == 0:
-        cpu = "CPU test (Lamb); apex FusedLAMB: gpu_check where apex is installed"
+        cpu = "CPU test (Lamb, and apex's FusedLAMB with its kernel done on the CPU); the real apex: gpu_check"
     else:
         cpu = "CPU test"
     return CudaChoice(optimizer=optimizer, wrapper=wrapper, cpu=cpu)
@@ -178,7 +186,7 @@ def expected_classes(row: Row, apex: bool = False) -> tuple[str, str]:
     """(optimizer class, wrapper class) a conformance run must see: CUDA's (the CPU run has apex absent)."""
     choice = cuda_choice(row)
     optimizer = {"FusedAdam": "FusedAdam", "AdamW (torch, fused, on the host)": "AdamW"}.get(choice.optimizer, "Lamb")
-    if optimizer == "Lamb" and row.stage == 0 and apex:
+    if optimizer == "Lamb" and row.stage == 0 and (apex or row.apex):
         optimizer = "FusedLAMB"
     wrapper = optimizer if choice.wrapper.startswith("(none") else choice.wrapper
     return optimizer, wrapper
@@ -193,6 +201,11 @@ def conformance_problems(row: Row, result: dict, apex: bool = False) -> list[str
         problems.append(f"classes {result['optimizer']}/{result['wrapper']}, CUDA's are {expected_classes(row, apex)}")
     if not (result["step1_applied"] and result["step2_applied"] and result["moved"] > 1e-4):
         problems.append(f"the steps did not train (applied {result['step1_applied']}/{result['step2_applied']})")
+    elif not result["moved_by_gradients"] > 0.5:
+        problems.append(
+            f"the gradients did not move the weights: {1 - result['moved_by_gradients']:.1%} of the update lies "
+            "along the weights themselves (weight decay on zero gradients?)"
+        )
     coefficients = result.get("clip_coefficients")
     if row.stage < 3 and not (coefficients and len(coefficients) == 1 and 0.0 < coefficients[0] < 0.5):
         problems.append(f"the bucket clip did not clip its one bucket (coefficients {coefficients})")
@@ -207,15 +220,38 @@ def conformance_problems(row: Row, result: dict, apex: bool = False) -> list[str
     return problems
 
 
+APEX_ROWS = (Row("fp32", "lamb", 0, apex=True), Row("bf16", "lamb", 0, apex=True))
+"""LAMB at ZeRO 0 where apex is installed (the MLPerf recipe in NVIDIA's containers): apex's ``FusedLAMB``."""
+
+
 def cpu_rows(rows: Optional[list[Row]] = None) -> list[Row]:
-    """The rows the CPU can construct with DeepSpeed's classes (not refused, not fp16)."""
-    return [r for r in (rows or all_rows()) if r.precision != "fp16" and cuda_choice(r).refusal is None]
+    """The rows the CPU can construct with DeepSpeed's classes (not refused, not fp16; by default every row of the
+    matrix and the apex rows)."""
+    rows = rows or [*all_rows(), *APEX_ROWS]
+    return [r for r in rows if r.precision != "fp16" and cuda_choice(r).refusal is None]
 
 
 def reference_row(row: Row) -> Optional[Row]:
-    """The ZeRO-0 row whose step ``row`` must equal (with one clip bucket the clip is the same at stages 0-2);
-    None for ZeRO 0 itself and for stage 3, which runs without the clip."""
-    return Row(row.precision, row.optimizer, 0) if 0 < row.stage < 3 else None
+    """The row whose step ``row`` must equal: ZeRO 0 with ours (with one clip bucket the clip is the same at stages
+    0-2, and apex's FusedLAMB takes our LAMB's step); None for ZeRO 0 itself and for stage 3, which runs without the
+    clip."""
+    return Row(row.precision, row.optimizer, 0) if 0 < row.stage < 3 or row.apex else None
+
+
+def gradient_part(before: dict, after: dict) -> float:
+    """How much of the update ``after − before`` is not along the weights themselves, as a fraction of it:
+    ``‖Δ − proj_w Δ‖ / ‖Δ‖`` over every tensor together (``proj_w Δ``: the multiple of ``w`` closest to ``Δ``, per
+    tensor). Weight decay on zero gradients moves each tensor along itself (AdamW: by ``−lr·λ·w``; apex's LAMB with
+    the 0.0 bound: by ``−lr·w``), so its part is ~0 (rounding: bf16 ~0.1); Adam's directions are nearly orthogonal to
+    the weights: ~1. A tensor of zeros moves by gradients only."""
+    residual = total = 0.0
+    for name, w in before.items():
+        delta = (after[name] - w).double().reshape(-1)
+        w = w.double().reshape(-1)
+        along = (delta @ w) / (w @ w) * w if bool((w != 0).any()) else w.new_zeros(w.shape)
+        residual += float(((delta - along) ** 2).sum())
+        total += float((delta**2).sum())
+    return math.sqrt(residual / total) if total > 0 else 0.0
 
 
 REPRESENTATIVE = (
@@ -227,6 +263,7 @@ REPRESENTATIVE = (
     Row("fp32", "adamw", 2, offload=True, overlap=True),  # the bucket clip's ready_events path
     Row("bf16", "lamb", 1, overlap=True),
     Row("fp32", "lamb", 0),
+    Row("bf16", "lamb", 0, apex=True),  # MLPerf's recipe where apex is installed: FP16_UnfusedOptimizer over FusedLAMB
     Row("fp32", "lamb", 2),
     Row("bf16", "adamw", 3, offload=True),
 )
@@ -248,13 +285,13 @@ def markdown_table(rows: Optional[list[Row]] = None) -> str:
         cells = [row.precision, row.optimizer, str(row.stage), "on" if row.offload else "off"]
         cells.append(("on" if row.overlap else "off") if row.stage > 0 else "n/a")
         if c.refusal:
-            cells += ["refused", "", "pre-flight error: " + REFUSAL_LABELS[c.refusal]]
+            cells += ["refused", "", "pre-flight: " + REFUSAL_LABELS[c.refusal]]
         else:
             coverage = "make test" if row in REPRESENTATIVE else "make test-matrix"
             if row.precision == "fp16":
-                coverage = "gpu_check (DeepSpeed refuses fp16 on CPU; class as in bf16)"
+                coverage = "gpu_check (no fp16 on CPU; class as in bf16)"
             elif row.optimizer == "lamb" and row.stage == 0:
-                coverage += " (Lamb); apex FusedLAMB: gpu_check"
+                coverage += " (Lamb, apex reference); apex: gpu_check"
             cells += [short.get(c.optimizer, c.optimizer), c.wrapper, coverage]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

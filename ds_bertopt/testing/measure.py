@@ -6,6 +6,7 @@
 * fresh-child peak RSS and saved-for-backward bytes by category live in production code
   (``ds_bertopt.wtacrs.memory.run_in_child`` / ``measure_step_in_child`` / ``saved_tensor_bytes``).
 * :func:`peak_cuda_memory` — ``torch.cuda.max_memory_allocated`` around a function (GPU peak).
+* :func:`torch_ops` — the torch ops a function calls, with the shapes of their tensor-list arguments (kernel counts).
 * :func:`environment` — versions, threads and machine, printed with every figure.
 * :func:`record_results` — structured results for ``bench/run_all.py`` (plots and the report).
 """
@@ -64,6 +65,33 @@ def peak_cuda_memory(fn: Callable, *args, **kwargs):
     result = fn(*args, **kwargs)
     torch.cuda.synchronize()
     return result, int(torch.cuda.max_memory_allocated())
+
+
+VIEW_OPS = frozenset({"detach", "view", "select", "unbind", "alias", "lift_fresh", "_unsafe_view", "slice", "narrow"})
+"""Ops that make views or wrap a value: no kernel runs."""
+
+
+def torch_ops(fn: Callable[[], Any]) -> list[tuple[str, list]]:
+    """``(op name, [shapes of each tensor-list argument])`` of every torch op ``fn`` calls, in order, as a dispatch
+    mode sees them: each op once (what runs inside an op is not seen), the same ops on every device."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            lists = [
+                [tuple(t.shape) for t in a]
+                for a in args
+                if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a)
+            ]
+            ops.append((func.overloadpacket.__name__, lists))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return ops
 
 
 def record_results(name: str, payload: Mapping[str, Any]) -> None:

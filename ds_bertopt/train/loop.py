@@ -335,7 +335,8 @@ class Trainer:
         self.metrics.write(record, self.step * self.global_batch)
         print0(f"step {self.step}: {self.task.eval_line(record)}")
         target = self.b.train.target_eval_accuracy
-        reached = target is not None and self.step > 0 and record["eval_accuracy"] >= target
+        score = getattr(self.task, "target_metric", "eval_accuracy")  # the task's main score (fine-tuning: per task)
+        reached = target is not None and self.step > 0 and record[score] >= target
         if reached:
             print0(f"step {self.step}: the target accuracy {target:g} is reached; stopping")
             self.history["target_reached_at"] = self.step

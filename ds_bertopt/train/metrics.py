@@ -115,3 +115,12 @@ def progress_bar(total: int, initial: int, desc: str, is_main: bool, stream=None
     """tqdm on rank 0 when stderr is a terminal; otherwise a disabled bar (plain log lines are printed)."""
     stream = stream or sys.stderr
     return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, disable=not is_main or not stream.isatty())
+
+
+def gather_objects(value) -> list:
+    """Every rank's ``value`` (picklable), in rank order; ``[value]`` without a process group. Collective."""
+    if not torch.distributed.is_initialized():
+        return [value]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, value)
+    return out

@@ -9,7 +9,7 @@
 * :mod:`.memory` — saved-for-backward accounting and step-peak measurement.
 """
 
-from .convert import apply_lora, convert, prepare_model, resolve_targets
+from .convert import apply_lora, convert, prepare_model, resolve_targets, run_from
 from .estimator import RowSelection, budget, row_probabilities, select_rows, weight_gradient
 from .families import FAMILIES, Family, detect
 from .kit import (
@@ -23,13 +23,21 @@ from .kit import (
     apply_kit,
     fuse_gelu_linears,
 )
-from .linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, BatchContext, SampledLinear, install_context
+from .linear import (
+    EXAMPLE_IDS_KWARG,
+    NUM_VALID_ROWS_KWARG,
+    PACKED_INDEX_KWARG,
+    BatchContext,
+    SampledLinear,
+    install_context,
+)
 from .memory import estimate_saving, saved_tensor_bytes
 
 __all__ = [
     "EXAMPLE_IDS_KWARG",
     "FAMILIES",
     "NUM_VALID_ROWS_KWARG",
+    "PACKED_INDEX_KWARG",
     "BatchContext",
     "Bf16InputGelu",
     "CompactDropout",
@@ -51,6 +59,7 @@ __all__ = [
     "install_context",
     "prepare_model",
     "resolve_targets",
+    "run_from",
     "row_probabilities",
     "saved_tensor_bytes",
     "select_rows",

@@ -23,7 +23,8 @@ from ..errors import ConfigError
 from .config import PRESETS
 from .families import GROUPS, Detected, Family, detect, matches, pretrained_base, summarise
 from .kit import OutputSavingLayerNorm, install_recompute, kit_parts, report_coverage, swap_modules
-from .linear import SampledLinear, install_context
+from .linear import SampledLinear, feed_context, install_context
+from .recompute import feed_scope
 
 
 def _auto_groups(model: nn.Module) -> list[str]:
@@ -176,12 +177,51 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
 
-    task = TaskType.SEQ_CLS if hasattr(model, "classifier") else None
+    # the task decides which head PEFT keeps trainable (modules_to_save): classifier, or qa_outputs
+    name = type(model).__name__
+    task = next(
+        (
+            t
+            for suffix, t in (
+                ("ForTokenClassification", TaskType.TOKEN_CLS),
+                ("ForQuestionAnswering", TaskType.QUESTION_ANS),
+            )
+            if name.endswith(suffix)
+        ),
+        TaskType.SEQ_CLS if hasattr(model, "classifier") else None,
+    )
     targets = list(detect(model).family.lora_targets if tuple(lora.targets) == ("auto",) else lora.targets)
     peft_config = PeftLoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type=task
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        task_type=task,
+        modules_to_save=task_head_modules(model) or None,
     )
     return get_peft_model(model, peft_config)
+
+
+def task_head_modules(model: nn.Module) -> list[str]:
+    """The modules a transformers task model adds to its base model, with parameters: they are new (or re-initialised)
+    and must train under LoRA. PEFT's task types keep only their usual names trainable (``classifier``/``score``,
+    ``qa_outputs``), which would leave DistilBERT's ``pre_classifier`` and ModernBERT's ``head`` (and its QA
+    ``classifier``) frozen."""
+    base = getattr(model, "base_model", None)
+    if base is None or base is model:
+        return []
+    return [
+        name for name, child in model.named_children() if child is not base and any(True for _ in child.parameters())
+    ]
+
+
+def run_from(outer: nn.Module, inner: nn.Module) -> None:
+    """Let ``outer`` run the prepared ``inner`` without calling ``inner``'s forward (the unpadded wrappers run its base
+    model on packed rows): ``outer``'s forward brackets what ``inner``'s would, the sampled linears' batch context
+    (:func:`~ds_bertopt.wtacrs.linear.feed_context`) and the recompute scope
+    (:func:`~ds_bertopt.wtacrs.recompute.feed_scope`)."""
+    feed_context(outer, inner)
+    feed_scope(outer, inner)
 
 
 def prepare_model(model: nn.Module, cfg) -> tuple[nn.Module, list[str]]:

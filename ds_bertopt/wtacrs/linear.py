@@ -7,7 +7,10 @@
 * :class:`BatchContext` carries what the layers cannot see themselves: which token rows are padding
   (from the ``attention_mask`` keyword of the model's forward), how many rows are not padding (keyword
   ``wtacrs_num_valid_rows``, a host ``int``), and, for the gradient-norm cache, which examples are in
-  the batch (keyword ``wtacrs_example_ids``); both keywords are removed before the model sees them.
+  the batch (keyword ``wtacrs_example_ids``) and, for a packed (padding-free) row, where each token sits in its
+  example (keyword ``wtacrs_packed_index``: its flat position in ``[examples, longest]``, so the cache keys a packed
+  token by its example and position exactly as a padded one); these keywords are removed before the model sees
+  them.
   :func:`install_context` hooks it onto the root module. It also shares one row selection
   among sampled linears that read the *same* input tensor (q/k/v, or LoRA's A projections of q and
   v): the stored rows are one tensor, saved once, otherwise three selections would store 3k rows.
@@ -48,6 +51,9 @@ def rebind_linear(cls, linear: nn.Module) -> nn.Module:
 
 EXAMPLE_IDS_KWARG = "wtacrs_example_ids"
 """Forward keyword with the batch's example ids (int64 tensor, one per sequence) for the gradient-norm cache."""
+PACKED_INDEX_KWARG = "wtacrs_packed_index"
+"""Forward keyword of a packed row (unpadded models): each token's flat position ``example × width + position`` in
+the padded ``[examples, width]`` layout (``ds_bertopt.data.collate.padded_positions``), for the gradient-norm cache."""
 NUM_VALID_ROWS_KWARG = "wtacrs_num_valid_rows"
 """Forward keyword with the number of non-padding token rows (``int(attention_mask.sum())`` counted on the
 host before the batch moves to the device); sets the budget ``k = ratio · N'`` without a host sync. It
@@ -72,6 +78,9 @@ class BatchContext:
         self.valid: Optional[torch.Tensor] = None
         self.example_ids: Optional[torch.Tensor] = None
         self.num_valid_rows: Optional[int] = None
+        self.packed_index: Optional[torch.Tensor] = None
+        self.packed_width: Optional[int] = None
+        self._layout: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._shared: dict[int, _SharedRows] = {}
 
     def begin(
@@ -79,14 +88,33 @@ class BatchContext:
         attention_mask: Optional[torch.Tensor],
         example_ids: Optional[torch.Tensor],
         num_valid_rows: Optional[int] = None,
+        packed_index: Optional[torch.Tensor] = None,
+        packed_width: Optional[int] = None,
     ) -> None:
+        """``packed_width``: the padded layout's row width ``packed_index`` was made with (``max_seqlen``)."""
         self._shared.clear()
         self.valid = attention_mask.bool() if attention_mask is not None else None
         self.example_ids = example_ids
         self.num_valid_rows = _host_count(num_valid_rows)
+        if packed_index is not None and packed_width is None:
+            raise ValueError(f"{PACKED_INDEX_KWARG}: pass max_seqlen (the width of its padded layout) in the same call")
+        self.packed_index, self.packed_width = packed_index, packed_width
+        self._layout: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def end(self) -> None:
         self._shared.clear()  # the graph keeps what backward needs; drop our references
+
+    def packed_layout(self, x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``(packed index [T], valid [examples, width])`` when ``x`` is the packed row of the example ids (``T``
+        rows), for the cache; the padded layout's mask is built on the device (no host sync)."""
+        index, ids = self.packed_index, self.example_ids
+        if index is None or ids is None or x.numel() // max(x.shape[-1], 1) != index.numel():
+            return None
+        if self._layout is None or self._layout[0].device != x.device:  # once per forward
+            index = index.to(x.device)
+            valid = torch.zeros(ids.numel() * self.packed_width, dtype=torch.bool, device=x.device)
+            self._layout = (index, valid.index_fill_(0, index, True).view(ids.numel(), self.packed_width))
+        return self._layout
 
     def rows_valid(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Per-row padding flags for ``x`` (``B × L × d``) when the mask matches its shape."""
@@ -133,7 +161,9 @@ def _host_count(value) -> Optional[int]:
 def _begin_hook(context: BatchContext, module, args, kwargs):
     example_ids = kwargs.pop(EXAMPLE_IDS_KWARG, None)
     num_valid_rows = kwargs.pop(NUM_VALID_ROWS_KWARG, None)
-    context.begin(kwargs.get("attention_mask"), example_ids, num_valid_rows)
+    packed_index = kwargs.pop(PACKED_INDEX_KWARG, None)
+    width = kwargs.get("max_seqlen")
+    context.begin(kwargs.get("attention_mask"), example_ids, num_valid_rows, packed_index, width and int(width))
     return args, kwargs
 
 
@@ -150,6 +180,19 @@ def install_context(model: nn.Module) -> BatchContext:
         model.register_forward_pre_hook(functools.partial(_begin_hook, context), with_kwargs=True)
         model.register_forward_hook(functools.partial(_end_hook, context), with_kwargs=True)
     return context
+
+
+def feed_context(outer: nn.Module, inner: nn.Module) -> bool:
+    """Let ``outer``'s forward keywords feed the :class:`BatchContext` of ``inner`` (a converted model that ``outer``
+    runs without calling its forward: the unpadded wrapper, ``ds_bertopt.model.heads.UnpaddedTaskModel``). A packed
+    batch has no padding rows: the context gets no mask, and ``wtacrs_num_valid_rows`` is its token count. Returns
+    whether ``inner`` had a context to feed."""
+    context = getattr(inner, "_wtacrs_context", None)
+    if context is None:
+        return False
+    outer.register_forward_pre_hook(functools.partial(_begin_hook, context), with_kwargs=True)
+    outer.register_forward_hook(functools.partial(_end_hook, context), with_kwargs=True)
+    return True
 
 
 class _SampledLinearFn(torch.autograd.Function):
@@ -270,6 +313,11 @@ class SampledLinear(nn.Linear):
             ids = context.example_ids
             scores = self.cache.scores(ids, valid).flatten()
             cache_update = functools.partial(_update_cache, self.cache, ids, valid)
+        packed = context.packed_layout(x) if self.cache is not None and context is not None else None
+        if packed is not None:  # every row real: the cache's scores read at each token's (example, position)
+            index, layout = packed
+            scores = self.cache.scores(context.example_ids, layout).flatten().index_select(0, index)
+            cache_update = functools.partial(_update_packed_cache, self.cache, context.example_ids, layout, index)
         flat_valid = valid.flatten() if valid is not None else None
         p = row_probabilities(rows, flat_valid, scores)
         num_rows = context.budget_rows(x, valid is not None) if context is not None else rows.shape[0]
@@ -292,3 +340,8 @@ class SampledLinear(nn.Linear):
 
 def _update_cache(cache: GradNormCache, example_ids, valid, row_norms):
     cache.update(example_ids, valid, row_norms.reshape(valid.shape))
+
+
+def _update_packed_cache(cache: GradNormCache, example_ids, valid, index, row_norms):
+    padded = row_norms.new_zeros(valid.numel()).index_copy_(0, index, row_norms.reshape(-1).to(row_norms.dtype))
+    cache.update(example_ids, valid, padded.view(valid.shape))

@@ -12,8 +12,14 @@
   RSS — weights, gradients, optimizer state, activations and transients, the CPU analogue of a
   GPU's ``max_memory_allocated``. The model is a checkpoint directory or, for family comparisons,
   a random-init transformers config (``model_config``: ``{"model_type": ..., **config kwargs}``).
+  On CUDA a process holds more than its tensors: the peak is the caching allocator's reserved peak
+  (``max_memory_reserved``) plus what the process holds outside it, its CUDA context and NCCL's buffers
+  (:func:`device_overhead`, measured once per device), so that a budget is compared with what the card must hold.
 * :func:`run_in_child` is the spawn-a-fresh-process helper behind it (production code, no test
-  helpers). The default fine-tuning model is found by ``ds_bertopt.model.local.default_model_dir``.
+  helpers): a child that runs out of memory raises :class:`OutOfMemory` (reported by the child, or a child killed
+  by SIGKILL, as the kernel's out-of-memory killer kills); a child that dies otherwise raises :class:`ChildDied` at
+  once, never after the timeout. The default fine-tuning model is found by
+  ``ds_bertopt.model.local.default_model_dir``.
 """
 
 from __future__ import annotations
@@ -21,20 +27,18 @@ from __future__ import annotations
 import copy
 import functools
 import gc
-import multiprocessing as mp
 import os
 import re
 import time
-import warnings
 from contextlib import ExitStack
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
-from .. import errors
 from ..compat.transformers import TORCH_MODULES
 from ..configlib import load_section
+from ..child import run_in_child
 from .config import WtaCrsConfig
 from .convert import convert, prepare_model
 from .families import detect, matches
@@ -66,7 +70,7 @@ def _category(stack: list[tuple[str, nn.Module]], tensor: torch.Tensor, attentio
 def saved_tensor_bytes(model: nn.Module, batch: dict, autocast_dtype: Optional[torch.dtype] = None) -> dict[str, int]:
     """Bytes saved for backward by one training forward of ``model(**batch)``, by category, plus ``total``."""
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    attention = detect(model).family.attention.module
+    attention = detect(getattr(model, "hf", model)).family.attention.module  # an unpadded wrapper: its HF model
     stack: list[tuple[str, nn.Module]] = []
     seen: dict[int, tuple[str, int]] = {}
 
@@ -239,17 +243,23 @@ def peak_unmeasurable(device_type: str) -> Optional[str]:
     return f"no peak-memory counter for {device_type!r} (CPU RSS on Linux and CUDA are measured)"
 
 
+def sequence_classification(spec: dict) -> tuple[nn.Module, Callable[[int, int, int], dict]]:
+    """The default ``spec["build"]``: ``(model, make_batch)``, :func:`load_variant`'s model and
+    :func:`synthetic_batch`'s padded batches; ``make_batch(sequences, seq, seed)``."""
+    num_labels = spec.get("num_labels", 2)
+    model = load_variant(
+        spec.get("model"), spec.get("wtacrs", {}), num_labels, spec.get("seed", 0), spec.get("model_config")
+    )
+    vocab = model.config.vocab_size if hasattr(model, "config") else 30522
+    return model, lambda sequences, seq, seed: synthetic_batch(sequences, seq, vocab, seed, num_labels)
+
+
 def _prepared(spec: dict):
-    """The model, optimizer, autocast dtype, device and vocabulary of a measured run (``spec``: see
+    """The model, optimizer, autocast dtype, device and batch maker of a measured run (``spec``: see
     :func:`measure_step`)."""
     device = torch.device(spec.get("device", "cpu"))
-    model = load_variant(
-        spec.get("model"),
-        spec.get("wtacrs", {}),
-        seed=spec.get("seed", 0),
-        model_config=spec.get("model_config"),
-        num_labels=spec.get("num_labels", 2),
-    ).to(device)
+    model, make_batch = (spec.get("build") or sequence_classification)(spec)
+    model = model.to(device)
     dtype = PRECISIONS[spec.get("precision", "fp32")]
     trainable = [p for p in model.parameters() if p.requires_grad]
     if dtype == torch.float32:
@@ -258,12 +268,11 @@ def _prepared(spec: dict):
         model.to(dtype)  # the engine's bf16/fp16 mode: the whole module in that dtype
         optimizer = MasterAdamW(trainable, lr=1e-5)
     autocast = torch.bfloat16 if spec.get("bf16_autocast") else None
-    vocab = model.config.vocab_size if hasattr(model, "config") else 30522
-    return model, optimizer, autocast, device, vocab
+    return model, optimizer, autocast, device, make_batch
 
 
 def _on(batch: dict, device: torch.device) -> dict:
-    return {key: value.to(device) for key, value in batch.items()}
+    return {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
 
 
 def _sync(device: torch.device) -> None:
@@ -277,23 +286,27 @@ def measure_step(spec: dict) -> dict[str, Any]:
     ``spec``: ``model`` (dir) or ``model_config`` (random init, see :func:`build_model`), ``wtacrs``
     (config dict), ``batch``, ``seq``, ``precision`` (``fp32``/``bf16``/``fp16`` weights, :data:`PRECISIONS`),
     ``bf16_autocast`` (bool), ``device`` (``cpu``: RSS above the bare interpreter; ``cuda``:
-    ``max_memory_allocated``, weights included), ``threads``, ``seed``, ``num_labels``.
+    ``max_memory_reserved``, weights included, to which :func:`measure_step_in_child` adds
+    :func:`device_overhead`), ``threads``, ``seed``, ``num_labels``; ``build``: a module-level
+    ``spec -> (model, make_batch)`` (default :func:`sequence_classification`;
+    ``ds_bertopt.train.finetune_memory.task_variant`` takes ``task`` and ``packed``: any fine-tuning task, padded or
+    packed rows of ``batch`` sequences of ``seq`` tokens).
     """
     torch.set_num_threads(int(spec.get("threads", 1)))
     import transformers  # noqa: F401  - import cost belongs to the baseline, not the step
 
     gc.collect()
     runtime_kib = _proc_status_kib("VmRSS")
-    model, optimizer, dtype, device, vocab = _prepared(spec)
+    model, optimizer, dtype, device, make_batch = _prepared(spec)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    warm = _on(synthetic_batch(2, min(16, spec["seq"]), vocab, seed=1), device)
+    warm = _on(make_batch(2, min(16, spec["seq"]), 1), device)
     train_step(model, optimizer, warm, dtype)
-    batch = _on(synthetic_batch(spec["batch"], spec["seq"], vocab, seed=spec.get("seed", 0)), device)
+    batch = _on(make_batch(spec["batch"], spec["seq"], spec.get("seed", 0)), device)
     gc.collect()
     resident_kib = _proc_status_kib("VmRSS")
     if device.type == "cuda":
         _sync(device)
-        resident = torch.cuda.memory_allocated(device)
+        resident = torch.cuda.memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
         exact_peak = True
     else:
@@ -302,8 +315,10 @@ def measure_step(spec: dict) -> dict[str, Any]:
     train_step(model, optimizer, batch, dtype)
     _sync(device)
     step_s = time.perf_counter() - start
-    if device.type == "cuda":
-        step_peak, resident_before = torch.cuda.max_memory_allocated(device), resident
+    allocated_peak = None
+    if device.type == "cuda":  # what the allocator held (its cache included); the context: device_overhead
+        step_peak, resident_before = torch.cuda.max_memory_reserved(device), resident
+        allocated_peak = torch.cuda.max_memory_allocated(device)
     else:
         peak_kib = _proc_status_kib("VmHWM")
         step_peak, resident_before = (peak_kib - runtime_kib) * 1024, (resident_kib - runtime_kib) * 1024
@@ -311,6 +326,7 @@ def measure_step(spec: dict) -> dict[str, Any]:
     flops = step_flops(model, optimizer, batch, dtype) if spec.get("flops") else None
     return {
         "step_peak": step_peak,
+        "allocated_peak": allocated_peak,
         "resident_before": resident_before,
         "process_peak": _proc_status_kib("VmHWM") * 1024,
         "runtime": runtime_kib * 1024,
@@ -356,8 +372,8 @@ def step_fn(spec: dict) -> Callable[[], None]:
     """One training step (forward, backward, optimizer) of ``spec``'s setup (as :func:`measure_step`; ``batch`` ×
     ``seq`` random tokens) as a function of nothing that returns nothing (so ``testing.measure.interleaved`` times
     it); the model, optimizer and batch are built once, here."""
-    model, optimizer, dtype, device, vocab = _prepared(spec)
-    batch = _on(synthetic_batch(spec["batch"], spec["seq"], vocab, seed=spec.get("seed", 0)), device)
+    model, optimizer, dtype, device, make_batch = _prepared(spec)
+    batch = _on(make_batch(spec["batch"], spec["seq"], spec.get("seed", 0)), device)
 
     def step() -> None:
         train_step(model, optimizer, batch, dtype)  # its loss.item() waits for the device
@@ -371,57 +387,55 @@ def time_steps_in_child(spec: dict, timeout: float = 1800) -> dict[str, Any]:
     return run_in_child(time_steps, spec, env={"OMP_NUM_THREADS": str(spec.get("threads", 1))}, timeout=timeout)
 
 
-def _child_entry(queue, fn: Callable, args: tuple) -> None:
-    # a child's stderr is the user's terminal: transformers' own deprecation notices (its checkpointing calls
-    # is_gradient_checkpointing) would print once per measured setup
-    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-    try:
-        queue.put(("ok", fn(*args)))
-    except errors.BertOptError as exc:  # bad input (a target matching nothing, ...): the parent says it in one line
-        queue.put((type(exc).__name__, str(exc)))
-    except BaseException as exc:  # report, never hang the parent
-        queue.put(("error", f"{type(exc).__name__}: {exc}"))
-
-
-def run_in_child(fn: Callable, *args, env: Optional[Mapping[str, str]] = None, timeout: float = 900):
-    """``fn(*args)`` in a fresh spawned process (``fn`` importable, module-level); return its result.
-
-    ``env`` entries are set in the child's environment before it starts (e.g. the malloc setting that
-    lets RSS follow live tensors). A :class:`~ds_bertopt.errors.BertOptError` in the child is raised again, same
-    class and one line; any other failure raises ``RuntimeError`` with its message.
-    """
-    ctx = mp.get_context("spawn")
-    saved = {key: os.environ.get(key) for key in (env or {})}
-    os.environ.update(env or {})
-    try:
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_child_entry, args=(queue, fn, args))
-        proc.start()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    try:
-        status, result = queue.get(timeout=timeout)
-    finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-    if status == "ok":
-        return result
-    user_error = getattr(errors, status, None)
-    if isinstance(user_error, type) and issubclass(user_error, errors.BertOptError):
-        raise user_error(result)
-    raise RuntimeError(f"child failed: {result}")
-
-
 def measure_step_in_child(spec: dict, timeout: float = 900) -> dict[str, Any]:
-    """:func:`measure_step` in a fresh spawned process with the mmap-threshold malloc setting."""
+    """:func:`measure_step` in a fresh spawned process with the mmap-threshold malloc setting; on CUDA its
+    ``step_peak`` is what the process held: the allocator's reserved peak plus :func:`device_overhead`. Raises
+    :class:`OutOfMemory` when the step did not fit."""
     env = dict(MALLOC_ENV)
     env.setdefault("OMP_NUM_THREADS", str(spec.get("threads", 1)))
-    return run_in_child(measure_step, spec, env=env, timeout=timeout)
+    result = run_in_child(measure_step, spec, env=env, timeout=timeout)
+    result["overhead"] = device_overhead(spec.get("device", "cpu"))
+    result["step_peak"] += result["overhead"]
+    return result
+
+
+def device_overhead_in_process(device: str) -> dict[str, Any]:
+    """Child-process entry: what a training process holds on ``device`` outside the caching allocator once its CUDA
+    context exists (the kernels' modules, the cuBLAS workspace of one matmul) and NCCL has its buffers (a one-rank
+    process group and one all-reduce). The device's memory in use is read before the context exists (NVML, through
+    ``torch.cuda.device_memory_used``, which creates none) and after; without NVML all of the device's used memory
+    counts (other processes' too: the budget then errs on the safe side)."""
+    import torch.distributed as torch_dist
+
+    index = torch.device(device).index or 0
+    try:
+        before = torch.cuda.device_memory_used(index)
+    except Exception:  # noqa: BLE001 - pynvml missing or NVML unusable: the whole device's use counts
+        before = None
+    torch.cuda.set_device(index)
+    x = torch.ones(64, 64, device=index)
+    (x @ x).sum().item()
+    if torch_dist.is_nccl_available():
+        torch_dist.init_process_group(
+            "nccl", store=torch_dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", index)
+        )
+        torch_dist.all_reduce(x)
+        torch.cuda.synchronize(index)
+    free, total = torch.cuda.mem_get_info(index)
+    used = total - free if before is None else torch.cuda.device_memory_used(index) - before
+    overhead = max(0, used - torch.cuda.memory_reserved(index))
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+    return {"overhead": overhead, "nvml": before is not None}
+
+
+@functools.lru_cache(maxsize=None)
+def device_overhead(device: str) -> int:
+    """Bytes a process holds on ``device`` besides the memory its allocator reserved (0 on the CPU, whose peak is RSS
+    above the bare interpreter), measured once per device, in a fresh child."""
+    if torch.device(device).type != "cuda":
+        return 0
+    return int(run_in_child(device_overhead_in_process, device, timeout=300)["overhead"])
 
 
 KIT_PARTS = {

@@ -269,18 +269,31 @@ def install_scope(model: nn.Module) -> RecomputeScope:
         check_supported()
         scope = RecomputeScope()
         object.__setattr__(model, "_wtacrs_recompute", scope)  # not a submodule, not in state_dict
-
-        def begin(module, args, kwargs):
-            if module.training:
-                scope.begin()
-
-        def end(module, args, kwargs, output):
-            scope.end()
-
-        # prepend: our pair must be active before any other pre-hook runs the model's own code
-        model.register_forward_pre_hook(begin, with_kwargs=True, prepend=True)
-        model.register_forward_hook(end, with_kwargs=True, always_call=True)
+        _bracket(model, scope)
     return scope
+
+
+def feed_scope(outer: nn.Module, inner: nn.Module) -> bool:
+    """Let ``outer``'s training forwards bracket the :class:`RecomputeScope` of ``inner`` (a converted model that
+    ``outer`` runs without calling its forward: the unpadded wrappers of ``ds_bertopt.model``); without it no producer
+    would be recorded. Returns whether ``inner`` had a scope."""
+    scope = getattr(inner, "_wtacrs_recompute", None)
+    if scope is not None:
+        _bracket(outer, scope)
+    return scope is not None
+
+
+def _bracket(model: nn.Module, scope: RecomputeScope) -> None:
+    def begin(module, args, kwargs):
+        if module.training:
+            scope.begin()
+
+    def end(module, args, kwargs, output):
+        scope.end()
+
+    # prepend: our pair must be active before any other pre-hook runs the model's own code
+    model.register_forward_pre_hook(begin, with_kwargs=True, prepend=True)
+    model.register_forward_hook(end, with_kwargs=True, always_call=True)
 
 
 def record_outputs_of(model: nn.Module, scope: RecomputeScope, names: list[str]) -> tuple[list[str], list[str]]:

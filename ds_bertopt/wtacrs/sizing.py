@@ -7,7 +7,8 @@ config as one candidate sees it). Glue: :func:`measure` (peak and step time of o
 through :mod:`ds_bertopt.wtacrs.memory`) and :func:`resolve_auto` (``wtacrs.preset: "auto"`` at start-up).
 
 "Fastest" is sequences per second at the setup's own batch; at one fixed micro-batch (the training run's) that
-is the shortest step. A peak *fits* when it is at most the budget.
+is the shortest step. A peak *fits* when it is at most the budget; a step that ran out of memory has an infinite
+peak (over every budget), and the search goes on below it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Callable, Optional
 
 from ..configlib import load_section
 from ..errors import ConfigError
+from ..handoff import Work, job_store, wait_for
+from ..log import print_all
 from .config import KIT_DEFAULTS, WTACRS_DEFAULTS, KitConfig, WtaCrsConfig
 
 GiB = 1024**3
@@ -32,8 +35,8 @@ class Measured:
     """Its name (``full``, ``preset exact``, …)."""
     batch: int
     """Micro-batch (sequences); 0 when not even one sequence fits."""
-    peak: int
-    """Whole-step peak in bytes (see :func:`ds_bertopt.wtacrs.memory.measure_step`)."""
+    peak: float
+    """Whole-step peak in bytes (see :func:`ds_bertopt.wtacrs.memory.measure_step`); ``inf``: ran out of memory."""
     step_s: float
     """Median seconds per training step at ``batch`` (``inf`` when not measured)."""
 
@@ -57,21 +60,22 @@ def fit_largest_batch(points: dict[int, int], budget: float) -> tuple[int, float
 
 
 def largest_fitting_batch(
-    peak_at: Callable[[int], int], budget: float, probe: int, max_batch: int, tries: int = 4
-) -> tuple[int, dict[int, int]]:
+    peak_at: Callable[[int], float], budget: float, probe: int, max_batch: int, tries: int = 4
+) -> tuple[int, dict[int, float]]:
     """The largest micro-batch ``≤ max_batch`` whose *measured* peak fits ``budget``, and every peak measured.
 
     Peaks at ``probe // 2`` and ``probe`` start it. Then, ``tries`` times at most: while no measured batch above
     the largest that fits is over the budget, the line through the two largest measured batches is extrapolated
     (a line that does not rise, as RSS noise at small batches can make it, tries ``max_batch``); once one is
-    over, the line through the bracket (the largest that fits, the smallest over it) is interpolated. Each guess
-    is measured. Returns ``(0, peaks)`` when even a batch of 1 does not fit.
+    over, the line through the bracket (the largest that fits, the smallest over it) is interpolated, or halved when
+    its top ran out of memory (an infinite peak: no line goes through it). Each guess is measured. Returns
+    ``(0, peaks)`` when even a batch of 1 does not fit.
     """
-    peaks: dict[int, int] = {}
+    peaks: dict[int, float] = {}
 
     def measure(batch: int) -> None:
         if batch not in peaks:
-            peaks[batch] = int(peak_at(batch))
+            peaks[batch] = float(peak_at(batch))
 
     def largest_fitting() -> int:
         return max((b for b, p in peaks.items() if p <= budget and b <= max_batch), default=0)
@@ -91,8 +95,11 @@ def largest_fitting_batch(
             break
         else:  # bracketed (with nothing fitting yet: by the two smallest measured)
             pair = (best, over) if best else sorted(peaks)[:2]
-            line, slope, _ = fit_largest_batch({b: peaks[b] for b in pair}, budget)
-            guess = max(1, min(over - 1, line)) if slope > 0 else max(1, best)
+            if all(math.isfinite(peaks[b]) for b in pair):
+                line, slope, _ = fit_largest_batch({b: peaks[b] for b in pair}, budget)
+                guess = max(1, min(over - 1, line)) if slope > 0 else max(1, best)
+            else:  # the step ran out of memory there
+                guess = max(1, (best + over) // 2)
         if guess <= best or guess in peaks:
             break
         measure(guess)
@@ -105,9 +112,13 @@ def choose(measured: list[Measured], budget: float) -> Measured:
     fitting = [m for m in measured if m.batch > 0 and m.peak <= budget]
     if not fitting:
         smallest = min(measured, key=lambda m: m.peak)
+        found = (
+            f"the smallest peak is {smallest.setup}'s {smallest.peak / GiB:.2f} GiB at batch {max(smallest.batch, 1)}"
+            if math.isfinite(smallest.peak)
+            else f"every setup ran out of memory (at batch {max(smallest.batch, 1)} at the least)"
+        )
         raise ConfigError(
-            f"memory budget {budget / GiB:.2f} GiB: no setup fits; the smallest peak is {smallest.setup}'s "
-            f"{smallest.peak / GiB:.2f} GiB at batch {max(smallest.batch, 1)} (raise the budget, shorten the "
+            f"memory budget {budget / GiB:.2f} GiB: no setup fits; {found} (raise the budget, shorten the "
             f"sequences or lower the micro-batch)"
         )
     return max(fitting, key=lambda m: (m.rate, -measured.index(m)))
@@ -117,7 +128,8 @@ def describe(m: Measured, budget: float) -> str:
     """``"preset exact: batch 64, peak 1.23 GiB (fits 2.00), 0.412 s/step, 155.3 sequences/s"``."""
     verdict = "fits" if m.peak <= budget else "over"
     speed = f"{m.step_s:.3f} s/step, {m.rate:.1f} sequences/s" if math.isfinite(m.step_s) else "not timed"
-    return f"{m.setup}: batch {m.batch}, peak {m.peak / GiB:.2f} GiB ({verdict} {budget / GiB:.2f}), {speed}"
+    peak = f"peak {m.peak / GiB:.2f} GiB" if math.isfinite(m.peak) else "out of memory"
+    return f"{m.setup}: batch {max(m.batch, 1)}, {peak} ({verdict} {budget / GiB:.2f}), {speed}"
 
 
 def recommendation(chosen: Measured, measured: list[Measured], budget: float) -> str:
@@ -183,11 +195,16 @@ def measure(
 ) -> Measured:
     """``setup`` (``spec["wtacrs"]``) measured in fresh children: at ``batch`` when given (the run's micro-batch),
     else at the largest batch ``≤ max_batch`` that fits (:func:`largest_fitting_batch` from ``probe``); then the
-    median of ``steps`` timed steps there (default allocator, one warm-up). Not timed when it does not fit."""
+    median of ``steps`` timed steps there (default allocator, one warm-up). Not timed when it does not fit; a batch
+    whose child runs out of memory is over the budget."""
+    from ..child import OutOfMemory
     from .memory import measure_step_in_child, time_steps_in_child
 
-    def peak_at(b: int) -> int:
-        return measure_step_in_child({**spec, "batch": b})["step_peak"]
+    def peak_at(b: int) -> float:
+        try:
+            return measure_step_in_child({**spec, "batch": b})["step_peak"]
+        except OutOfMemory:
+            return math.inf
 
     if batch is not None:
         found, peaks = batch, {batch: peak_at(batch)}
@@ -197,7 +214,10 @@ def measure(
         return Measured(setup, 0, min(peaks.values()), math.inf)
     if peaks[found] > budget:
         return Measured(setup, found, peaks[found], math.inf)
-    times = time_steps_in_child({**spec, "batch": found, "steps": steps, "warmup": 1})["step_s"]
+    try:
+        times = time_steps_in_child({**spec, "batch": found, "steps": steps, "warmup": 1})["step_s"]
+    except OutOfMemory:  # the default allocator's layout did not fit where the measured one did
+        return Measured(setup, found, math.inf, math.inf)
     return Measured(setup, found, peaks[found], statistics.median(times))
 
 
@@ -212,15 +232,22 @@ def resolve_auto(
     num_labels: int = 2,
     threads: int = 1,
     search_batch: bool = False,
+    stale_s: float = 120.0,
+    task: Optional[dict] = None,
 ) -> tuple[WtaCrsConfig, int, list[str]]:
     """``cfg`` with ``preset: "auto"`` replaced by the fastest of its ``auto_candidates`` that fits
     ``memory_budget``; returns ``(config, micro-batch, log lines)``. Any other ``cfg`` comes back as it is.
+    ``task``: what the run trains, as :func:`~ds_bertopt.wtacrs.memory.measure_step` builds it (``build``, ``task``,
+    ``packed``: e.g. ``ds_bertopt.train.finetune_memory.task_variant`` on packed rows of ``batch`` sequences of
+    ``seq`` tokens); default: sequence classification, padded.
 
     Each candidate is measured at ``batch`` × ``seq`` in ``precision`` on ``device`` (fresh children; minutes on a
     CPU). With ``search_batch`` (``TrainingArguments.auto_find_batch_size``) each gets the largest batch up to
     ``batch`` that fits, and the fastest in sequences per second wins. Under ``torch.distributed`` rank 0
-    measures and every rank takes its choice. One-line :class:`~ds_bertopt.errors.ConfigError`: a device whose
-    peak cannot be measured here, a budget nothing fits.
+    measures and every rank takes its choice, waiting on the job's store (:mod:`ds_bertopt.handoff`: no collective
+    timeout, a progress line every 30 s, rank 0's error on every rank; rank 0 silent for ``stale_s`` is given up).
+    One-line :class:`~ds_bertopt.errors.ConfigError`: a device whose peak cannot be measured here, a budget nothing
+    fits.
     """
     if cfg.preset != "auto":
         return cfg, batch, []
@@ -234,25 +261,30 @@ def resolve_auto(
         raise ConfigError(
             f"wtacrs.memory_budget: cannot measure peak memory on {device}: {why}; set wtacrs.preset yourself"
         )
-    shared = torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1
-    outcome: list = [None]
-    if not shared or torch_dist.get_rank() == 0:
-        try:
-            outcome[0] = _measure_candidates(
-                cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch
-            )
-        except ConfigError as exc:
-            outcome[0] = exc
-    if shared:
-        torch_dist.broadcast_object_list(outcome, src=0)
-    if isinstance(outcome[0], ConfigError):
-        raise ConfigError(str(outcome[0]))
-    name, found, lines = outcome[0]
+    args = (cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch, task or {})
+    if not (torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1):
+        name, found, lines = _measure_candidates(*args)
+    else:  # rank 0 measures (minutes); the others wait on the store, where no collective timeout applies
+        _AUTO_CALLS.append(len(_AUTO_CALLS))  # every rank makes the same calls: each has its own keys
+        work_name = f"wtacrs/auto{_AUTO_CALLS[-1]}"
+        labels = {work_name: "rank 0's wtacrs preset auto measurement"}
+        if torch_dist.get_rank() == 0:
+            with Work(job_store(), work_name, labels[work_name]) as work:
+                name, found, lines = _measure_candidates(*args, progress=work)
+                work.finish([name, found, lines])
+        else:
+            say = print_all if torch_dist.get_rank() == 1 else None
+            name, found, lines = wait_for(job_store(), [work_name], labels, stale_s=stale_s, say=say)[work_name]
     chosen = load_section(WtaCrsConfig, candidate_config(cfg, name), "wtacrs")
     return chosen, found, lines
 
 
-def _measure_candidates(cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch):
+_AUTO_CALLS: list[int] = []
+
+
+def _measure_candidates(
+    cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch, task, progress=None
+):
     base = {
         "model": model_dir,
         "seq": seq,
@@ -260,8 +292,11 @@ def _measure_candidates(cfg, budget, model_dir, batch, seq, precision, device, n
         "device": device,
         "num_labels": num_labels,
         "threads": threads,
+        **task,
     }
     results = []
+    if progress is not None:
+        progress.stage("measuring the candidates", total=len(cfg.auto_candidates), unit="candidates")
     for name in cfg.auto_candidates:
         spec = {**base, "wtacrs": candidate_config(cfg, name)}
         label = CANDIDATE_LABELS.get(name, f"preset {name}")
@@ -269,8 +304,13 @@ def _measure_candidates(cfg, budget, model_dir, batch, seq, precision, device, n
             results.append(measure(spec, label, budget, probe=batch, max_batch=batch))
         else:
             results.append(measure(spec, label, budget, batch=batch))
+        if progress is not None:
+            progress.advance()
     shape = f"up to batch {batch}" if search_batch else f"batch {batch}"
-    lines = [f"wtacrs: preset auto, memory budget {cfg.memory_budget} GiB: measured {shape} × seq {seq}, {precision}"]
+    what = f", {task.get('task', 'classification').replace('_', ' ')}" + (", packed rows" if task.get("packed") else "")
+    lines = [
+        f"wtacrs: preset auto, memory budget {cfg.memory_budget} GiB: measured {shape} × seq {seq}{what}, {precision}"
+    ]
     lines += [f"wtacrs: preset auto: {describe(m, budget)}" for m in results]
     chosen = choose(results, budget)
     name = cfg.auto_candidates[results.index(chosen)]

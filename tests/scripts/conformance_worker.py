@@ -21,7 +21,7 @@ from ds_bertopt.configlib import load_section
 from ds_bertopt.dist import Topology
 from ds_bertopt.dsconfig import optimizer_offload
 from ds_bertopt.engine import initialize, prepare_deepspeed_config
-from ds_bertopt.testing.gpu_paths import Row, cuda_optimizer_choice
+from ds_bertopt.testing.gpu_paths import Row, cuda_optimizer_choice, gradient_part
 from ds_bertopt.train import checkpoint
 
 VOCAB, SEQ, MICRO = 64, 12, 2
@@ -67,7 +67,7 @@ def build(row: Row, world: int, device_type: str):
     run = row_config(row, device_type, world)
     model = tiny_bert()
     # on a CUDA host ds_bertopt.optim chooses by itself; on the CPU it is made to choose as there
-    with cuda_optimizer_choice() if device_type == "cpu" else contextlib.nullcontext():
+    with cuda_optimizer_choice(apex=row.apex) if device_type == "cpu" else contextlib.nullcontext():
         optimizer, scheduler = optim.build(
             model,
             run.bertopt,
@@ -109,14 +109,15 @@ def run_row(rank: int, world: int, row: Row, workdir: str, device_type: str = "c
     clip = getattr(engine, "bucket_clip", None)
     if clip is not None:
         result["clip_coefficients"] = [float(c) for c in clip.last_coefficients if c is not None]
-    if row.optimizer == "lamb":
-        lamb = engine.basic_optimizer
+    lamb = engine.basic_optimizer
+    if row.optimizer == "lamb" and hasattr(lamb, "last_trust_ratios"):  # ours (apex's FusedLAMB keeps neither)
         result["lamb_layouts"] = len(lamb._layouts)
         result["lamb_ratios"] = [float(x) for r in lamb.last_trust_ratios for x in r.flatten()]
     checkpoint.save(engine, out, 1, {"step": 1, "world_size": world}, topo, keep_last=2)
     result["step2_applied"] = train_step(engine, rank, 2)
     after_step2 = full_params(engine)
     result["moved"] = max_difference(after_step2, initial)
+    result["moved_by_gradients"] = gradient_part(initial, after_step2)
     result["nan_applied"] = train_step(engine, rank, 3, poison=True)
     result["changed_by_nan_step"] = max_difference(full_params(engine), after_step2)
     result["recovered_applied"] = train_step(engine, rank, 4)

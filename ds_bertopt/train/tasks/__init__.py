@@ -13,12 +13,24 @@ fine-tuning, and nothing else. A task is an object with:
   (a :class:`~ds_bertopt.data.identity.DataFingerprint`) what the ranks compare and checkpoints keep;
 * ``collate(indices, epoch=, step=, micro=) -> batch`` (host tensors plus the ints ``num_tokens`` and
   ``num_targets``; runs in DataLoader workers), ``loss(engine, batch, normalizer) -> (loss, mean loss)``;
-* ``evaluate(engine, topo, seed) -> dict``, ``eval_line``, ``describe_model``, ``save_final``, ``done_line``.
+* ``evaluate(engine, topo, seed) -> dict``, ``eval_line``, ``describe_model``, ``save_final``, ``done_line``;
+  optionally ``target_metric``, the key of ``evaluate``'s result that ``train.target_eval_accuracy`` compares
+  (default ``eval_accuracy``).
 """
 
-from .finetune import FinetuneTask
-from .pretrain import PretrainTask
+import importlib
 
-TASKS = {"pretrain": PretrainTask, "finetune": FinetuneTask}
+_MODULES = {"PretrainTask": "pretrain", "FinetuneTask": "finetune"}
+"""Each task is imported when first named, so a run imports only its own (fine-tuning's imports cost seconds of
+a pretraining start)."""
+
+
+def __getattr__(name: str):
+    if name == "TASKS":
+        return {"pretrain": __getattr__("PretrainTask"), "finetune": __getattr__("FinetuneTask")}
+    if name in _MODULES:
+        return getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["FinetuneTask", "PretrainTask", "TASKS"]

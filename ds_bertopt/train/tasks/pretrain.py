@@ -12,7 +12,6 @@ import dataclasses
 import os
 from typing import Optional
 
-import numpy as np
 import torch
 
 from ...config import RunConfig
@@ -90,19 +89,20 @@ class PretrainTask:
         for line in lines:
             print0(line)
         b = self.b = dataclasses.replace(b, model=model_cfg, data=data_cfg)
-        self.data = build_pretrain_data(b, local_rank=topo.local_rank, distributed=topo.world_size > 1)
+        self.data = build_pretrain_data(b, topo)  # collective, with no timeout on the build (ds_bertopt.handoff)
         self.rank, self.seed, self.nsp = topo.rank, b.train.seed, b.model.objective == "mlm_nsp"
         self.micro = cfg.deepspeed["train_micro_batch_size_per_gpu"]
         lengths = self.lengths = self.data.lengths
         self.fingerprint = self.data.fingerprint
         skipped = f"; {self.data.skipped.line()}" if self.data.skipped.count else ""
+        print0(f"data: {self.data.opened}")
         print0(
             f"corpus: {self.data.source}: {len(self.data.train)} training sequences (mean length "
             f"{lengths.mean():.1f}, max {lengths.max()}), {len(self.data.eval)} held out; "
             f"vocabulary {len(self.data.tokenizer)}{skipped}"
         )
-        eval_lengths = np.asarray(self.data.eval["length"])
         specials = special_token_count(self.nsp)
+        eval_lengths = self.data.eval_lengths
         for line in length_warnings(lengths, eval_lengths, b.data.max_seq_length, b.data.mlm_probability, specials):
             print0(line)
         collator = PackedMLMCollator if b.model.unpadded else MLMCollator

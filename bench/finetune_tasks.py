@@ -1,0 +1,372 @@
+"""Fine-tuning tasks, ours unpadded vs transformers' ``Trainer`` padded: BoolQ (sentence pairs), Twitter NER,
+SQuAD-style QA. MiniLM-L6, 2 ranks (the ``deepspeed`` launcher, one thread each), fp32, ZeRO 0 (``--zero``).
+
+    flock /tmp/ds_heavy.lock .venv/bin/python bench/finetune_tasks.py            # full: about 2 hours on 2 AVX2 cores
+    .venv/bin/python bench/finetune_tasks.py --quick                              # subsets: about 10 minutes
+
+Every contender is ``examples/run_glue.py`` / ``run_ner.py`` / ``run_qa.py`` run by ``bench/finetune_tasks_run.py``:
+**ours** is the script as written (``BertOptTrainer``, ``"bertopt": {"model": {"unpadded": true}, "sampler":
+{"strategy": "packed_node_balance"}}``: packed rows, micro-batches of equal cost), **HF** the same script with
+``Trainer`` (the stock script: dynamic padding for BoolQ and NER, ``run_qa``'s ``pad_to_max_length`` for QA; ``HF
+group_by_length`` adds ``train_sampling_strategy="group_by_length"``). Same data, hyper-parameters, seed and
+micro-batch (16 examples per rank; NER 32: tweets are short, and at 16 the step's fixed costs, the optimizer and the
+gradient all-reduce of 22.7M parameters, hide what padding costs). The contenders of a task run one after another,
+alternating ours and theirs; NER runs ``--ner-seeds`` (two) and averages its scores.
+
+* **speed**: examples (NER: real tokens) per second of training, from the wall time of every optimizer step
+  (loading and collating included); the run after its first step is cut into 10 consecutive windows and the figure is
+  the median of the windows' rates (the ratio lines: the ratio of the medians). MFU = model FLOPs on the real tokens
+  / time / the GEMM peak (``bench/mfu.py``'s, one thread, times 2 ranks) measured in the same run.
+* **peak** (the targets): one training step on the same random batches of 16 BoolQ training examples (5; their real
+  lengths, padded to the longest or packed), each setup in a fresh child as ``ds-bertopt memory`` measures it: RSS
+  above the bare interpreter with the mmap-threshold allocator (weights, gradients, AdamW state, activations); the
+  median of the per-batch ratios. Also printed, without a target: each training process's RSS high-water mark during
+  the epoch above its RSS after its imports, the larger rank (it also holds what loading the data and model left in
+  the allocator, the same for every contender).
+* **scores**: after training, on the dev files (BoolQ accuracy, entity F1 with seqeval semantics) or on the questions
+  held out of ``disfl_qa.jsonl`` (20 %, fixed split; EM and F1 by the SQuAD v2 rules). BoolQ runs one seed: accuracy
+  on 1,640 dev questions has a standard error near 1.2 points, more than the 0.5-point target resolves; NER's F1 on
+  300 dev tweets moves by points from seed to seed.
+
+``--boolq-train N`` trains BoolQ on the first N training examples (the same for every contender; the output says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import FIGURES, ROOT, SUMMARY, cpu_env, deepspeed_launcher, say, status  # noqa: E402
+from _cpu import cpu_kind  # noqa: E402
+
+SHARED = ROOT.parent / "shared" / "data"
+OURS = {"model": {"unpadded": True}, "sampler": {"strategy": "packed_node_balance"}}
+BALANCED = {**OURS, "wtacrs": {"preset": "balanced"}}
+CONTENDERS = {  # name -> (trainer, bertopt section or None, extra script arguments)
+    "HF padded": ("hf", None, []),
+    "ours unpadded": ("ours", OURS, []),
+    "HF group_by_length": ("hf", None, ["--train_sampling_strategy", "group_by_length"]),
+    "ours + preset balanced": ("ours", BALANCED, []),
+}
+COMMON = [
+    "--per_device_eval_batch_size", "64", "--seed", "42", "--report_to", "none",
+    "--save_strategy", "no", "--disable_tqdm", "true", "--logging_steps", "1000000", "--weight_decay", "0.01",
+    "--warmup_steps", "0.1",
+]  # fmt: skip
+WINDOWS = 10
+MINILM = dict(hidden=384, ffn=1536, layers=6)
+
+
+def task_arguments(task: str, quick: bool, boolq_train: int | None) -> list[str]:
+    if task == "glue":
+        args = [
+            "--train_file", str(SHARED / "boolq" / "train.csv"), "--validation_file", str(SHARED / "boolq" / "dev.csv"),
+            "--sentence1_key", "question", "--sentence2_key", "passage", "--max_seq_length", "256",
+            "--pad_to_max_length", "false", "--num_train_epochs", "1", "--learning_rate", "3e-5",
+            "--per_device_train_batch_size", "16",
+        ]  # fmt: skip
+        if quick or boolq_train:
+            args += ["--max_train_samples", str(boolq_train or 384)]
+        return args + (["--max_eval_samples", "256"] if quick else [])
+    if task == "ner":
+        args = [
+            "--train_file", str(SHARED / "ner" / "train.conll"), "--validation_file", str(SHARED / "ner" / "dev.conll"),
+            "--max_seq_length", "128", "--num_train_epochs", "1" if quick else "5", "--learning_rate", "1e-4",
+            "--per_device_train_batch_size", "32",
+        ]  # fmt: skip
+        return args + (["--max_train_samples", "480"] if quick else [])
+    args = [
+        "--train_file", str(SHARED / "qa" / "disfl_qa.jsonl"), "--validation_split_percentage", "20",
+        "--version_2_with_negative", "true", "--max_seq_length", "384", "--doc_stride", "128",
+        "--num_train_epochs", "1" if quick else "2", "--learning_rate", "5e-5", "--per_device_train_batch_size", "16",
+    ]  # fmt: skip
+    return args + (["--max_train_samples", "192", "--max_eval_samples", "64"] if quick else [])
+
+
+def run(task: str, name: str, work: Path, script_args: list[str], seed: int, stage: int) -> dict:
+    """One contender under the deepspeed launcher; its ranks' measurements, merged."""
+    trainer, section, extra = CONTENDERS[name]
+    out = work / f"{task}_{name.replace(' ', '_').replace('+', 'and')}_{seed}"
+    config = {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+        "gradient_clipping": "auto", "zero_optimization": {"stage": stage}, "bf16": {"enabled": False},
+        "steps_per_print": 1_000_000, **({"bertopt": section} if section else {}),
+    }  # fmt: skip
+    out.mkdir(parents=True)
+    (out / "ds.json").write_text(json.dumps(config))
+    cmd = [
+        *deepspeed_launcher(2), str(ROOT / "bench" / "finetune_tasks_run.py"), "--task", task, "--trainer", trainer,
+        "--out", str(out), *script_args, *extra, "--seed", str(seed), "--deepspeed", str(out / "ds.json"),
+        "--output_dir", str(out / "run"),
+    ]  # fmt: skip
+    print(f"[{task}] {name} ...", flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=14400)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{task} {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    steps = [max(times) for times in zip(*(r["step_s"] for r in ranks))][1:]  # a step ends when both ranks are done
+    size = -(-len(steps) // WINDOWS)
+    chunks = [steps[i : i + size] for i in range(0, len(steps), size)]
+    result = {
+        "rates": [len(c) * ranks[0]["batch"] / sum(c) for c in chunks],
+        "step_s": [sum(c) / len(c) for c in chunks],
+        "train_s": max(r["train_s"] for r in ranks),
+        "steps": ranks[0]["steps"],
+        "batch": ranks[0]["batch"],
+        "peak": max(r["peak"] for r in ranks),
+        "exact_peak": all(r["exact_peak"] for r in ranks),
+        "eval": ranks[0]["eval"],
+    }
+    rate = statistics.median(result["rates"])
+    print(f"[{task}] {name}: {rate:.2f} examples/s, peak {result['peak'] / 2**30:.2f} GiB, {result['eval']}")
+    return result
+
+
+def merged(runs: list[dict]) -> dict:
+    """Several seeds of one contender: every window's rate and step time, the larger peak, the mean score."""
+    if len(runs) == 1:
+        return runs[0]
+    out = {key: [x for r in runs for x in r[key]] for key in ("rates", "step_s")}
+    out.update(train_s=sum(r["train_s"] for r in runs), steps=sum(r["steps"] for r in runs), batch=runs[0]["batch"])
+    out.update(peak=max(r["peak"] for r in runs), exact_peak=all(r["exact_peak"] for r in runs))
+    scores = [r["eval"] for r in runs]
+    out["eval"] = {k: statistics.mean(s[k] for s in scores) for k, v in scores[0].items() if isinstance(v, float)}
+    out["seeds"] = scores
+    return out
+
+
+def real_lengths(task: str, script_args: list[str]) -> list[int]:
+    """The training examples' real token counts (QA: windows), tokenized as the scripts do."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import importlib
+
+    from transformers import HfArgumentParser, TrainingArguments
+
+    script = importlib.import_module({"glue": "run_glue", "ner": "run_ner", "qa": "run_qa"}[task])
+    parser = HfArgumentParser((script.ModelArguments, script.DataArguments, TrainingArguments))
+    model_args, data, _ = parser.parse_args_into_dataclasses([*script_args, "--output_dir", tempfile.mkdtemp()])
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
+    raw = script.load_raw(data)["train"]
+    if task == "glue":
+        pairs = tokenizer(list(raw[data.sentence1_key]), list(raw[data.sentence2_key]), truncation=True, max_length=256)
+        return [len(ids) for ids in pairs["input_ids"]]
+    if task == "ner":
+        words = tokenizer(list(raw["tokens"]), is_split_into_words=True, truncation=True, max_length=128)
+        return [len(ids) for ids in words["input_ids"]]
+    data.pad_to_max_length = False
+    return [len(ids) for ids in script.windows(tokenizer, data, raw[:])["input_ids"]]
+
+
+def flops_per_token(lengths: list[int]) -> float:
+    """Model FLOPs (forward + backward) per real token: ``3 × layers × (2(4h² + 2h·ffn) + 4h·L)`` averaged."""
+    h, ffn, layers = MINILM["hidden"], MINILM["ffn"], MINILM["layers"]
+    total = sum(3 * layers * (2 * n * (4 * h * h + 2 * h * ffn) + 4 * h * n * n) for n in lengths)
+    return total / sum(lengths)
+
+
+def speed(result: dict) -> float:
+    return statistics.median(result["rates"])
+
+
+def ratio_line(what: str, ours: str, theirs: str, results: dict, target: float, unit: str, scale: float = 1.0):
+    a, b = speed(results[ours]) * scale, speed(results[theirs]) * scale
+    ratio = a / b
+    say(
+        f"{what}, {ours} vs {theirs}: {ratio:.2f}x (median of {len(results[ours]['rates'])}); {a:.1f} vs {b:.1f} "
+        f"{unit}; target >= {target}x: {status(ratio >= target)}"
+    )
+    return ratio
+
+
+def score_line(what: str, key: str, ours: str, theirs: str, results: dict, within: float) -> None:
+    a, b = 100 * results[ours]["eval"][key], 100 * results[theirs]["eval"][key]
+    seeds = ""
+    if "seeds" in results[ours]:
+        each = ["/".join(f"{100 * s[key]:.2f}" for s in results[n]["seeds"]) for n in (ours, theirs)]
+        seeds = f"; mean of {len(results[ours]['seeds'])} seeds: {each[0]} vs {each[1]}"
+    say(
+        f"{what}, {ours} vs {theirs}: {a:.2f} vs {b:.2f} ({a - b:+.2f} points{seeds}; target within {within} "
+        f"points): {status(a >= b - within)}"
+    )
+
+
+STEP_SETUPS = {  # the one-step peak at the same batch: (packed, wtacrs)
+    "HF padded": (False, {}),
+    "ours unpadded": (True, {}),
+    "ours + preset balanced": (True, {"preset": "balanced"}),
+}
+
+
+def step_peaks(lengths: list[int], batches: int) -> dict[str, list[float]]:
+    """The peak of one training step (weights, gradients, AdamW state, activations; a fresh child each, RSS above the
+    bare interpreter with the mmap-threshold allocator: ``ds-bertopt memory``'s measure) of each setup on the same
+    ``batches`` random batches of 16 BoolQ training examples (their real lengths: padded to the longest, or packed),
+    interleaved."""
+    import random
+
+    from ds_bertopt.model.local import default_model_dir
+    from ds_bertopt.train.finetune_memory import task_variant
+    from ds_bertopt.wtacrs.memory import measure_step_in_child
+
+    rng = random.Random(0)
+    peaks: dict[str, list[float]] = {name: [] for name in STEP_SETUPS}
+    for _ in range(batches):
+        batch = rng.sample(lengths, 16)
+        for name, (packed, wtacrs) in STEP_SETUPS.items():
+            spec = {"build": task_variant, "model": default_model_dir(), "packed": packed, "wtacrs": wtacrs}
+            spec.update(lengths=batch, batch=16, seq=max(batch), threads=1)
+            peaks[name].append(measure_step_in_child(spec)["step_peak"])
+        print(f"[glue] step peaks, a batch of {sum(batch)} real tokens, longest {max(batch)}: "
+              + ", ".join(f"{n} {p[-1] / 2**20:.0f} MiB" for n, p in peaks.items()), flush=True)  # fmt: skip
+    return peaks
+
+
+def peak_line(what: str, ours: str, theirs: str, peaks: dict, target: float) -> float:
+    ratios = [b / a for a, b in zip(peaks[ours], peaks[theirs])]
+    ratio = statistics.median(ratios)
+    a, b = (statistics.median(peaks[n]) / 2**20 for n in (ours, theirs))
+    say(
+        f"{what}: {theirs} / {ours} = {ratio:.2f}x (median of {len(ratios)}) lower one-step peak ({a:.0f} vs {b:.0f} "
+        f"MiB: weights, gradients, AdamW state, activations; the same random batches of 16); target >= {target}x: "
+        f"{status(ratio >= target)}"
+    )
+    return ratio
+
+
+def run_peak_line(ours: str, theirs: str, results: dict) -> None:
+    """The whole training process's high-water mark (context, no target: allocator and loading leftovers included)."""
+    a, b = results[ours]["peak"], results[theirs]["peak"]
+    exact = "" if results[ours]["exact_peak"] and results[theirs]["exact_peak"] else " (high-water mark not reset)"
+    say(
+        f"BoolQ training process peak, {theirs} / {ours}: {b / a:.2f}x ({a / 2**30:.2f} vs {b / 2**30:.2f} GiB: RSS "
+        f"high-water mark of the epoch above the bare process, the larger rank{exact})"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="subsets of every task (the code path; minutes)")
+    parser.add_argument("--tasks", nargs="+", choices=("ner", "qa", "glue"), default=["ner", "qa", "glue"])
+    parser.add_argument("--boolq-train", type=int, help="train BoolQ on its first N examples (every contender)")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage of every contender")
+    parser.add_argument("--ner-seeds", type=int, nargs="+", default=[42, 43], help="NER: one run per seed, averaged")
+    parser.add_argument("--record-as", default="finetune_tasks")
+    args = parser.parse_args(argv)
+    import torch
+
+    from mfu import gemm_peak  # bench/mfu.py
+    from ds_bertopt.testing.measure import environment_line, record_results
+
+    if not SHARED.is_dir():
+        print(f"skipped: {SHARED} is absent")
+        return 0
+    torch.set_num_threads(1)  # each rank runs one thread
+    peak = 2 * gemm_peak(torch.device("cpu"), torch.float32, repeats=3)
+    say(
+        f"{cpu_kind()}; MiniLM-L6, 2 ranks x 1 thread, fp32, ZeRO {args.zero}; GEMM peak {peak / 1e9:.1f} GFLOP/s "
+        "(2 threads)"
+    )
+    print(environment_line(), flush=True)
+    work = Path(tempfile.mkdtemp(prefix="finetune_tasks_"))
+    results: dict[str, dict] = {}
+    names = {
+        "ner": ("ours unpadded", "HF padded"),
+        "qa": ("ours unpadded", "HF padded"),
+        "glue": ("HF padded", "ours unpadded", "HF group_by_length", "ours + preset balanced"),
+    }
+    for task in args.tasks:
+        script_args = task_arguments(task, args.quick, args.boolq_train) + COMMON
+        lengths = real_lengths(task, script_args)
+        seeds = args.ner_seeds if task == "ner" else [42]
+        runs = [{name: run(task, name, work, script_args, seed, args.zero) for name in names[task]} for seed in seeds]
+        results[task] = {name: merged([r[name] for r in runs]) for name in names[task]}
+        results[task]["_tokens_per_example"] = sum(lengths) / len(lengths)
+        results[task]["_flops_per_token"] = flops_per_token(lengths)
+        results[task]["_examples"] = len(lengths)
+        if task == "glue":
+            results[task]["_step_peaks"] = step_peaks(lengths, 2 if args.quick else 5)
+    report(results, args, peak)
+    record_results(
+        args.record_as,
+        {
+            "results": results,
+            "summary": SUMMARY,
+            "gemm_peak": peak,
+            "note": f"{'quick subsets' if args.quick else 'full'}; one seed (42); speed: median of {WINDOWS} windows "
+            "of each run's optimizer steps; peak: RSS high-water mark above the bare process, larger rank",
+            "figures": FIGURES,
+        },
+    )
+    return 0
+
+
+def report(results: dict, args, peak: float) -> None:
+    bars, memory = [], []
+    for task, per in results.items():
+        tokens, flops = per["_tokens_per_example"], per["_flops_per_token"]
+        for name, result in per.items():
+            if name.startswith("_"):
+                continue
+            mfu = speed(result) * tokens * flops / peak
+            scores = {k: round(v, 4) for k, v in result["eval"].items() if isinstance(v, float)}
+            say(
+                f"{task} {name}: {speed(result):.2f} examples/s ({speed(result) * tokens:.0f} real tokens/s, MFU "
+                f"{mfu:.3f}), {statistics.median(result['step_s']):.3f} s/step, peak {result['peak'] / 2**30:.2f} "
+                f"GiB, {result['steps']} steps, scores {json.dumps(scores)}"
+            )
+            bars.append({"label": f"{task}: {name}", "examples/s": speed(result)})
+            memory.append({"label": f"{task}: {name}", "GiB": result["peak"] / 2**30})
+    if "glue" in results:
+        r = results["glue"]
+        subset = f"first {args.boolq_train} of 9,427 training examples" if args.boolq_train else "all 9,427 training"
+        subset = "quick subset" if args.quick else subset
+        say(f"BoolQ, max length 256, one epoch ({subset}; {r['_examples']} examples, {r['_tokens_per_example']:.0f} "
+            "real tokens each on average):")  # fmt: skip
+        score_line("BoolQ dev accuracy", "accuracy", "ours unpadded", "HF padded", r, 0.5)
+        ratio_line("BoolQ training examples/s", "ours unpadded", "HF padded", r, 1.5, "examples/s")
+        ratio_line("BoolQ training examples/s", "ours unpadded", "HF group_by_length", r, 1.15, "examples/s")
+        peak_line("BoolQ peak memory at the same batch", "ours unpadded", "HF padded", r["_step_peaks"], 1.5)
+        peak_line("BoolQ preset balanced, peak", "ours + preset balanced", "HF padded", r["_step_peaks"], 2.5)
+        for name in ("ours unpadded", "ours + preset balanced"):
+            run_peak_line(name, "HF padded", r)
+        score_line("BoolQ preset balanced, dev accuracy", "accuracy", "ours + preset balanced", "HF padded", r, 1.0)
+        a, b = (statistics.median(r[n]["step_s"]) for n in ("ours + preset balanced", "HF padded"))
+        say(
+            f"BoolQ preset balanced, step time vs HF padded: {a / b:.2f}x (median of {WINDOWS}); {a:.3f} vs {b:.3f} "
+            f"s/step; target <= 1.0x: {status(a / b <= 1.0)}"
+        )
+    if "ner" in results:
+        r = results["ner"]
+        score_line("Twitter NER entity F1", "f1", "ours unpadded", "HF padded", r, 0.5)
+        scale = r["_tokens_per_example"]
+        ratio_line("Twitter NER training tokens/s", "ours unpadded", "HF padded", r, 1.3, "real tokens/s", scale)
+    if "qa" in results:
+        r = results["qa"]
+        ours, theirs = r["ours unpadded"]["eval"], r["HF padded"]["eval"]
+        ran = all(k in ours for k in ("exact_match", "f1", "has_answer_f1", "no_answer_exact_match"))
+        say(
+            f"QA on disfl_qa.jsonl (train on 80 %, evaluate on the other {ours['total']} questions): ours EM "
+            f"{100 * ours['exact_match']:.2f} F1 {100 * ours['f1']:.2f}, HF run_qa-style EM "
+            f"{100 * theirs['exact_match']:.2f} F1 {100 * theirs['f1']:.2f}; whole path runs: {status(ran)}"
+        )
+        ratio_line("QA training examples/s", "ours unpadded", "HF padded", r, 1.3, "windows/s")
+    FIGURES.append({"kind": "bars", "title": "Training examples/s (median of windows)", "file": "speed",
+                    "unit": "examples/s", "stack": ["examples/s"], "series": bars})  # fmt: skip
+    if "glue" in results:
+        steps = [{"label": n, "MiB": statistics.median(p) / 2**20} for n, p in results["glue"]["_step_peaks"].items()]
+        FIGURES.append({"kind": "bars", "title": "BoolQ one-step peak at the same batches of 16 (median)",
+                        "file": "step_peak", "unit": "MiB", "stack": ["MiB"], "series": steps})  # fmt: skip
+    FIGURES.append({"kind": "bars", "title": "Training process peak memory (RSS above the bare process)",
+                    "file": "peak", "unit": "GiB", "stack": ["GiB"], "series": memory})  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""One contender of ``bench/finetune_tasks.py``: ``examples/run_glue.py``, ``run_ner.py`` or ``run_qa.py`` as written
+(``BertOptTrainer``: ours) or with transformers' ``Trainer`` in its place (the stock script), trained and evaluated
+under the ``deepspeed`` launcher, measured by a callback. Each rank writes ``<out>/rank<N>.json``:
+
+* ``step_s``: the wall time of every optimizer step, ``on_step_end`` to ``on_step_end`` (loading and collating the
+  batches included; the first from ``on_train_begin``, the warm-up);
+* ``train_s``: ``on_train_begin`` → ``on_train_end``; ``steps``; ``batch``: examples per optimizer step (all ranks);
+* ``peak``: the training's resident-memory high-water mark above the process's RSS right after its imports (before
+  data, model and engine: weights, gradients, optimizer state, activations, transients), read once training ends,
+  the mark reset when training begins (``/proc/self/clear_refs``);
+* ``eval``: the script's scores after training (accuracy, entity F1, SQuAD EM/F1).
+
+    deepspeed --num_gpus 2 bench/finetune_tasks_run.py --task glue --trainer hf --out DIR -- <script arguments>
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+import deepspeed  # noqa: E402,F401  - import cost belongs to the bare RSS, not the training
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from ds_bertopt.integrations.hf import BertOptTrainer  # noqa: E402
+from ds_bertopt.wtacrs.memory import _proc_status_kib, _reset_peak  # noqa: E402
+
+BARE_KIB = _proc_status_kib("VmRSS")
+SCRIPTS = {"glue": "run_glue", "ner": "run_ner", "qa": "run_qa"}
+
+
+class Meter(transformers.TrainerCallback):
+    def __init__(self):
+        self.step_s: list[float] = []
+        self.exact_peak = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.exact_peak = _reset_peak()
+        self.begin = self.last = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()  # step to step: loading and collating the batches included
+        self.step_s.append(now - self.last)
+        self.last = now
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.train_s = time.perf_counter() - self.begin
+        self.peak = (_proc_status_kib("VmHWM") - BARE_KIB) * 1024
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", choices=SCRIPTS, required=True)
+    parser.add_argument("--trainer", choices=("hf", "ours"), required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
+    args, script_argv = parser.parse_known_args(argv)
+    script = importlib.import_module(SCRIPTS[args.task])
+    meter = Meter()
+    trainer_class = BertOptTrainer if args.trainer == "ours" else transformers.Trainer
+    built = script.build_trainer(script_argv, trainer_class=trainer_class, callbacks=[meter])
+    trainer, evaluation = built if isinstance(built, tuple) else (built, None)
+    trainer.train()
+    if evaluation is not None:
+        scores = script.evaluate(trainer, evaluation)
+    else:
+        scores = {k.removeprefix("eval_"): v for k, v in trainer.evaluate().items()}
+    world = trainer.args.world_size
+    batch = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps * world
+    result = {
+        "step_s": meter.step_s,
+        "train_s": meter.train_s,
+        "steps": trainer.state.global_step,
+        "batch": batch,
+        "peak": meter.peak,
+        "exact_peak": meter.exact_peak,
+        "eval": scores,
+        "threads": torch.get_num_threads(),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{trainer.args.process_index}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():  # a clean exit: gloo's threads torn down before the interpreter's
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,99 @@
+"""The memory search's children (``ds-bertopt memory --budget-gb``, ``wtacrs.preset: "auto"``), for real: a child
+that runs out of memory counts as over the budget, and a child that dies is never waited on (the parent waited out
+its 900 s timeout and ended in ``queue.Empty``; on CUDA an out-of-memory error ended the whole search). The children
+are ``tests/scripts/memory_children.py``: steps whose allocation fails under a real RLIMIT_AS, and processes killed
+by a signal; each answer comes within the poll, the 600 s timeouts below are never reached."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import memory_children  # noqa: E402
+
+from ds_bertopt.child import ChildDied, OutOfMemory, run_in_child  # noqa: E402
+from ds_bertopt.errors import ConfigError  # noqa: E402
+from ds_bertopt.wtacrs import memory, sizing  # noqa: E402
+
+MiB, GiB, PER_EXAMPLE = memory_children.MiB, 1 << 30, memory_children.PER_EXAMPLE
+FITS = 24
+"""The children's steps fit their memory limit up to this batch."""
+
+
+@pytest.mark.timeout(120)
+def test_a_child_killed_by_sigkill_counts_as_out_of_memory():
+    with pytest.raises(OutOfMemory, match="killed by SIGKILL"):
+        run_in_child(memory_children.killed, timeout=600)
+
+
+@pytest.mark.timeout(120)
+def test_a_child_that_dies_otherwise_is_named():
+    with pytest.raises(ChildDied, match="exited with status 3"):
+        run_in_child(memory_children.exits, 3, timeout=600)
+    with pytest.raises(ChildDied, match="killed by SIGSEGV"):
+        run_in_child(memory_children.crashes, timeout=600)
+
+
+@pytest.mark.timeout(120)
+def test_an_allocation_over_the_limit_is_out_of_memory():
+    assert run_in_child(memory_children.step, FITS, FITS)["step_peak"] == FITS * PER_EXAMPLE
+    with pytest.raises(OutOfMemory, match="MemoryError"):
+        run_in_child(memory_children.step, FITS + 1, FITS)
+
+
+@pytest.mark.timeout(180)
+def test_the_budget_search_goes_on_below_a_step_that_ran_out_of_memory(monkeypatch):
+    """``sizing.measure`` (what ``--compare`` and ``preset: "auto"`` run) with real children: with a budget far above
+    what the steps ask, the memory limit alone stops them; each batch above it dies and counts as over budget, and
+    the search settles below it instead of ending."""
+    monkeypatch.setattr(
+        memory, "measure_step_in_child", lambda spec: run_in_child(memory_children.step, spec["batch"], FITS)
+    )
+    monkeypatch.setattr(memory, "time_steps_in_child", lambda spec: {"step_s": [0.01]})
+    found = sizing.measure({"device": "cpu"}, "full", budget=4 * GiB, probe=16, max_batch=64)
+    assert 16 <= found.batch <= FITS and found.peak == found.batch * PER_EXAMPLE and math.isfinite(found.step_s)
+    over = sizing.measure({"device": "cpu"}, "full", budget=4 * GiB, batch=32)  # the run's own micro-batch
+    assert over.peak == math.inf and "out of memory" in sizing.describe(over, 4 * GiB)
+    with pytest.raises(ConfigError, match="every setup ran out of memory"):
+        sizing.choose([over], 4 * GiB)
+
+
+def test_the_search_halves_a_bracket_whose_top_ran_out_of_memory():
+    """The pure search: no line goes through an infinite peak."""
+    measured = []
+
+    def peak_at(batch: int) -> float:
+        measured.append(batch)
+        return math.inf if batch > 40 else batch * MiB
+
+    best, peaks = sizing.largest_fitting_batch(peak_at, GiB, probe=16, max_batch=256, tries=8)
+    assert best == 40 and peaks[best] == 40 * MiB
+    assert measured[:3] == [8, 16, 256] and measured[3] == (16 + 256) // 2  # halved, not interpolated
+
+
+def test_on_cuda_a_step_peak_counts_what_the_process_holds(monkeypatch):
+    """``measure_step_in_child`` adds the device's overhead (context, NCCL buffers: measured once per device, in its
+    own child) to the allocator's reserved peak; on the CPU there is none to add (the peak is RSS already)."""
+    calls = []
+    monkeypatch.setattr(memory, "run_in_child", lambda fn, *args, **kw: calls.append(fn) or {"step_peak": 5 * MiB})
+    assert memory.measure_step_in_child({"device": "cpu", "batch": 1})["step_peak"] == 5 * MiB
+    memory.device_overhead.cache_clear()
+    monkeypatch.setattr(
+        memory,
+        "run_in_child",
+        lambda fn, *args, **kw: (
+            calls.append(fn)
+            or ({"overhead": 600 * MiB} if fn is memory.device_overhead_in_process else {"step_peak": 5 * MiB})
+        ),
+    )
+    try:
+        first = memory.measure_step_in_child({"device": "cuda:0", "batch": 1})
+        second = memory.measure_step_in_child({"device": "cuda:0", "batch": 2})
+    finally:
+        memory.device_overhead.cache_clear()
+    assert first["step_peak"] == second["step_peak"] == 605 * MiB and first["overhead"] == 600 * MiB
+    assert calls.count(memory.device_overhead_in_process) == 1
