@@ -151,11 +151,14 @@ def test_word_counts_over_any_process_count_give_one_vocabulary(tmp_path):
 
 
 def _build_on_a_node(rank, world_size, corpus, cache):  # noqa: ARG001 - spawn_ranks' signature
+    import torch.distributed
+
     from ds_bertopt.dist import topology_from_env
 
     topo = topology_from_env()
     cfg = _cfg(corpus, cache, num_proc=1)
     data = build_pretrain_data(cfg, topo)
+    torch.distributed.barrier()  # as a job goes on to train: rank 0, which serves the store, waits for the others
     return data.fingerprint.identity(), manifest.read(cache, settings_key(cfg)[0])["nodes"], len(data.train)
 
 
@@ -194,6 +197,8 @@ def _auto_on_a_rank(rank, world_size):  # noqa: ARG001
             outcomes.append((chosen.preset, batch))
         except BertOptError as exc:
             outcomes.append((type(exc).__name__, str(exc)))
+    import torch.distributed
+
     torch.distributed.barrier()  # as a job goes on to its collectives: rank 0, hosting the store, stays
     return outcomes
 

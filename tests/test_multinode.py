@@ -4,6 +4,7 @@ their own data caches."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -240,5 +241,7 @@ def test_a_data_build_slower_than_the_collective_timeout_completes_on_two_nodes(
     assert [r.returncode for r in results] == [0, 0], text[-4000:]
     assert "is shared by nodes 0, 1 (each sees the others' files there)" in results[1].output
     waits = [line for line in results[1].output.splitlines() if "waiting for node 0's data build: " in line]
-    assert waits and "counting words for the vocabulary" in text and "lost contact" not in text, text[-4000:]
-    assert "data: built in " in results[0].output and "done: 1 steps" in results[0].output
+    assert waits and "lost contact" not in text, text[-4000:]  # which stage a wait line names depends on the load
+    built = re.search(r"data: built in ([0-9.]+) s", results[0].output)
+    assert built and float(built.group(1)) > 10, text[-4000:]  # the build outlasted train.dist_timeout_s
+    assert "done: 1 steps" in results[0].output
