@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# `make test-matrix`: every row of the tests that run a matrix; `make test` runs their representative rows
+FULL_MATRIX = os.environ.get("DS_BERTOPT_FULL_MATRIX") == "1"
 
 
 def deepspeed_cmd(*args: str) -> list[str]:

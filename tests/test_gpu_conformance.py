@@ -11,7 +11,6 @@ line. ``make test`` runs the representative rows (``gpu_paths.REPRESENTATIVE``);
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from _launch import FULL_MATRIX  # noqa: E402
 from conformance_worker import row_config, run_rows  # noqa: E402
 
 from ds_bertopt.compat import deepspeed as ds_compat  # noqa: E402
@@ -36,7 +36,7 @@ from ds_bertopt.testing.gpu_paths import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parents[1]
-FULL = os.environ.get("DS_BERTOPT_FULL_MATRIX") == "1"
+FULL = FULL_MATRIX
 ROWS = cpu_rows() if FULL else list(REPRESENTATIVE)
 WORLD = 2
 

@@ -11,6 +11,8 @@ import random
 import pytest
 import torch
 
+from _launch import FULL_MATRIX
+
 from ds_bertopt.cli import main as cli_main
 from ds_bertopt.dist import Topology
 from ds_bertopt.errors import BertOptError
@@ -101,7 +103,7 @@ def test_any_config_the_preflight_accepts_initializes_and_steps(tmp_path):
 
     topo = Topology(rank=0, world_size=WORLD, local_rank=0, ranks_per_node=WORLD, node_rank=0)
     accepted, refused = [], []
-    for seed in range(14):
+    for seed in range(14 if FULL_MATRIX else 8):  # 8: stages 0-2, both optimizers, fp32 and bf16, 3 refusals
         overrides = _random_overrides(random.Random(seed)) + [f'train.output_dir="{tmp_path}/{seed}"']
         try:
             preflight(PretrainTask(), CONFIG, overrides, topo, "cpu")
