@@ -228,6 +228,17 @@ def test_prepare_data_builds_the_cache_that_a_job_then_opens(tmp_path, small_cor
     assert job.opened.startswith("opened the stored build"), job.opened
 
 
+def test_prepare_data_refuses_resume_in_one_line_before_building(tmp_path, repo_root, capsys):
+    from ds_bertopt.cli import main
+
+    cache = tmp_path / "cache"
+    args = ["--deepspeed_config", str(repo_root / "ds_configs" / "bert.json"), "-o", f"data.cache_dir={cache}"]
+    assert main(["prepare-data", *args, "--resume"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--resume has no effect on prepare-data" in errors[0], errors
+    assert not cache.exists()
+
+
 def test_the_pretraining_entry_point_does_not_import_the_fine_tuning_task(repo_root):
     code = (
         "import runpy, sys; runpy.run_path('launch/pretrain.py', run_name='imported');"

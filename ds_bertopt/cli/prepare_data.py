@@ -20,6 +20,7 @@ from typing import Optional
 def main(argv: Optional[list[str]] = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from ..config import load_config, run_overrides
+    from ..errors import ConfigError
     from ..data.pipeline import build_pretrain_data
     from ..log import print0
     from ..model.pretrained import resolve_checkpoint
@@ -32,6 +33,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.prog = "ds-bertopt prepare-data"
     parser.description = "Build the data cache of a pretraining config ahead of the job."
     args = parser.parse_args(argv)
+    if args.resume is not None:  # a resumed job opens the cache its first run built, by that run's config
+        raise ConfigError("--resume has no effect on prepare-data: a resumed job opens the cache its first run built")
     overrides = run_overrides(args)
     cfg = load_config(args.deepspeed_config, overrides)
     check_keys_are_read(task, cfg)  # the job's own refusals, before anything is built
