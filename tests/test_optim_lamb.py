@@ -637,3 +637,24 @@ def test_step_reads_nothing_back_on_the_host(monkeypatch, kernel):
     assert reads == [], f"the step read tensor values on the host: {sorted(set(reads))}"
     assert isinstance(lamb.last_grad_scale, torch.Tensor) and float(lamb.last_grad_scale) < 1.0  # clipping acted
     assert len(reduced) == 3 and reduced[0].shape == (2, 2)
+
+
+@pytest.mark.precision
+def test_multi_tensor_step_on_bf16_parameters_matches_foreach():
+    """bf16 parameters (the multi-tensor step takes them on CUDA): the same step as the foreach path, to bf16's
+    resolution, and a step that moves the weights."""
+    torch.manual_seed(0)
+    start = [torch.randn(6, 4).to(torch.bfloat16), torch.randn(5).to(torch.bfloat16)]
+    grads = [[torch.randn_like(p, dtype=torch.float32).to(torch.bfloat16) for p in start] for _ in range(3)]
+    runs = {}
+    for kernel in ("multi_tensor", "foreach"):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        lamb = Lamb(params, lr=0.01, weight_decay=0.01, kernel=kernel)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            lamb.step()
+        runs[kernel] = [p.detach().float() for p in params]
+    for a, b, s in zip(runs["multi_tensor"], runs["foreach"], start):
+        torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-2)
+        assert not torch.equal(a, s.float())
