@@ -184,16 +184,17 @@ def test_compare_fast_recommends_what_the_exhaustive_measurement_does(monkeypatc
     # two setups far apart in step time (max_saving recomputes every layer and samples), so timing noise cannot
     # flip the answer between the two runs
     monkeypatch.setattr(memory_cli, "COMPARED", {k: memory_cli.COMPARED[k] for k in ("full", "preset max_saving")})
-    argv = ["memory", "--model", str(saved_tiny), "--seq", "16", "--batch", "8", "--budget-gb", "2", "--compare"]
-    recommended = {}
+    argv = ["memory", "--model", str(saved_tiny), "--seq", "64", "--batch", "8", "--budget-gb", "2", "--compare"]
+    argv += ["--max-batch", "64", "--steps", "3"]
+    recommended, outs = {}, {}
     for mode in ("fast", "exhaustive"):
-        assert cli_main(argv + ["--max-batch", "8", "--steps", "3"] + (["--exhaustive"] if mode != "fast" else [])) == 0
-        out = capsys.readouterr().out
+        assert cli_main(argv + (["--exhaustive"] if mode != "fast" else [])) == 0
+        out = outs[mode] = capsys.readouterr().out
         recommended[mode] = re.search(r"^recommended: fastest that fits 2\.00 GiB: (.+?) \(batch (\d+),", out, re.M)
         assert recommended[mode], out
         if mode == "fast":
-            assert re.search(r"^  \[1/2\] full: peaks [\d.]+, [\d.]+ GiB at batch 1 and 2: fits batch 8", out, re.M)
+            assert re.search(r"^  \[1/2\] full: peaks [\d.]+, [\d.]+ GiB at batch 2 and 4: fits batch 64", out, re.M)
             listed = out.split("setups:\n", 1)[1]
             assert all(re.search(r"s/step|pruned: at most", line) for line in listed.splitlines()[:2]), out
-    assert recommended["fast"].groups() == recommended["exhaustive"].groups(), recommended
-    assert recommended["fast"].group(2) == "8", recommended  # the budget is far above both: max_batch
+    assert recommended["fast"].groups() == recommended["exhaustive"].groups(), outs
+    assert recommended["fast"].group(2) == "64", recommended  # the budget is far above both: max_batch
