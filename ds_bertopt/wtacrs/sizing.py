@@ -154,11 +154,13 @@ PRUNE_MARGIN = 0.25
 def rate_bound(estimate: float, timed: list[tuple[float, float]], margin: float = PRUNE_MARGIN) -> float:
     """The most sequences per second a setup estimated at ``estimate`` (:func:`estimated_rate`) could reach, given
     ``timed``, the ``(estimate, measured)`` pairs of the setups timed so far: its estimate scaled by the largest
-    measured/estimated ratio among them (the probes run under a malloc setting that slows every step; the ratio
-    undoes that, taken at its most generous), times ``1 + margin``. ``inf`` before anything was timed."""
+    measured/estimated ratio among them, never below 1 (the probes run under a malloc setting that slows every step:
+    the ratio undoes that, taken at its most generous; a setup whose probes overestimated it, as a step made of fixed
+    overhead extrapolates, must not shrink the others' bounds), times ``1 + margin``. ``inf`` before anything was
+    timed."""
     if not timed:
         return math.inf
-    return estimate * max(measured / est for est, measured in timed) * (1.0 + margin)
+    return estimate * max(1.0, *(measured / est for est, measured in timed)) * (1.0 + margin)
 
 
 def choose(measured: list[Measured], budget: float) -> Measured:
