@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import os
@@ -60,6 +61,28 @@ def pytest_sessionstart(session):
 
     if get_accelerator().device_name() == "cpu":
         build_shm_op()
+    session.config.shm_buffers_before = set(_deepspeed_shm_buffers())
+
+
+def _deepspeed_shm_buffers() -> list[str]:
+    stem = f"deepspeed_allreduce_buffer_{os.getuid()}_"
+    return [n for n in os.listdir("/dev/shm") if n.startswith(stem)] if os.path.isdir("/dev/shm") else []
+
+
+def pytest_sessionfinish(session):
+    """Remove DeepSpeed's CPU allreduce buffers this session's jobs left in /dev/shm (a rank killed on purpose never
+    reaches ``release_shm_buffer``), unless a live process still maps one: each is ~66 MB of RAM until reboot, and a
+    suite's worth fills /dev/shm."""
+    before = getattr(session.config, "shm_buffers_before", None)
+    if before is None:
+        return
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped.update(line.rsplit("/", 1)[1] for line in maps.read_text().splitlines() if "/dev/shm/" in line)
+    for name in set(_deepspeed_shm_buffers()) - before - mapped:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join("/dev/shm", name))
 
 
 CHECKOUT_RUNS = REPO / "runs"

@@ -59,6 +59,7 @@ from ..config import BertOptConfig, leaf_keys, refuse_emulated_bf16
 from ..configlib import dead_fields_of, load_section
 from ..data.collate import padded_positions
 from ..data.sampler import PlanBatchSampler
+from ..dist import release_shm_buffer
 from ..dsconfig import zero_stage
 from ..engine import attach_extensions, check_combinations
 from ..errors import ConfigError
@@ -146,6 +147,15 @@ def check_world_size(args) -> None:
             "ds_bertopt.integrations.hf.configure_cpu_deepspeed() before TrainingArguments and pass "
             'accelerator_config={"use_configured_state": true} (cpu_deepspeed_argv(argv) does both)'
         )
+
+
+def _release_shm_buffer() -> None:
+    """Unlink this rank's DeepSpeed CPU allreduce buffer once every rank has mapped its peers' (the barrier): else
+    each Trainer job on CPU leaves ~66 MB per rank in /dev/shm for good (see :func:`ds_bertopt.dist.release_shm_buffer`,
+    which the launcher's path calls after its own collective)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and not torch.cuda.is_available():
+        torch.distributed.barrier()  # every rank is past deepspeed.init_distributed, so has mapped every buffer
+        release_shm_buffer(torch.distributed.get_rank())
 
 
 # ---------------------------------------------------------------- config
@@ -474,6 +484,7 @@ class BertOptTrainerMixin:
         bound = signature.bind_partial(*positional, **keywords)
         arguments = bound.arguments
         check_world_size(arguments.get("args"))
+        _release_shm_buffer()
         self._bertopt = load_bertopt(bertopt, args=arguments.get("args"))
         self._bertopt_optimizer = None
         self._bertopt_scheduler = None
