@@ -21,7 +21,9 @@ or in full mode ``frontier`` runs every ``--frontier-cells`` and ``budget`` unle
   checkpointing and the targets (checkpointing's saving at <= 1.10x full step time; ``exact`` <= 1.10x saving as
   much, ``balanced`` <= 1.15x; ``max_saving``), each line naming the cell and the CPU's bf16 support. MiniLM-L6 at
   every ``--frontier-cells`` (bf16 / fp32 × 16 × 64 / 64 × 128; bf16 weights as DeepSpeed's bf16 mode holds them);
-  full mode adds a BERT-base-shaped random-init model at 16 × 128 and 4 × 512.
+  full mode adds a BERT-base-shaped random-init model at 16 × 128 and 4 × 512. ``exact``/``balanced`` are also run
+  as a run resolves them (``…, as run``: ``wtacrs.fallback_min_saving``), with issue 40's lines (16 × 64: <= 1.05x
+  full step time; 64 × 128: >= 3.1x lower peak at <= 0.80x). ``--frontier-setups`` picks the setups.
 * time — step time (forward, backward, AdamW) at equal batch, variants interleaved, median.
 * budget — ``ds-bertopt memory --compare``'s choice under ``--budget-gb`` at seq 128, checked: every setup that fits
   re-timed at its own batch (interleaved); the choice fits and runs within 5 % of the fastest.
@@ -473,6 +475,7 @@ def main() -> int:
         default=EMULATED_BF16_TOKENS,
         help="frontier: on a CPU that emulates bf16, skip bf16 cells of more tokens (batch x seq)",
     )
+    parser.add_argument("--frontier-setups", help="frontier: comma-separated setups (default: per mode)")
     parser.add_argument("--frontier-no-budget", action="store_true", help="frontier: without the budget check")
     parser.add_argument("--family-batch", type=int, default=16, help="families: batch (equal for every variant)")
     parser.add_argument("--family-seq", type=int, default=128, help="families: sequence length")
@@ -527,6 +530,7 @@ def main() -> int:
             args.quick,
             repeats,
             *bf16,
+            setups=args.frontier_setups.split(",") if args.frontier_setups else None,
         )
         if not args.quick or args.frontier_bert_base:
             for batch, seq in ((16, 128), (4, 512)) if not args.quick else ((16, 128),):

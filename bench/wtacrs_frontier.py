@@ -35,6 +35,8 @@ FRONTIER_QUICK = [
 MAX_SAVING_TARGET = (3.5, 1.35)  # the issue's max-saving preset: peak reduction, step time vs full
 FRONTIER_TIME_LIMIT = 1.10  # the issue's "no step-time cost": at most 1.10× full fine-tuning
 PRESET_TIME_LIMITS = {"preset exact": 1.10, "preset balanced": 1.15}  # issue 31, at every cell (bf16 16 × 64 first)
+PRESET_FALLBACK_TARGETS = {(16, 64): (None, 1.05), (64, 128): (3.1, 0.80)}
+"""Issue 40, presets as a run resolves them (the fallback): (lowest peak saving or None, highest step time vs full)."""
 FRONTIER_CELLS = "bf16:16x64,fp32:16x64,bf16:64x128,fp32:64x128"  # precision:batch x seq, the order they run in
 QUICK_CELLS = "fp32:64x128"  # bench/wtacrs.py --quick with the default sections
 
@@ -62,14 +64,18 @@ def frontier_section(
     """Step peak (fresh child each) and step time (interleaved, in process) per setup; the Pareto front; how each
     setup sits against HF gradient checkpointing. ``precision``: the weights' dtype (bf16: as DeepSpeed's bf16 mode
     holds them, fp32 master weights and AdamW state)."""
+    specs = {name: FRONTIER_VARIANTS[name] for name in names}
+    resolved = resolved_presets(model_dir, model_config, names, batch, seq, precision)
+    specs.update({name: spec for name, (spec, _) in resolved.items()})
+    names = list(specs)
     peaks = {}
     for name in names:
-        spec = {"model": model_dir, "model_config": model_config, "wtacrs": FRONTIER_VARIANTS[name], "batch": batch}
+        spec = {"model": model_dir, "model_config": model_config, "wtacrs": specs[name], "batch": batch}
         spec.update(seq=seq, threads=threads, precision=precision)
         peaks[name] = locked(measure_step_in_child, spec)["step_peak"]
 
     def measure():
-        fns = {n: setup_step(model_dir, FRONTIER_VARIANTS[n], batch, seq, model_config, precision) for n in names}
+        fns = {n: setup_step(model_dir, specs[n], batch, seq, model_config, precision) for n in names}
         return interleaved(fns, repeats=repeats, warmup=1)
 
     times = locked(measure)
@@ -117,6 +123,7 @@ def frontier_section(
                 f"{' saving at least checkpointing' if also else ''}: {'met' if ok else 'NOT met'} "
                 f"({step:.2f}x, peak {1 / memory:.2f}x lower vs checkpointing's {1 / gc_memory:.2f}x at {gc_time:.2f}x)"
             )
+    fallback_targets(cell, isa, resolved, points, (batch, seq), repeats)
     if "preset max_saving" in points:
         memory, step = points["preset max_saving"]
         ok = 1 / memory >= MAX_SAVING_TARGET[0] and step <= MAX_SAVING_TARGET[1]
@@ -150,6 +157,54 @@ def frontier_section(
                 ),
             ]
         )
+    )
+
+
+def resolved_presets(model_dir, model_config, names, batch: int, seq: int, precision: str) -> dict:
+    """``{"preset exact, as run": (its wtacrs spec, the decision line)}`` for each preset among ``names`` that falls
+    back: the setup a run of this cell uses, decided by the run's own rule (``ds_bertopt.wtacrs.fallback``)."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    from ds_bertopt.configlib import load_section
+    from ds_bertopt.wtacrs.config import WtaCrsConfig
+    from ds_bertopt.wtacrs.fallback import FALLBACK_PRESETS, model_shape, preset_decision
+
+    if model_config is not None:
+        kwargs = dict(model_config)
+        config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    else:
+        config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        shape = model_shape(AutoModel.from_config(config))
+    out = {}
+    for name in names:
+        preset = FRONTIER_VARIANTS[name].get("preset")
+        if preset in FALLBACK_PRESETS and not FRONTIER_VARIANTS[name].get("lora"):
+            keep, line = preset_decision(load_section(WtaCrsConfig, FRONTIER_VARIANTS[name], "wtacrs"), shape, batch,
+                                         seq, precision)  # fmt: skip
+            print(line)
+            out[f"{name}, as run"] = (FRONTIER_VARIANTS[name] if keep else variant(), line)
+    return out
+
+
+def fallback_targets(cell: str, isa: str, resolved: dict, points: dict, shape: tuple[int, int], repeats: int) -> None:
+    """Issue 40's lines for the presets as a run resolves them: never slower than full where they cannot save
+    (16 × 64), the savings kept where they matter (64 × 128)."""
+    if shape not in PRESET_FALLBACK_TARGETS or not resolved:
+        return
+    lowest, limit = PRESET_FALLBACK_TARGETS[shape]
+    got = {name: points[name] for name in resolved}
+    ok = all(step <= limit and (lowest is None or 1 / memory >= lowest) for memory, step in got.values())
+    what = f">= {lowest}x lower peak at " if lowest else ""
+    shown = "; ".join(
+        f"{name.split(', ')[0]} {'kept' if resolved[name][0].get('preset') else 'ran full'}: "
+        f"peak {1 / memory:.2f}x lower, {step:.2f}x step time"
+        for name, (memory, step) in got.items()
+    )
+    say(
+        f"[target] {cell} on {isa}: presets as a run resolves them (fallback_min_saving), {what}<= {limit:.2f}x full "
+        f"step time: {'met' if ok else 'NOT met'} ({shown}; median of {repeats}; preset auto not measured here)"
     )
 
 
@@ -189,7 +244,9 @@ def budget_section(model_dir: str, seq: int, threads: int, budget_gb: float, max
 EMULATED_BF16_TOKENS = 1024  # a bf16 cell larger than 16 × 64 on a CPU that emulates bf16 runs ~15x an fp32 step
 
 
-def minilm_cells(model_dir: str, cells: str, threads: int, quick: bool, repeats, bf16_repeats, bf16_tokens) -> None:
+def minilm_cells(
+    model_dir: str, cells: str, threads: int, quick: bool, repeats, bf16_repeats, bf16_tokens, setups=None
+) -> None:
     """The MiniLM-L6 frontier at each ``precision:BATCHxSEQ`` of ``cells``. On a CPU without native bf16 the bf16
     cells measure emulation: they run without LoRA, with ``bf16_repeats`` timed rounds (default 2), and a cell of
     more than ``bf16_tokens`` tokens is skipped with a line saying so (every cell is printed)."""
@@ -205,6 +262,6 @@ def minilm_cells(model_dir: str, cells: str, threads: int, quick: bool, repeats,
                 "--frontier-bf16-tokens, or a CPU/GPU with native bf16)"
             )
             continue
-        names = FRONTIER_QUICK[:6] if low else FRONTIER_QUICK if quick else list(FRONTIER_VARIANTS)
+        names = setups or (FRONTIER_QUICK[:6] if low else FRONTIER_QUICK if quick else list(FRONTIER_VARIANTS))
         rounds = (bf16_repeats or (2 if emulated else repeats)) if low else repeats
         frontier_section(model_dir, "MiniLM-L6", batch, seq, threads, rounds, list(names), precision=precision)

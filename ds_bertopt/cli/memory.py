@@ -36,6 +36,9 @@ from ..model.local import check_model_dir, default_model_dir
 from ..train.finetune_memory import task_variant
 from ..wtacrs.sizing import GiB, choose, describe, fit_largest_batch, measure, recommendation, size_fast
 from ..child import OutOfMemory
+from ..configlib import load_section
+from ..wtacrs.config import WtaCrsConfig
+from ..wtacrs.fallback import checkpoint_shape, preset_decision
 from ..wtacrs.memory import CATEGORIES, PRECISIONS, MiB, measure_step_in_child, peak_unmeasurable, variant
 
 COMPARED = {
@@ -153,6 +156,10 @@ def main(argv: list[str]) -> int:
     if args.preset and args.kit == parser.get_default("kit"):
         parts = []  # the preset's own kit
     chosen = variant(ratio=args.ratio, lora=args.lora, kit=parts, targets=args.targets.split(","), preset=args.preset)
+    decision = None  # a preset's fallback, as a run at this batch decides it (the launcher's and Trainer's rule)
+    if args.preset:
+        cfg = load_section(WtaCrsConfig, chosen, "wtacrs")
+        decision = preset_decision(cfg, checkpoint_shape(model, args.lora), args.batch, args.seq, args.precision)
     # chosen first: a setup the model cannot take (targets matching nothing) fails in the first child, in one line;
     # HF gradient checkpointing (transformers' activation_checkpointing_enable) is the switch a user tries first
     specs = {"chosen": chosen, "full": {}, "checkpointing": variant(kit=["checkpoint"])}
@@ -177,6 +184,8 @@ def main(argv: list[str]) -> int:
     print(f"model {model}, batch {args.batch} × seq {args.seq}{_task(args)}, {_precision(args)}, {device}")
     preset = f"preset {args.preset} + " if args.preset else ""
     print(f"chosen: {preset}{describe_variant(args.ratio, args.lora, parts)}")
+    if decision is not None:
+        print(decision[1] + ("" if decision[0] else " (measured below as asked)"))
     print(f"{'saved for backward (MiB)':28s} {'full':>10s} {'chosen':>10s}")
     for category in CATEGORIES + ("total",):
         print(f"  {category:26s} {full['saved'][category] / MiB:10.1f} {ours['saved'][category] / MiB:10.1f}")

@@ -64,7 +64,8 @@ from ..dsconfig import zero_stage
 from ..engine import attach_extensions, check_combinations
 from ..errors import ConfigError
 from ..wtacrs import prepare_model
-from ..wtacrs.sizing import resolve_auto
+from ..wtacrs.fallback import FALLBACK_PRESETS
+from ..wtacrs.sizing import resolve_preset
 from ..wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, PACKED_INDEX_KWARG, SampledLinear
 from .hf_tasks import measured_setup
 from .hf_unpadded import UnpaddedTrainerMixin
@@ -557,29 +558,39 @@ class BertOptTrainerMixin:
             _say(f"{SECTION}: the section ({cfg.source}) enables nothing; training as a plain Trainer")
 
     # -- 1. the model
-    def _bertopt_resolve_auto(self, model) -> None:
-        """``wtacrs.preset: "auto"``: measure the candidates on the model's checkpoint at the Trainer's micro-batch
-        (with ``auto_find_batch_size``: the largest that fits, up to it) and keep the fastest that fits."""
+    def _bertopt_resolve_preset(self, model) -> None:
+        """``wtacrs.preset`` ``exact``/``balanced``/``auto`` at the Trainer's micro-batch, one rule for both loops
+        (:func:`~ds_bertopt.wtacrs.sizing.resolve_preset`): the fallback to full where recomputation does not pay;
+        ``auto`` measures the candidates on the model's checkpoint (with ``auto_find_batch_size``: the largest batch
+        that fits, up to it) and keeps the fastest that fits."""
         wtacrs, args = self._bertopt.bertopt.wtacrs, self._bertopt_args
+        auto = wtacrs.preset == "auto"
         source = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", "")
-        if not (source and os.path.isdir(source)):
+        if auto and not (source and os.path.isdir(source)):
             raise ConfigError(
                 f'wtacrs.preset: "auto" measures the model from its checkpoint directory; {type(model).__name__} '
                 f"was not loaded from one (name_or_path {source!r}): load it with from_pretrained(DIR) or set a preset"
             )
         if args is None:
-            raise ConfigError('wtacrs.preset: "auto" needs TrainingArguments (its micro-batch, precision and device)')
+            if auto:
+                raise ConfigError(
+                    'wtacrs.preset: "auto" needs TrainingArguments (its micro-batch, precision and device)'
+                )
+            return  # no micro-batch to judge the fallback by: the preset as asked
         positions = getattr(model.config, "max_position_embeddings", None)
         seq = wtacrs.budget_seq_length or positions
         if not isinstance(seq, int):
             raise ConfigError("wtacrs.budget_seq_length: give it (the model has no max_position_embeddings)")
-        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-        resolved, batch, lines = resolve_auto(
+        ds = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}
+        resolved, batch, lines = resolve_preset(
             wtacrs,
-            model_dir=source,
+            model,
             batch=args.per_device_train_batch_size,
             seq=seq,
-            precision=precision,
+            precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+            zero_stage=zero_stage(ds),
+            world=max(1, args.world_size),
+            model_dir=source,
             device=args.device.type,
             num_labels=getattr(model.config, "num_labels", 2),
             threads=torch.get_num_threads(),
@@ -590,17 +601,18 @@ class BertOptTrainerMixin:
             _say(line)
         if wtacrs.budget_seq_length is None:
             _say(
-                f"wtacrs: preset auto measured at seq {seq} (max_position_embeddings); set "
-                "wtacrs.budget_seq_length to the longest batch you train on to size tighter"
+                f"wtacrs: preset {wtacrs.preset} {'measured' if auto else 'estimated'} at seq {seq} "
+                "(max_position_embeddings); set wtacrs.budget_seq_length to the longest batch you train on to size "
+                "tighter"
             )
         cfg = self._bertopt
         bertopt = dataclasses.replace(cfg.bertopt, wtacrs=resolved)
         self._bertopt = HfBertOptConfig(bertopt, cfg.given, cfg.source)
-        self._bertopt_batch = batch if args.auto_find_batch_size else None
+        self._bertopt_batch = batch if auto and args.auto_find_batch_size else None
 
     def _bertopt_prepare(self, model):
-        if self._bertopt.bertopt.wtacrs.preset == "auto":
-            self._bertopt_resolve_auto(model)
+        if self._bertopt.bertopt.wtacrs.preset in FALLBACK_PRESETS:
+            self._bertopt_resolve_preset(model)
         wtacrs = self._bertopt.bertopt.wtacrs
         if getattr(model, "_ds_bertopt_prepared", False):
             _say("model: already prepared by ds_bertopt; not converted again")

@@ -152,6 +152,11 @@ PRESETS: dict[str, dict] = {
 }
 """What each ``wtacrs.preset`` sets (measured in ``bench/wtacrs.py --sections frontier``, see docs/wtacrs.md)."""
 
+FALLBACK_MIN_SAVING = 0.15
+"""Default ``wtacrs.fallback_min_saving``: a preset must take an estimated 15 % off full fine-tuning's step peak to
+be worth its recomputation (MiniLM-L6 16 × 64: 1 % in bf16, 8 % in fp32 measured, for 1.04–1.44× the step time;
+64 × 128: 68–70 % for 0.67–0.75×)."""
+
 AUTO_CANDIDATES = ("none", "checkpointing", "exact", "balanced", "max_saving")
 """What ``preset: "auto"`` chooses among: the fields as given without a preset (``none``: full fine-tuning unless
 other fields say otherwise), the same with transformers' activation checkpointing of every layer
@@ -176,7 +181,8 @@ class WtaCrsConfig:
     above the bare interpreter on CPUs (Linux), ``torch.cuda.max_memory_allocated`` on GPUs; one device running the
     whole model with AdamW (ZeRO only lowers it). Only with ``preset: "auto"``."""
     budget_seq_length: Optional[int] = None
-    """Sequence length ``preset: "auto"`` measures at. Default: ``finetune.max_seq_length`` in ds_bertopt's own
+    """Sequence length ``preset: "auto"`` measures at and presets ``exact``/``balanced`` estimate their saving at
+    (``fallback_min_saving``). Default: ``finetune.max_seq_length`` in ds_bertopt's own
     fine-tuning; under Hugging Face ``Trainer`` (which does not know its longest batch) the model's
     ``max_position_embeddings``, the safe upper bound — give your longest tokenised length to size tighter."""
     auto_candidates: tuple[str, ...] = AUTO_CANDIDATES
@@ -184,6 +190,13 @@ class WtaCrsConfig:
     ``checkpointing`` (the same with activation checkpointing of every layer), ``exact``, ``balanced``,
     ``max_saving``. Fields given next to ``auto`` apply to every candidate (e.g. ``lora.enabled``). Drop
     ``balanced`` and ``max_saving`` to keep gradients exact."""
+    fallback_min_saving: float = FALLBACK_MIN_SAVING
+    """Presets ``exact``, ``balanced`` and ``auto`` fall back to full fine-tuning (the fields given next to them
+    kept) where their estimated saving is below this fraction of full's estimated step peak: there activations are
+    too small a share of the peak (at small batches the optimizer step's gradients and AdamW state set it) to pay
+    for recomputing them. ``auto`` then measures ``none`` first and takes it if it fits the budget. The estimate:
+    ``ds_bertopt.wtacrs.fallback``; the run logs it in one line. 0: never fall back. Kit fields without a preset
+    and ``max_saving`` are never overridden."""
     enabled: Optional[bool] = None
     """Swap the target linears for WTA-CRS sampled linears before ``deepspeed.initialize``. Default false."""
     ratio: Optional[float] = None
@@ -224,8 +237,10 @@ class WtaCrsConfig:
         dead = {}
         auto = self.preset == "auto"
         if not auto:
-            for name in ("budget_seq_length", "auto_candidates"):
-                dead[name] = f'only preset "auto" measures candidates (preset is {json.dumps(self.preset)})'
+            dead["auto_candidates"] = f'only preset "auto" measures candidates (preset is {json.dumps(self.preset)})'
+        if self.preset not in ("exact", "balanced", "auto"):
+            why = f'only presets "exact", "balanced" and "auto" fall back (preset is {json.dumps(self.preset)})'
+            dead.update(budget_seq_length=why, fallback_min_saving=why)
         if not self.enabled and not auto:
             for name in ("ratio", "targets", "min_k", "keep", "grad_norm_cache", "cache_capacity"):
                 dead[name] = "wtacrs.enabled is false: no linear is sampled"
@@ -241,10 +256,12 @@ class WtaCrsConfig:
             self.preset in (None, "auto") or self.preset in PRESETS,
             f"preset: {self.preset!r} is not one of {', '.join(PRESETS)}, auto",
         )
+        given = frozenset(name for name in WTACRS_DEFAULTS if getattr(self, name) is not None)
         for name, value in preset.items():  # the preset fills what was not given
             if name != "kit" and getattr(self, name) is None:
                 object.__setattr__(self, name, value)
         _fill(self, WTACRS_DEFAULTS)
+        object.__setattr__(self, "_given", given)  # as the user gave them (the fallback keeps only these)
         if preset.get("kit"):
             kit_given = getattr(self.kit, "_given", frozenset())
             merged = {f.name: getattr(self.kit, f.name) for f in fields(KitConfig)}
@@ -288,6 +305,10 @@ class WtaCrsConfig:
         check(
             self.budget_seq_length is None or self.budget_seq_length >= 1,
             f"budget_seq_length: must be at least 1, got {self.budget_seq_length}",
+        )
+        check(
+            0.0 <= self.fallback_min_saving < 1.0,
+            f"fallback_min_saving: must be in [0, 1), got {self.fallback_min_saving}",
         )
         check(len(self.auto_candidates) > 0, "auto_candidates: give at least one")
         for name in self.auto_candidates:

@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from ..handoff import Work, job_store, wait_for
 from ..log import print_all
 from .config import KIT_DEFAULTS, WTACRS_DEFAULTS, KitConfig, WtaCrsConfig
+from .fallback import model_shape, preset_decision
 
 GiB = 1024**3
 
@@ -360,6 +361,7 @@ def resolve_auto(
     search_batch: bool = False,
     stale_s: float = 120.0,
     task: Optional[dict] = None,
+    full_first: bool = False,
 ) -> tuple[WtaCrsConfig, int, list[str]]:
     """``cfg`` with ``preset: "auto"`` replaced by the fastest of its ``auto_candidates`` that fits
     ``memory_budget``; returns ``(config, micro-batch, log lines)``. Any other ``cfg`` comes back as it is.
@@ -373,7 +375,8 @@ def resolve_auto(
     measures and every rank takes its choice, waiting on the job's store (:mod:`ds_bertopt.handoff`: no collective
     timeout, a progress line every 30 s, rank 0's error on every rank; rank 0 silent for ``stale_s`` is given up).
     One-line :class:`~ds_bertopt.errors.ConfigError`: a device whose peak cannot be measured here, a budget nothing
-    fits.
+    fits. ``full_first`` (the preset fallback, :func:`resolve_preset`): ``none`` is measured first and taken, without
+    measuring the others, when it fits at ``batch``.
     """
     if cfg.preset != "auto":
         return cfg, batch, []
@@ -388,6 +391,7 @@ def resolve_auto(
             f"wtacrs.memory_budget: cannot measure peak memory on {device}: {why}; set wtacrs.preset yourself"
         )
     args = (cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch, task or {})
+    args += (full_first and "none" in cfg.auto_candidates,)
     if not (torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1):
         name, found, lines = _measure_candidates(*args)
     else:  # rank 0 measures (minutes); the others wait on the store, where no collective timeout applies
@@ -409,7 +413,19 @@ _AUTO_CALLS: list[int] = []
 
 
 def _measure_candidates(
-    cfg, budget, model_dir, batch, seq, precision, device, num_labels, threads, search_batch, task, progress=None
+    cfg,
+    budget,
+    model_dir,
+    batch,
+    seq,
+    precision,
+    device,
+    num_labels,
+    threads,
+    search_batch,
+    task,
+    full_first,
+    progress=None,
 ):
     base = {
         "model": model_dir,
@@ -421,9 +437,15 @@ def _measure_candidates(
         **task,
     }
     results = []
+    order = list(cfg.auto_candidates)
+    if full_first:  # the fallback: full first, and alone if it fits the run's micro-batch
+        order.remove("none")
+        order.insert(0, "none")
     if progress is not None:
-        progress.stage("measuring the candidates", total=len(cfg.auto_candidates), unit="candidates")
-    for name in cfg.auto_candidates:
+        progress.stage("measuring the candidates", total=len(order), unit="candidates")
+    for name in order:
+        if full_first and results and results[0].batch == batch and results[0].peak <= budget:
+            break
         spec = {**base, "wtacrs": candidate_config(cfg, name)}
         label = CANDIDATE_LABELS.get(name, f"preset {name}")
         if search_batch:
@@ -438,7 +460,39 @@ def _measure_candidates(
         f"wtacrs: preset auto, memory budget {cfg.memory_budget} GiB: measured {shape} × seq {seq}{what}, {precision}"
     ]
     lines += [f"wtacrs: preset auto: {describe(m, budget)}" for m in results]
+    if len(results) < len(order):
+        lines.append(f"wtacrs: preset auto: not measured (recomputation does not pay here): {', '.join(order[1:])}")
     chosen = choose(results, budget)
-    name = cfg.auto_candidates[results.index(chosen)]
+    name = order[results.index(chosen)]
     lines.append(f"wtacrs: preset auto chose {chosen.setup}: {recommendation(chosen, results, budget)}")
     return name, chosen.batch, lines
+
+
+def resolve_preset(
+    cfg: WtaCrsConfig,
+    model,
+    *,
+    batch: int,
+    seq: int,
+    precision: str = "fp32",
+    zero_stage: int = 0,
+    world: int = 1,
+    **auto,
+) -> tuple[WtaCrsConfig, int, list[str]]:
+    """The setup a run uses, ``(config, micro-batch, log lines)``: the one place where the fine-tuning task and
+    ``BertOptTrainer`` resolve ``wtacrs.preset``. First the fallback (:func:`.fallback.preset_decision` on
+    ``model``'s figures at ``batch`` × ``seq``): ``exact``/``balanced`` whose estimated saving is below
+    ``fallback_min_saving`` become full fine-tuning (the fields given next to them kept), ``auto`` measures ``none``
+    first; then ``auto`` as :func:`resolve_auto` (``auto``: its keyword arguments)."""
+    shape = model_shape(model, cfg.lora.enabled)
+    decision = preset_decision(cfg, shape, batch, seq, precision, zero_stage, world)
+    lines = [] if decision is None else [decision[1]]
+    falls_back = decision is not None and not decision[0]
+    if cfg.preset != "auto":
+        if falls_back:
+            return load_section(WtaCrsConfig, candidate_config(cfg, "none"), "wtacrs"), batch, lines
+        return cfg, batch, lines
+    resolved, found, auto_lines = resolve_auto(
+        cfg, batch=batch, seq=seq, precision=precision, full_first=falls_back, **auto
+    )
+    return resolved, found, lines + auto_lines

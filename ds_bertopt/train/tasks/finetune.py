@@ -27,6 +27,7 @@ from ...config import RunConfig
 from ...data.collate import collate_task_batch
 from ...data.identity import DataFingerprint, array_digest, vocabulary_digest
 from ...dist import Topology
+from ...dsconfig import zero_stage
 from ...errors import ConfigError
 from ...log import print0
 from ...model.bert import save_hf_model
@@ -36,7 +37,7 @@ from ...model.local import resolve_model_dir
 from ...model.pretrained import check_unpadded
 from ...wtacrs import SampledLinear, prepare_model, run_from
 from ...wtacrs.linear import EXAMPLE_IDS_KWARG, NUM_VALID_ROWS_KWARG, PACKED_INDEX_KWARG
-from ...wtacrs.sizing import resolve_auto
+from ...wtacrs.sizing import resolve_preset
 from ..loop import main as run_task
 from ..loop import to_device
 from ..finetune_memory import task_variant
@@ -140,12 +141,15 @@ class FinetuneTask:
             self.model_dir, **_head_arguments(f.task, self.num_labels, self.data), **TORCH_MODULES
         )
         seq = b.wtacrs.budget_seq_length or f.max_seq_length
-        wtacrs, _, auto_lines = resolve_auto(  # wtacrs.preset "auto": the fastest setup that fits memory_budget
+        wtacrs, _, auto_lines = resolve_preset(  # the preset fallback; "auto": the fastest setup that fits the budget
             b.wtacrs,
-            model_dir=self.model_dir,
+            model,
             batch=self._budget_sequences(b, seq),
             seq=seq,
             precision=next((p for p in ("bf16", "fp16") if cfg.deepspeed.get(p, {}).get("enabled")), "fp32"),
+            zero_stage=zero_stage(cfg.deepspeed),
+            world=topo.world_size,
+            model_dir=self.model_dir,
             device=get_accelerator().device_name(),
             num_labels=self.num_labels,
             threads=torch.get_num_threads(),
