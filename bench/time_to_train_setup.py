@@ -113,8 +113,9 @@ CONTINUED_CONTENDERS = {
 }
 """The continued scenarios' contenders -> how they run: ``hf`` (transformers' ``Trainer``, the baselines), ``launcher``
 (``launch/pretrain.py`` with ``continued_mlm.json`` as shipped), ``bertopt`` (``BertOptTrainer`` with
-``continued_mlm.json`` as its DeepSpeed config, ``--line_by_line``: the layout ``examples/run_mlm.py`` documents)."""
-TRAINER_DATA = {"ours_trainer": (True, "random")}
+``continued_mlm.json`` as its DeepSpeed config, packed documents: ``group_texts`` blocks cut into one sequence per
+document, the layout ``examples/run_mlm.py`` documents)."""
+TRAINER_DATA = {"ours_trainer": (False, "random")}
 """``BertOptTrainer`` contenders -> (line_by_line, train_sampling_strategy): its planner deals the batches."""
 ALL_ON_OPTIMIZERS = {
     # bert.json's AdamW (at batch 32 AdamW needs fewer samples than LAMB: bench/optim.py)

