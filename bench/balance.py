@@ -67,7 +67,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import FIGURES, SUMMARY, maybe_lock, say, status  # noqa: E402
+from bench._common import FIGURES, SUMMARY, environment_line, maybe_lock, record, say, status
 from ds_bertopt.cli.balance import corpus_lengths, format_table  # noqa: E402
 from ds_bertopt.data.peers import (  # noqa: E402
     PEERS,
@@ -81,7 +81,6 @@ from ds_bertopt.data.peers import (  # noqa: E402
 from ds_bertopt.data.scale import SCALE_STEP_TIME, scale_lines, scale_view, synthetic_lengths  # noqa: E402
 from ds_bertopt.data.config import STRATEGIES as STRATEGIES_ALL, SamplerConfig  # noqa: E402
 from ds_bertopt.data.cost import CostModel  # noqa: E402
-from bench._common import environment_line, record_results  # noqa: E402
 from bench.balance_ranks import MEASURED, SHARED, TOKEN_TARGETS, TOKENIZER, convergence_part, measured_part  # noqa: E402
 
 WORLD, RPN, LOCAL, SIM_STEPS = 1024, 8, 16, 50
@@ -161,15 +160,8 @@ def planner_part() -> None:
         lengths = simulation_lengths(corpus, WORLD * LOCAL, SIM_STEPS, rng)
         mix = f"{name} seq {seq}"
         for micro, accum in ((16, 1), (2, 8)):
-            res = evaluate(
-                lengths,
-                world_size=WORLD,
-                ranks_per_node=RPN,
-                micro_batch=micro,
-                grad_accum=accum,
-                cfg=SamplerConfig(),
-                cost=cost,
-            )
+            layout = dict(world_size=WORLD, ranks_per_node=RPN, micro_batch=micro, grad_accum=accum, cost=cost)
+            res = evaluate(lengths, cfg=SamplerConfig(), **layout)
             f = {k: r.figures for k, r in res.items()}
             ours = f["stratified_node_balance"]
             paper = f["stratified_node_sort"]
@@ -179,16 +171,8 @@ def planner_part() -> None:
                 f"{ours.padded_imbalance_mean:.3f}), stratified_node_sort {paper.imbalance_mean:.3f}"
             )
             if name.startswith("MLPerf"):
-                paper = evaluate(
-                    lengths,
-                    world_size=WORLD,
-                    ranks_per_node=RPN,
-                    micro_batch=micro,
-                    grad_accum=accum,
-                    cfg=PAPER,
-                    cost=cost,
-                    strategies=("stratified_node_sort",),
-                )["stratified_node_sort"].figures
+                paper = evaluate(lengths, cfg=PAPER, strategies=("stratified_node_sort",), **layout)
+                paper = paper["stratified_node_sort"].figures
                 line += f" ({paper.imbalance_mean:.3f} with the paper's bins 6/3/2/5)"
             line += (
                 f", stratified {f['stratified'].imbalance_mean:.3f}, "
@@ -439,8 +423,7 @@ def scale_part(lock: str | None) -> None:
                         grad_accum=1,
                         reference=strategy in SCALE_GLOBAL.get(n, ()),
                     )
-                print(scale_lines(results[-1:], label, SCALE_STEP_TIME)[0], flush=True)
-                SUMMARY.append(scale_lines(results[-1:], label, SCALE_STEP_TIME)[0])
+                say(scale_lines(results[-1:], label, SCALE_STEP_TIME)[0])
         for line in scale_lines(results, label, SCALE_STEP_TIME)[len(results) :]:
             say(line)
         FIGURES.append(
@@ -513,15 +496,8 @@ def main() -> int:
     if "convergence" in parts:
         convergence_part([1, 2], 60 if args.quick else 300, args.quick)
     print(f"done in {time.perf_counter() - started:.0f} s")
-    record_results(
-        args.record_as,
-        {
-            "summary": SUMMARY,
-            "figures": FIGURES,
-            "note": f"parts {', '.join(parts)}; measured runs: {args.repeats} interleaved rounds, "
-            "tokens/s medians; planner seed 0",
-        },
-    )
+    note = f"parts {', '.join(parts)}; measured runs: {args.repeats} interleaved rounds, tokens/s medians"
+    record(args.record_as, note + "; planner seed 0")
     return 0
 
 

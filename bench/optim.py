@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -49,9 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import SUMMARY, deepspeed_launcher, say  # noqa: E402
-from bench._common import environment_line, median, ratio_line, record_results  # noqa: E402
-from bench.optim_parts import (  # noqa: E402
+from bench._common import argv, cpu_env, deepspeed_launcher, environment_line, median, ratio_line, record, say
+from bench.optim_parts import (
     CONFIGS,
     DATA,
     REFERENCE_BATCH,
@@ -91,33 +89,23 @@ def pretrain(
         "train.keep_last=1000",
         "deepspeed.csv_monitor.enabled=false",
     ]
-    config = ROOT / "ds_configs" / CONFIGS[point.optimizer]
-    cmd = prefix + [
+    cmd = argv(
+        *prefix,
         *deepspeed_launcher(2),
-        str(ROOT / "launch" / "pretrain.py"),
-        "--deepspeed_config",
-        str(config),
-        "--train_file",
-        str(DATA),
-        "--max_steps",
-        str(steps),
-        "--eval_every",
-        str(eval_every),
-        "--log_every",
-        str(eval_every),
-        "--max_seq_length",
-        str(seq),
-        "--output_dir",
-        str(out),
-        "--overwrite_output_dir",
-        "--seed",
-        str(point.seed),
-    ]
-    for text in overrides:
-        cmd += ["-o", text]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        ROOT / "launch" / "pretrain.py",
+        deepspeed_config=ROOT / "ds_configs" / CONFIGS[point.optimizer],
+        train_file=DATA,
+        max_steps=steps,
+        eval_every=eval_every,
+        log_every=eval_every,
+        max_seq_length=seq,
+        output_dir=out,
+        overwrite_output_dir=True,
+        seed=point.seed,
+        overrides=overrides,
+    )
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, check=False)
     diverged = proc.returncode != 0 and "non-finite gradients" in proc.stdout + proc.stderr
     if proc.returncode != 0 and not diverged:
         raise RuntimeError(f"pretrain {point.label} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -353,17 +341,13 @@ def main() -> None:
         "| optimizer | batch | lr @ 32 | scaling | warmup | β₂ | seed | samples to target | best accuracy |\n"
         "|---|---|---|---|---|---|---|---|---|"
     )
-    record_results(
+    record(
         args.record_as,
-        {
-            "summary": SUMMARY,
-            "figures": figures,
-            "tables": [header + "\n" + "\n".join(TABLE)] if TABLE else [],
-            "study": study,
-            "note": f"2 ranks ZeRO 1, small BERT, seq {args.seq}, seeds {args.seeds}, {args.samples} samples per run, "
-            f"target {args.target}, MLPerf-style schedule, LR scaled from batch {REFERENCE_BATCH}, "
-            f"grid {args.grid}",
-        },
+        f"2 ranks ZeRO 1, small BERT, seq {args.seq}, seeds {args.seeds}, {args.samples} samples per run, "
+        f"target {args.target}, MLPerf-style schedule, LR scaled from batch {REFERENCE_BATCH}, grid {args.grid}",
+        figures=figures,
+        tables=[header + "\n" + "\n".join(TABLE)] if TABLE else [],
+        study=study,
     )
 
 

@@ -3,11 +3,15 @@ and the budget mode's choice checked against re-timed throughput (see bench/wtac
 
 from __future__ import annotations
 
-from _cpu import cpu_kind  # bench/_cpu.py
-from wtacrs_common import FIGURES, TABLES, locked, say, setup_step
+import sys
+from pathlib import Path
 
-from bench._common import interleaved, median
-from ds_bertopt.wtacrs.memory import MiB, measure_step_in_child, variant
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import FIGURES, TABLES, cpu_kind, interleaved, maybe_lock, median, say
+from ds_bertopt.wtacrs.memory import MiB, measure_step_in_child, step_fn, variant
+
+LOCK = "/tmp/ds_bertopt_cpu.lock"
 
 # the memory–time frontier: every setup a fine-tuner would pick, on the same batch
 FRONTIER_VARIANTS = {
@@ -37,6 +41,18 @@ FRONTIER_TIME_LIMIT = 1.10  # the issue's "no step-time cost": at most 1.10× fu
 PRESET_TIME_LIMITS = {"preset exact": 1.10, "preset balanced": 1.15}  # issue 31, at every cell (bf16 16 × 64 first)
 FRONTIER_CELLS = "bf16:16x64,fp32:16x64,bf16:64x128,fp32:64x128"  # precision:batch x seq, the order they run in
 QUICK_CELLS = "fp32:64x128"  # bench/wtacrs.py --quick with the default sections
+
+
+def locked(fn, *args, **kwargs):
+    """Run ``fn`` holding the shared CPU lock (one measurement at a time, others interleave between)."""
+    with maybe_lock(LOCK):
+        return fn(*args, **kwargs)
+
+
+def setup_step(model_dir, spec: dict, batch: int, seq: int, model_config=None, precision: str = "fp32"):
+    """One training step of setup ``spec`` (``ds_bertopt.wtacrs.memory.step_fn``), built once, to time."""
+    setup = {"model": model_dir, "model_config": model_config, "wtacrs": spec, "batch": batch, "seq": seq}
+    return step_fn({**setup, "precision": precision})
 
 
 def pareto_front(points: dict[str, tuple[float, float]]) -> set[str]:
