@@ -48,6 +48,12 @@ def say(line: str) -> None:
     SUMMARY.append(line)
 
 
+def figure(kind: str, file: str, title: str, series: list, **fields) -> None:
+    """Record a figure for the report (``bench/_report.py`` draws it: ``bars``, ``curves``, ``errorbars``,
+    ``scatter``, each with its own ``fields``)."""
+    FIGURES.append({"kind": kind, "file": file, "title": title, "series": series, **fields})
+
+
 def record(name: str, note: str, **payload) -> None:
     """Record this benchmark's summary and figures, then ``payload``, then ``note`` (``record_results``)."""
     record_results(name, {"summary": SUMMARY, "figures": FIGURES, **payload, "note": note})
@@ -142,6 +148,16 @@ def run_streamed(cmd: list[str], on_line: Callable[[str], object], timeout: floa
         return proc.wait()
     finally:
         watchdog.cancel()
+
+
+def checkpoint_weights(path) -> dict:
+    """The Hugging Face model's weights in one of our DeepSpeed checkpoint directories: ``module`` of
+    ``mp_rank_00_model_states.pt`` (a file with non-tensor objects too: its config, versions), our wrapper's
+    ``model.`` prefix removed."""
+    import torch
+
+    raw = torch.load(Path(path) / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    return {k[len("model.") :]: v for k, v in raw.items() if k.startswith("model.")}
 
 
 def cpu_kind() -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import FIGURES, argv, cpu_env, deepspeed_launcher, interleaved, maybe_lock, median, ratio_line
+from bench._common import figure, argv, cpu_env, deepspeed_launcher, interleaved, maybe_lock, median, ratio_line
 from bench._common import run_checked, say
 from ds_bertopt.data.config import PEER_STRATEGIES
 from ds_bertopt.data.cost import CostModel
@@ -172,15 +172,13 @@ def measured_part(
                 + ratio_line(what, tokens[strategy], tokens[base], PEER_NAMES.get(base, base))
                 + f"{verdict}{extra}; medians {median(tokens[strategy]):.0f} vs {median(tokens[base]):.0f}"
             )
-    FIGURES.append(
-        {
-            "kind": "bars",
-            "file": f"tokens_{label.replace(' ', '_').replace('×', 'x')}_{micro}x{accum}",
-            "title": f"Real tokens/s, {what}",
-            "unit": "real tokens/s (median)",
-            "stack": ["tokens/s"],
-            "series": [{"label": s, "tokens/s": median(tokens[s])} for s in strategies],
-        }
+    figure(
+        "bars",
+        f"tokens_{label.replace(' ', '_').replace('×', 'x')}_{micro}x{accum}",
+        f"Real tokens/s, {what}",
+        [{"label": s, "tokens/s": median(tokens[s])} for s in strategies],
+        unit="real tokens/s (median)",
+        stack=["tokens/s"],
     )
     return {s: median(v) for s, v in tokens.items()}
 

@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import FIGURES, argv, cpu_env, deepspeed_launcher, environment_line, interleaved, median, record
+from bench._common import figure, argv, cpu_env, deepspeed_launcher, environment_line, interleaved, median, record
 from bench._common import ratio_line, record_results, say
 from ds_bertopt.compat.deepspeed import wrap_reductions
 from ds_bertopt.testing.distributed import free_port
@@ -468,25 +468,18 @@ def main(args_in=None) -> int:
         f"fp32, seq {SEQ}, 2 gloo ranks, torch AdamW, median of {args.repeats} steps after 1 warm-up; "
         f"ratio < 1: bucket_clip is faster; logs in {log_dir}"
     )
+
+    def layouts(setting: str) -> list[tuple]:
+        # --quick: the small model on loopback, BERT-base on the emulated link (the target case)
+        models = [m for m in args.models if not args.quick or m == ("small" if setting == "loopback" else "base")]
+        return [
+            (m, stage, size) for m in models for stage in args.stages for size in args.bucket_sizes or [MODELS[m][2]]
+        ]
+
     if args.sweep:
         plans = [("emulated", [(m, 0, size) for m in args.models for size in args.sweep], True)]
     else:
-        plans = []
-        for setting in args.settings:
-            # --quick: the small model on loopback, BERT-base on the emulated link (the target case)
-            models = [m for m in args.models if not args.quick or m == ("small" if setting == "loopback" else "base")]
-            plans.append(
-                (
-                    setting,
-                    [
-                        (m, stage, size)
-                        for m in models
-                        for stage in args.stages
-                        for size in (args.bucket_sizes or [MODELS[m][2]])
-                    ],
-                    False,
-                )
-            )
+        plans = [(setting, layouts(setting), False) for setting in args.settings]
     for setting, combos, sweep in plans:
         started = time.time()
         if setting == "emulated" and netns_unavailable_reason(need_tc=True):
@@ -520,15 +513,13 @@ def main(args_in=None) -> int:
             report(title, results, sweep=True)
         print(f"    ({setting}{' sweep' if sweep else ''}: {time.time() - started:.0f} s)", flush=True)
     if BREAKDOWN:
-        FIGURES.append(
-            {
-                "kind": "bars",
-                "file": "breakdown",
-                "stack": ["compute and optimizer", "exposed communication"],
-                "unit": "seconds per step (median)",
-                "title": "Step time: bucket_clip vs DeepSpeed clipping (exposed communication on top)",
-                "series": BREAKDOWN,
-            }
+        figure(
+            "bars",
+            "breakdown",
+            "Step time: bucket_clip vs DeepSpeed clipping (exposed communication on top)",
+            BREAKDOWN,
+            stack=["compute and optimizer", "exposed communication"],
+            unit="seconds per step (median)",
         )
         record("bucket_clip", f"2 gloo ranks, fp32, seq {SEQ}, median of {args.repeats} steps after 1 warm-up")
     return 0

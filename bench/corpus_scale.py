@@ -42,7 +42,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import FIGURES, cpu_env, cpu_kind, deepspeed_launcher, record, run_streamed, say, status
+from bench._common import figure, cpu_env, cpu_kind, deepspeed_launcher, record, run_streamed, say, status
 
 SHARED = ROOT.parent / "shared" / "data"
 SIZES_MB = (25, 100, 400, 1000)
@@ -388,28 +388,24 @@ def summarize(rows: list[dict], done: list[dict], base: dict, args) -> None:
         f"{status(growth <= TARGET_PRIVATE)})"
     )
     millions = [float(x) / 1e6 for x in n]
-    FIGURES.append(
-        {
-            "kind": "curves",
-            "title": "Warm start-up over the embedded corpus, 2 ranks",
-            "file": "warm_start",
-            "xlabel": "training sequences (millions)",
-            "ylabel": "seconds added",
-            "series": [{"label": "measured", "x": millions, "y": [float(a) for a in added]}],
-        }
+    figure(
+        "curves",
+        "warm_start",
+        "Warm start-up over the embedded corpus, 2 ranks",
+        [{"label": "measured", "x": millions, "y": [float(a) for a in added]}],
+        xlabel="training sequences (millions)",
+        ylabel="seconds added",
     )
-    FIGURES.append(
-        {
-            "kind": "curves",
-            "title": "Memory per rank on a warm start (peaks)",
-            "file": "memory",
-            "xlabel": "training sequences (millions)",
-            "ylabel": "MiB",
-            "series": [
-                {"label": "private (anonymous)", "x": millions, "y": [float(p) / 2**20 for p in private]},
-                {"label": "mapped (files)", "x": millions, "y": [r["memory"]["mapped"] / 2**20 for r in done]},
-            ],
-        }
+    figure(
+        "curves",
+        "memory",
+        "Memory per rank on a warm start (peaks)",
+        [
+            {"label": "private (anonymous)", "x": millions, "y": [float(p) / 2**20 for p in private]},
+            {"label": "mapped (files)", "x": millions, "y": [r["memory"]["mapped"] / 2**20 for r in done]},
+        ],
+        xlabel="training sequences (millions)",
+        ylabel="MiB",
     )
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import (
-    FIGURES,
+    figure,
     ROOT,
     cpu_kind,
     deepspeed_launcher,
@@ -359,14 +359,20 @@ def report(results: dict, args, peak: float) -> None:
             f"{100 * theirs['exact_match']:.2f} F1 {100 * theirs['f1']:.2f}; whole path runs: {status(ran)}"
         )
         ratio_line("QA training examples/s", "ours unpadded", "HF padded", r, 1.3, "windows/s")
-    FIGURES.append({"kind": "bars", "title": "Training examples/s (median of windows)", "file": "speed",
-                    "unit": "examples/s", "stack": ["examples/s"], "series": bars})  # fmt: skip
+    figure("bars", "speed", "Training examples/s (median of windows)", bars, unit="examples/s", stack=["examples/s"])
     if "glue" in results:
         steps = [{"label": n, "MiB": statistics.median(p) / 2**20} for n, p in results["glue"]["_step_peaks"].items()]
-        FIGURES.append({"kind": "bars", "title": "BoolQ one-step peak at the same batches of 16 (median)",
-                        "file": "step_peak", "unit": "MiB", "stack": ["MiB"], "series": steps})  # fmt: skip
-    FIGURES.append({"kind": "bars", "title": "Training process peak memory (RSS above the bare process)",
-                    "file": "peak", "unit": "GiB", "stack": ["GiB"], "series": memory})  # fmt: skip
+        figure(
+            "bars",
+            "step_peak",
+            "BoolQ one-step peak at the same batches of 16 (median)",
+            steps,
+            unit="MiB",
+            stack=["MiB"],
+        )
+    figure(
+        "bars", "peak", "Training process peak memory (RSS above the bare process)", memory, unit="GiB", stack=["GiB"]
+    )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import argv, cpu_env, deepspeed_launcher, maybe_lock, run_streamed
+from bench._common import argv, checkpoint_weights, cpu_env, deepspeed_launcher, maybe_lock, run_streamed
 from ds_bertopt.testing.distributed import free_port  # noqa: E402
 from bench.time_to_train_setup import (  # noqa: E402
     CONTINUED_HF_SCRIPT,
@@ -364,9 +364,7 @@ def load_snapshot(model, path: Path, hf: bool) -> None:
         if state and all(k.startswith("model.") for k in state):  # BertOptTrainer's wrapper around the HF model
             state = {k[len("model.") :]: v for k, v in state.items()}
     else:
-        # our own run's checkpoint: DeepSpeed's file holds non-tensor objects (its config, versions)
-        raw = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
-        state = {k[len("model.") :]: v for k, v in raw.items() if k.startswith("model.")}
+        state = checkpoint_weights(path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - TIED:
         raise RuntimeError(

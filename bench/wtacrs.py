@@ -48,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import FIGURES, ROOT, TABLES, argv, cpu_env, cpu_kind, environment_line, interleaved, median
+from bench._common import figure, ROOT, TABLES, argv, cpu_env, cpu_kind, environment_line, interleaved, median
 from bench._common import ratio_line, record, run_checked, say
 from bench.wtacrs_frontier import EMULATED_BF16_TOKENS, FRONTIER_CELLS, FRONTIER_QUICK, QUICK_CELLS, budget_section
 from bench.wtacrs_frontier import frontier_section, locked, minilm_cells, setup_step
@@ -115,23 +115,21 @@ def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, n
             f"{full['step_peak'] / r['step_peak']:.2f}x lower{verdict}; saved-for-backward "
             f"{full['saved']['total'] / r['saved']['total']:.2f}x lower"
         )
-    FIGURES.append(
-        {
-            "kind": "bars",
-            "file": f"memory_{dtype.split()[0]}",
-            "unit": "MiB",
-            "stack": ["saved for backward", "rest of the step's peak"],
-            "title": f"MiniLM-L6 fine-tuning step peak memory, batch {batch} × seq {seq}, {dtype}",
-            "note": "whole-step peak RSS above the bare interpreter, one fresh child process per variant",
-            "series": [
-                {
-                    "label": name,
-                    "saved for backward": r["saved"]["total"] / MiB,
-                    "rest of the step's peak": max(0.0, (r["step_peak"] - r["saved"]["total"]) / MiB),
-                }
-                for name, r in results.items()
-            ],
-        }
+    figure(
+        "bars",
+        f"memory_{dtype.split()[0]}",
+        f"MiniLM-L6 fine-tuning step peak memory, batch {batch} × seq {seq}, {dtype}",
+        [
+            {
+                "label": name,
+                "saved for backward": r["saved"]["total"] / MiB,
+                "rest of the step's peak": max(0.0, (r["step_peak"] - r["saved"]["total"]) / MiB),
+            }
+            for name, r in results.items()
+        ],
+        unit="MiB",
+        stack=["saved for backward", "rest of the step's peak"],
+        note="whole-step peak RSS above the bare interpreter, one fresh child process per variant",
     )
     return results
 
@@ -242,22 +240,20 @@ def families_section(minilm: str | None, batch: int, seq: int, threads: int, tin
         f"real weights. LoRA r=8 on each family's query/value projections (ModernBERT: the fused Wqkv)."
     )
     TABLES.append("\n".join([f"**Memory by model family.** {note}", ""] + rows))
-    FIGURES.append(
-        {
-            "kind": "bars",
-            "file": "families",
-            "unit": "x lower whole-step peak than full fine-tuning",
-            "stack": ["x lower"],
-            "reference": 1.0,
-            "title": f"Whole-step peak reduction by model family, batch {batch} × seq {seq}, fp32",
-            "note": note,
-            "series": [
-                {"label": f"{model_name}: {name}", "x lower": by_variant["full"]["step_peak"] / r["step_peak"]}
-                for model_name, by_variant in results.items()
-                for name, r in by_variant.items()
-                if name != "full"
-            ],
-        }
+    figure(
+        "bars",
+        "families",
+        f"Whole-step peak reduction by model family, batch {batch} × seq {seq}, fp32",
+        [
+            {"label": f"{model_name}: {name}", "x lower": by_variant["full"]["step_peak"] / r["step_peak"]}
+            for model_name, by_variant in results.items()
+            for name, r in by_variant.items()
+            if name != "full"
+        ],
+        unit="x lower whole-step peak than full fine-tuning",
+        stack=["x lower"],
+        reference=1.0,
+        note=note,
     )
     return results
 
@@ -351,23 +347,21 @@ def accuracy_section(
             print(f"accuracy run: {name}, seed {seed}: {scores[name][-1]:.2f}", flush=True)
     subset = f"{max_train} training examples" if max_train else "all 10,451 training examples"
     subset += f", first {max_eval} dev examples" if max_eval else ""
-    FIGURES.append(
-        {
-            "kind": "errorbars",
-            "file": "accuracy",
-            "ylabel": "dev accuracy (%)",
-            "title": f"rt_polarity dev accuracy, MiniLM-L6, {epochs} epoch(s), {subset}",
-            "note": f"seeds {seeds}; bars: mean, whiskers: standard deviation, dots: runs",
-            "series": [
-                {
-                    "label": name,
-                    "mean": statistics.mean(v),
-                    "std": statistics.stdev(v) if len(v) > 1 else 0.0,
-                    "runs": v,
-                }
-                for name, v in scores.items()
-            ],
-        }
+    figure(
+        "errorbars",
+        "accuracy",
+        f"rt_polarity dev accuracy, MiniLM-L6, {epochs} epoch(s), {subset}",
+        [
+            {
+                "label": name,
+                "mean": statistics.mean(v),
+                "std": statistics.stdev(v) if len(v) > 1 else 0.0,
+                "runs": v,
+            }
+            for name, v in scores.items()
+        ],
+        ylabel="dev accuracy (%)",
+        note=f"seeds {seeds}; bars: mean, whiskers: standard deviation, dots: runs",
     )
     print(f"\n== dev accuracy (rt_polarity, {epochs} epoch(s), {subset}, seeds {seeds}) ==")
     for name in names:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import FIGURES, TABLES, cpu_kind, interleaved, maybe_lock, median, say
+from bench._common import figure, TABLES, cpu_kind, interleaved, maybe_lock, median, say
 from ds_bertopt.wtacrs.memory import MiB, measure_step_in_child, step_fn, variant
 
 LOCK = "/tmp/ds_bertopt_cpu.lock"
@@ -140,17 +140,15 @@ def frontier_section(
             f"[target] {cell} on {isa}: preset max_saving >= {MAX_SAVING_TARGET[0]}x lower peak than full at "
             f"<= {MAX_SAVING_TARGET[1]}x step time: {'met' if ok else 'NOT met'} ({1 / memory:.2f}x at {step:.2f}x)"
         )
-    FIGURES.append(
-        {
-            "kind": "scatter",
-            "file": f"frontier_{label.split()[0].lower()}_{batch}x{seq}_{precision}",
-            "xlabel": "whole-step peak / full fine-tuning",
-            "ylabel": "step time / full fine-tuning",
-            "title": f"Fine-tuning memory vs step time, {label}, batch {batch} x seq {seq}, {precision}",
-            "note": "one point per setup; ringed: the Pareto front; dashed: 1.10x full step time",
-            "reference": FRONTIER_TIME_LIMIT,
-            "series": [{"label": n, "x": points[n][0], "y": points[n][1], "front": n in front} for n in names],
-        }
+    figure(
+        "scatter",
+        f"frontier_{label.split()[0].lower()}_{batch}x{seq}_{precision}",
+        f"Fine-tuning memory vs step time, {label}, batch {batch} x seq {seq}, {precision}",
+        [{"label": n, "x": points[n][0], "y": points[n][1], "front": n in front} for n in names],
+        xlabel="whole-step peak / full fine-tuning",
+        ylabel="step time / full fine-tuning",
+        note="one point per setup; ringed: the Pareto front; dashed: 1.10x full step time",
+        reference=FRONTIER_TIME_LIMIT,
     )
     TABLES.append(
         "\n".join(
