@@ -106,6 +106,12 @@ def maybe_lock(path: Optional[str]) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def bert_overrides(hidden: int, layers: int, heads: int, ffn: int) -> list[str]:
+    """The config overrides (``-o``) of a BERT of these sizes."""
+    sizes = {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads, "intermediate_size": ffn}
+    return [f"model.{key}={value}" for key, value in sizes.items()]
+
+
 def argv(*args, overrides: Iterable[str] = (), **options) -> list[str]:
     """A child's command line: ``args``, then ``--key value`` per option (``True``: the bare flag), then ``-o`` per
     config override."""

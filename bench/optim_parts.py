@@ -14,15 +14,10 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import checkpoint_weights, interleaved, median, ratio_line, say, status
+from bench._common import bert_overrides, checkpoint_weights, interleaved, median, ratio_line, say, status
 
 DATA = ROOT.parent / "shared" / "data" / "wiki_sample.jsonl"
-SMALL_MODEL = [
-    "model.hidden_size=128",
-    "model.num_hidden_layers=2",
-    "model.num_attention_heads=2",
-    "model.intermediate_size=512",
-]
+SMALL_MODEL = bert_overrides(128, 2, 2, 512)
 CONFIGS = {"lamb": "bert_lamb.json", "adamw": "bert_adam.json"}
 SHIPPED_LR = {"lamb": 5e-3, "adamw": 1e-3}
 """Peak LRs at batch 32 (``bert_lamb.json`` / ``bert_adam.json``, tuned at reference batch 32)."""

@@ -15,7 +15,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import cpu_env  # noqa: E402
+from bench._common import bert_overrides, cpu_env
 
 
 SHARED = ROOT.parent / "shared" / "data"
@@ -27,10 +27,7 @@ YARDSTICK_SEED = 20240917
 MODELS = {
     "default": [],
     "4x256": [
-        "model.hidden_size=256",
-        "model.num_hidden_layers=4",
-        "model.num_attention_heads=4",
-        "model.intermediate_size=1024",
+        *bert_overrides(256, 4, 4, 1024),
         # every contender's AdamW (HF's too, it reads the LR from this config); at bert.json's 2e-3 this model stays
         # on the unigram plateau for 400 steps, at 1e-3 it leaves it by step 100 (docs/time_to_train.md, LR probe)
         "optimizer.lr=1e-3",
