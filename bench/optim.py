@@ -67,30 +67,20 @@ CURVES: list[dict] = []
 TABLE: list[str] = []
 
 
-def pretrain(
-    point: Point,
-    *,
-    micro: int,
-    samples: int,
-    eval_samples: int,
-    seq: int,
-    out: Path,
-    prefix: list[str],
-    save_every: int = 0,
-) -> Result:
+def pretrain(point: Point, args, out: Path, save_every: int = 0) -> Result:
     """One ``launch/pretrain.py`` run of ``point``; a run stopped by non-finite gradients is a diverged result."""
-    steps = max(1, samples // point.batch)
-    eval_every = max(1, eval_samples // point.batch)
+    steps = max(1, args.samples // point.batch)
+    eval_every = max(1, args.eval_samples // point.batch)
     overrides = [
         *SMALL_MODEL,
-        *point.overrides(micro, 2),
+        *point.overrides(args.micro, 2),
         "train.save_model=false",
         f"train.save_every={save_every}",
         "train.keep_last=1000",
         "deepspeed.csv_monitor.enabled=false",
     ]
     cmd = argv(
-        *prefix,
+        *args.run_prefix.split(),
         *deepspeed_launcher(2),
         ROOT / "launch" / "pretrain.py",
         deepspeed_config=ROOT / "ds_configs" / CONFIGS[point.optimizer],
@@ -98,7 +88,7 @@ def pretrain(
         max_steps=steps,
         eval_every=eval_every,
         log_every=eval_every,
-        max_seq_length=seq,
+        max_seq_length=args.seq,
         output_dir=out,
         overwrite_output_dir=True,
         seed=point.seed,
@@ -131,16 +121,7 @@ def describe(result: Result, target: float) -> str:
 
 def run_point(point: Point, args, tmp: Path, save_every: int = 0) -> Result:
     out = tmp / f"run{len(CURVES):03d}"
-    result = pretrain(
-        point,
-        micro=args.micro,
-        samples=args.samples,
-        eval_samples=args.eval_samples,
-        seq=args.seq,
-        out=out,
-        prefix=args.run_prefix.split(),
-        save_every=save_every,
-    )
+    result = pretrain(point, args, out, save_every)
     CURVES.append(
         {
             "label": f"{point.label}, seed {point.seed}",
