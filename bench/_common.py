@@ -3,7 +3,8 @@ CPU it ran on, child command lines and runs, the optional timing lock (plots are
 bench/_report.py).
 
 A benchmark runs as its own process (``bench/run_all.py``), so the module-level :data:`SUMMARY` and :data:`FIGURES`
-are that benchmark's: it ``say``s the lines that matter and hands both to ``record_results`` for the report.
+are that benchmark's: it ``say``s the lines that matter, adds its figures with :func:`figure` and hands both to
+:func:`record` for the report.
 Timing (:func:`interleaved`, :func:`median`, :func:`ratio_line`) and records (:func:`record_results`,
 :func:`environment_line`) are re-exported here from ``ds_bertopt.testing.measure``, so that a script imports one
 module whatever becomes of the package's test helpers.
@@ -146,7 +147,12 @@ def run_streamed(cmd: list[str], on_line: Callable[[str], object], timeout: floa
         errors="replace",
         start_new_session=True,
     )
-    watchdog = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+
+    def kill() -> None:
+        with contextlib.suppress(ProcessLookupError):  # the group ended as the watchdog fired
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(timeout, kill)
     watchdog.start()
     try:
         for line in proc.stdout:
