@@ -1,8 +1,10 @@
-"""The one harness every benchmark script shares: its summary lines, timing, records, the CPU run environment, the
-optional timing lock (plots are drawn from the records by bench/_report.py).
+"""The one harness every benchmark script shares: its summary lines, timing, records, the CPU run environment and the
+CPU it ran on, child command lines and runs, the optional timing lock (plots are drawn from the records by
+bench/_report.py).
 
 A benchmark runs as its own process (``bench/run_all.py``), so the module-level :data:`SUMMARY` and :data:`FIGURES`
-are that benchmark's: it ``say``s the lines that matter and hands both to ``record_results`` for the report.
+are that benchmark's: it ``say``s the lines that matter, adds its figures with :func:`figure` and hands both to
+:func:`record` for the report.
 Timing (:func:`interleaved`, :func:`median`, :func:`ratio_line`) and records (:func:`record_results`,
 :func:`environment_line`) are re-exported here from ``ds_bertopt.testing.measure``, so that a script imports one
 module whatever becomes of the package's test helpers.
@@ -13,9 +15,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import platform
+import signal
+import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -33,12 +39,25 @@ SUMMARY: list[str] = []
 """The lines this benchmark said (its report section's summary)."""
 FIGURES: list[dict] = []
 """The figures this benchmark recorded (``bench/_report.py`` plots them)."""
+TABLES: list[str] = []
+"""The markdown tables this benchmark recorded (the report prints them under its figures)."""
 
 
 def say(line: str) -> None:
     """Print a line that belongs in the report's summary, and keep it there."""
     print(line, flush=True)
     SUMMARY.append(line)
+
+
+def figure(kind: str, file: str, title: str, series: list, **fields) -> None:
+    """Record a figure for the report (``bench/_report.py`` draws it: ``bars``, ``curves``, ``errorbars``,
+    ``scatter``, each with its own ``fields``)."""
+    FIGURES.append({"kind": kind, "file": file, "title": title, "series": series, **fields})
+
+
+def record(name: str, note: str, **payload) -> None:
+    """Record this benchmark's summary and figures, then ``payload``, then ``note`` (``record_results``)."""
+    record_results(name, {"summary": SUMMARY, "figures": FIGURES, **payload, "note": note})
 
 
 def status(ok: bool) -> str:
@@ -86,3 +105,99 @@ def maybe_lock(path: Optional[str]) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def bert_overrides(hidden: int, layers: int, heads: int, ffn: int) -> list[str]:
+    """The config overrides (``-o``) of a BERT of these sizes."""
+    sizes = {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads, "intermediate_size": ffn}
+    return [f"model.{key}={value}" for key, value in sizes.items()]
+
+
+def argv(*args, overrides: Iterable[str] = (), **options) -> list[str]:
+    """A child's command line: ``args``, then ``--key value`` per option (``True``: the bare flag), then ``-o`` per
+    config override."""
+    out = [str(arg) for arg in args]
+    for key, value in options.items():
+        out += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    for text in overrides:
+        out += ["-o", text]
+    return out
+
+
+def run_checked(cmd: list[str], what: str, env: Optional[dict] = None, timeout: Optional[float] = None):
+    """Run a child to its end in the checkout (:func:`cpu_env` unless ``env``), its output captured; a failure raises
+    with the tails of both streams."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(f"{what} failed: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def run_streamed(cmd: list[str], on_line: Callable[[str], object], timeout: float, env: Optional[dict] = None) -> int:
+    """Run a child in the checkout, in its own process group (:func:`cpu_env` unless ``env``), handing each line of
+    its output (stderr merged) to ``on_line``; past ``timeout`` seconds a watchdog kills the whole group, a silent hang
+    too. Returns the exit status (negative: killed by that signal)."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env or cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+
+    def kill() -> None:
+        with contextlib.suppress(ProcessLookupError):  # the group ended as the watchdog fired
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(timeout, kill)
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            on_line(line)
+        return proc.wait()
+    finally:
+        watchdog.cancel()
+
+
+def checkpoint_weights(path) -> dict:
+    """The Hugging Face model's weights in one of our DeepSpeed checkpoint directories: ``module`` of
+    ``mp_rank_00_model_states.pt`` (a file with non-tensor objects too: its config, versions), our wrapper's
+    ``model.`` prefix removed."""
+    import torch
+
+    raw = torch.load(Path(path) / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    return {k[len("model.") :]: v for k, v in raw.items() if k.startswith("model.")}
+
+
+def cpu_kind() -> str:
+    """``CPU: <model name>, <n> cores available, <ISA>``, from ``/proc/cpuinfo`` (Linux; bf16 is emulated without
+    AVX512-BF16 / AMX: ~15x slower)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name in ("", platform.machine(), platform.processor()):
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    if {"amx_bf16", "amx_tile"} & flags:
+        isa = "AMX (native bf16)"
+    elif "avx512_bf16" in flags:
+        isa = "AVX512-BF16 (native bf16)"
+    elif "avx512f" in flags:
+        isa = "AVX512 (bf16 emulated)"
+    elif "avx2" in flags:
+        isa = "AVX2 (bf16 emulated)"
+    else:
+        isa = "no AVX2"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return f"CPU: {name}, {cores} cores available, {isa}"

@@ -67,7 +67,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import FIGURES, SUMMARY, maybe_lock, say, status  # noqa: E402
+from bench._common import figure, SUMMARY, environment_line, maybe_lock, record, say, status
 from ds_bertopt.cli.balance import corpus_lengths, format_table  # noqa: E402
 from ds_bertopt.data.peers import (  # noqa: E402
     PEERS,
@@ -81,7 +81,6 @@ from ds_bertopt.data.peers import (  # noqa: E402
 from ds_bertopt.data.scale import SCALE_STEP_TIME, scale_lines, scale_view, synthetic_lengths  # noqa: E402
 from ds_bertopt.data.config import STRATEGIES as STRATEGIES_ALL, SamplerConfig  # noqa: E402
 from ds_bertopt.data.cost import CostModel  # noqa: E402
-from bench._common import environment_line, record_results  # noqa: E402
 from bench.balance_ranks import MEASURED, SHARED, TOKEN_TARGETS, TOKENIZER, convergence_part, measured_part  # noqa: E402
 
 WORLD, RPN, LOCAL, SIM_STEPS = 1024, 8, 16, 50
@@ -92,42 +91,36 @@ def record_planner_figures(mix: str, micro: int, accum: int, figures: dict) -> N
     """Figures for the report: per-strategy imbalance and padding, and one step's work per rank."""
     names = list(figures)
     layout = f"{WORLD} ranks × {micro}×{accum}, {RPN} ranks/node, {mix}, cost L + L²/6144, seed 0, {SIM_STEPS} steps"
-    FIGURES.append(
-        {
-            "kind": "bars",
-            "file": f"imbalance_{micro}x{accum}",
-            "stack": ["work_max_over_mean"],
-            "title": f"Work max/mean per step by strategy ({micro}×{accum})",
-            "unit": "max/mean work (1 = perfect)",
-            "reference": 1.02,
-            "note": layout,
-            "series": [{"label": n, "work_max_over_mean": figures[n].imbalance_mean} for n in names],
-        }
+    figure(
+        "bars",
+        f"imbalance_{micro}x{accum}",
+        f"Work max/mean per step by strategy ({micro}×{accum})",
+        [{"label": n, "work_max_over_mean": figures[n].imbalance_mean} for n in names],
+        stack=["work_max_over_mean"],
+        unit="max/mean work (1 = perfect)",
+        reference=1.02,
+        note=layout,
     )
-    FIGURES.append(
-        {
-            "kind": "bars",
-            "file": f"padding_{micro}x{accum}",
-            "stack": ["padding_percent"],
-            "title": f"Padding by strategy ({micro}×{accum})",
-            "unit": "% of computed tokens that are padding",
-            "note": layout,
-            "series": [{"label": n, "padding_percent": 100 * figures[n].padding} for n in names],
-        }
+    figure(
+        "bars",
+        f"padding_{micro}x{accum}",
+        f"Padding by strategy ({micro}×{accum})",
+        [{"label": n, "padding_percent": 100 * figures[n].padding} for n in names],
+        stack=["padding_percent"],
+        unit="% of computed tokens that are padding",
+        note=layout,
     )
-    FIGURES.append(
-        {
-            "kind": "curves",
-            "file": f"work_per_rank_{micro}x{accum}",
-            "xlabel": "ranks, sorted by work",
-            "ylabel": "work / mean work",
-            "title": f"Work per rank in step 0 ({micro}×{accum})",
-            "note": layout,
-            "series": [
-                {"label": n, "x": list(range(WORLD)), "y": sorted(float(v) for v in figures[n].work_per_rank[0])}
-                for n in names
-            ],
-        }
+    figure(
+        "curves",
+        f"work_per_rank_{micro}x{accum}",
+        f"Work per rank in step 0 ({micro}×{accum})",
+        [
+            {"label": n, "x": list(range(WORLD)), "y": sorted(float(v) for v in figures[n].work_per_rank[0])}
+            for n in names
+        ],
+        xlabel="ranks, sorted by work",
+        ylabel="work / mean work",
+        note=layout,
     )
 
 
@@ -161,15 +154,8 @@ def planner_part() -> None:
         lengths = simulation_lengths(corpus, WORLD * LOCAL, SIM_STEPS, rng)
         mix = f"{name} seq {seq}"
         for micro, accum in ((16, 1), (2, 8)):
-            res = evaluate(
-                lengths,
-                world_size=WORLD,
-                ranks_per_node=RPN,
-                micro_batch=micro,
-                grad_accum=accum,
-                cfg=SamplerConfig(),
-                cost=cost,
-            )
+            layout = dict(world_size=WORLD, ranks_per_node=RPN, micro_batch=micro, grad_accum=accum, cost=cost)
+            res = evaluate(lengths, cfg=SamplerConfig(), **layout)
             f = {k: r.figures for k, r in res.items()}
             ours = f["stratified_node_balance"]
             paper = f["stratified_node_sort"]
@@ -179,16 +165,8 @@ def planner_part() -> None:
                 f"{ours.padded_imbalance_mean:.3f}), stratified_node_sort {paper.imbalance_mean:.3f}"
             )
             if name.startswith("MLPerf"):
-                paper = evaluate(
-                    lengths,
-                    world_size=WORLD,
-                    ranks_per_node=RPN,
-                    micro_batch=micro,
-                    grad_accum=accum,
-                    cfg=PAPER,
-                    cost=cost,
-                    strategies=("stratified_node_sort",),
-                )["stratified_node_sort"].figures
+                paper = evaluate(lengths, cfg=PAPER, strategies=("stratified_node_sort",), **layout)
+                paper = paper["stratified_node_sort"].figures
                 line += f" ({paper.imbalance_mean:.3f} with the paper's bins 6/3/2/5)"
             line += (
                 f", stratified {f['stratified'].imbalance_mean:.3f}, "
@@ -302,33 +280,31 @@ def packed_layout(
         f"s/step packed {res['packed_node_balance'].seconds:.4f}, padded {res['padded_node_balance'].seconds:.4f}"
     )
     say(line)
-    FIGURES.append(
-        {
-            "kind": "bars",
-            "file": f"packed_{mix.split()[0]}_{world}x{micro}x{accum}",
-            "stack": ["step_time_vs_random"],
-            "unit": "busiest rank's work / random's (padded kernels)",
-            "title": f"Step time by planner, {label}",
-            "reference": bound,
-            "note": f"cost L + L²/6144, seed 0, {res['random'].plan.steps} steps; line: mean work (bound)",
-            "series": [
-                {
-                    "label": "packed_node_balance (unpadded kernels)",
-                    "step_time_vs_random": rel["packed_node_balance"][0],
-                },
-                *(
-                    {"label": SHOWN.get(n, n), "step_time_vs_random": rel[n][1]}
-                    for n in (
-                        "padded_node_balance",
-                        "hf_batch_rebalance",
-                        "ds_batch_by_seqlens",
-                        "sorted_megabatch",
-                        "stratified_node_balance",
-                        "random",
-                    )
-                ),
-            ],
-        }
+    figure(
+        "bars",
+        f"packed_{mix.split()[0]}_{world}x{micro}x{accum}",
+        f"Step time by planner, {label}",
+        [
+            {
+                "label": "packed_node_balance (unpadded kernels)",
+                "step_time_vs_random": rel["packed_node_balance"][0],
+            },
+            *(
+                {"label": SHOWN.get(n, n), "step_time_vs_random": rel[n][1]}
+                for n in (
+                    "padded_node_balance",
+                    "hf_batch_rebalance",
+                    "ds_batch_by_seqlens",
+                    "sorted_megabatch",
+                    "stratified_node_balance",
+                    "random",
+                )
+            ),
+        ],
+        stack=["step_time_vs_random"],
+        unit="busiest rank's work / random's (padded kernels)",
+        reference=bound,
+        note=f"cost L + L²/6144, seed 0, {res['random'].plan.steps} steps; line: mean work (bound)",
     )
     return {"label": label, "world": world, "rel": rel, "bound": bound, "results": res, "lengths": lengths}
 
@@ -439,23 +415,18 @@ def scale_part(lock: str | None) -> None:
                         grad_accum=1,
                         reference=strategy in SCALE_GLOBAL.get(n, ()),
                     )
-                print(scale_lines(results[-1:], label, SCALE_STEP_TIME)[0], flush=True)
-                SUMMARY.append(scale_lines(results[-1:], label, SCALE_STEP_TIME)[0])
+                say(scale_lines(results[-1:], label, SCALE_STEP_TIME)[0])
         for line in scale_lines(results, label, SCALE_STEP_TIME)[len(results) :]:
             say(line)
-        FIGURES.append(
-            {
-                "kind": "bars",
-                "file": f"scale_{n // 1_000_000}M",
-                "stack": ["peak_rss_mib"],
-                "title": f"Peak RSS of one rank's planner, {label}",
-                "unit": "MiB (the process: python, numpy, torch and the planner)",
-                "reference": 1024,
-                "note": "windowed sampler in a fresh process; 1 GiB line: the issue's target",
-                "series": [
-                    {"label": r.strategy, "peak_rss_mib": r.window.get("rss_mib", float("nan"))} for r in results
-                ],
-            }
+        figure(
+            "bars",
+            f"scale_{n // 1_000_000}M",
+            f"Peak RSS of one rank's planner, {label}",
+            [{"label": r.strategy, "peak_rss_mib": r.window.get("rss_mib", float("nan"))} for r in results],
+            stack=["peak_rss_mib"],
+            unit="MiB (the process: python, numpy, torch and the planner)",
+            reference=1024,
+            note="windowed sampler in a fresh process; 1 GiB line: the issue's target",
         )
 
 
@@ -513,15 +484,8 @@ def main() -> int:
     if "convergence" in parts:
         convergence_part([1, 2], 60 if args.quick else 300, args.quick)
     print(f"done in {time.perf_counter() - started:.0f} s")
-    record_results(
-        args.record_as,
-        {
-            "summary": SUMMARY,
-            "figures": FIGURES,
-            "note": f"parts {', '.join(parts)}; measured runs: {args.repeats} interleaved rounds, "
-            "tokens/s medians; planner seed 0",
-        },
-    )
+    note = f"parts {', '.join(parts)}; measured runs: {args.repeats} interleaved rounds, tokens/s medians"
+    record(args.record_as, note + "; planner seed 0")
     return 0
 
 

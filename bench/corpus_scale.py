@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,10 +41,8 @@ from pathlib import Path
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from _common import FIGURES, SUMMARY, cpu_env, deepspeed_launcher, record_results, say, status  # noqa: E402
-from _cpu import cpu_kind  # noqa: E402
+from bench._common import figure, cpu_env, cpu_kind, deepspeed_launcher, record, run_streamed, say, status
 
 SHARED = ROOT.parent / "shared" / "data"
 SIZES_MB = (25, 100, 400, 1000)
@@ -151,19 +148,9 @@ def run_job(ranks: int, args: list[str], memory: Path, timeout: float) -> dict:
     cmd = [*deepspeed_launcher(ranks), *args]
     env = cpu_env(CORPUS_SCALE_MEMORY=str(memory))
     start, lines = time.monotonic(), []
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    pump = threading.Thread(target=lambda: [lines.append((time.monotonic() - start, x)) for x in proc.stdout])
-    pump.start()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-    pump.join(timeout=30)
+    rc = run_streamed(cmd, lambda line: lines.append((time.monotonic() - start, line)), timeout, env)
     ranks_memory = [json.loads(p.read_text()) for p in sorted(memory.glob("rank*.json"))]
-    return {"rc": proc.returncode, "wall": time.monotonic() - start, "lines": lines, "memory": ranks_memory}
+    return {"rc": rc, "wall": time.monotonic() - start, "lines": lines, "memory": ranks_memory}
 
 
 def stored(cache: Path) -> dict:
@@ -334,16 +321,12 @@ def main(argv=None) -> int:
                 f"{w['private'] / 2**20:,.0f} MiB, mapped {w['mapped'] / 2**20:,.0f} MiB (peaks)"
             )
         summarize(rows, done, base, args)
-        record_results(
+        record(
             "corpus_scale",
-            {
-                "sizes": rows,
-                "embedded": {k: v for k, v in base.items() if k != "memory"},
-                "summary": SUMMARY,
-                "figures": FIGURES,
-                "note": f"synthetic corpora from ../shared/data; ds_configs/bert.json, 1 step; warm: medians of "
-                f"{args.warm_repeats}; throughput: best of {args.repeats} on {args.slice_mb:g} MB; one machine",
-            },
+            f"synthetic corpora from ../shared/data; ds_configs/bert.json, 1 step; warm: medians of "
+            f"{args.warm_repeats}; throughput: best of {args.repeats} on {args.slice_mb:g} MB; one machine",
+            sizes=rows,
+            embedded={k: v for k, v in base.items() if k != "memory"},
         )
         return 0 if len(done) == len(rows) else 1
     finally:
@@ -405,28 +388,24 @@ def summarize(rows: list[dict], done: list[dict], base: dict, args) -> None:
         f"{status(growth <= TARGET_PRIVATE)})"
     )
     millions = [float(x) / 1e6 for x in n]
-    FIGURES.append(
-        {
-            "kind": "curves",
-            "title": "Warm start-up over the embedded corpus, 2 ranks",
-            "file": "warm_start",
-            "xlabel": "training sequences (millions)",
-            "ylabel": "seconds added",
-            "series": [{"label": "measured", "x": millions, "y": [float(a) for a in added]}],
-        }
+    figure(
+        "curves",
+        "warm_start",
+        "Warm start-up over the embedded corpus, 2 ranks",
+        [{"label": "measured", "x": millions, "y": [float(a) for a in added]}],
+        xlabel="training sequences (millions)",
+        ylabel="seconds added",
     )
-    FIGURES.append(
-        {
-            "kind": "curves",
-            "title": "Memory per rank on a warm start (peaks)",
-            "file": "memory",
-            "xlabel": "training sequences (millions)",
-            "ylabel": "MiB",
-            "series": [
-                {"label": "private (anonymous)", "x": millions, "y": [float(p) / 2**20 for p in private]},
-                {"label": "mapped (files)", "x": millions, "y": [r["memory"]["mapped"] / 2**20 for r in done]},
-            ],
-        }
+    figure(
+        "curves",
+        "memory",
+        "Memory per rank on a warm start (peaks)",
+        [
+            {"label": "private (anonymous)", "x": millions, "y": [float(p) / 2**20 for p in private]},
+            {"label": "mapped (files)", "x": millions, "y": [r["memory"]["mapped"] / 2**20 for r in done]},
+        ],
+        xlabel="training sequences (millions)",
+        ylabel="MiB",
     )
 
 

@@ -36,14 +36,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import FIGURES, ROOT, SUMMARY, cpu_env, deepspeed_launcher, say, status  # noqa: E402
-from _cpu import cpu_kind  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._common import (
+    figure,
+    ROOT,
+    cpu_kind,
+    deepspeed_launcher,
+    environment_line,
+    record,
+    run_checked,
+    say,
+    status,
+)
 
 SHARED = ROOT.parent / "shared" / "data"
 OURS = {"model": {"unpadded": True}, "sampler": {"strategy": "packed_node_balance"}}
@@ -106,9 +114,7 @@ def run(task: str, name: str, work: Path, script_args: list[str], seed: int, sta
         "--output_dir", str(out / "run"),
     ]  # fmt: skip
     print(f"[{task}] {name} ...", flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=14400)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{task} {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    run_checked(cmd, f"{task} {name}", timeout=14400)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     steps = [max(times) for times in zip(*(r["step_s"] for r in ranks))][1:]  # a step ends when both ranks are done
     size = -(-len(steps) // WINDOWS)
@@ -262,8 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from mfu import gemm_peak  # bench/mfu.py
-    from ds_bertopt.testing.measure import environment_line, record_results
+    from bench.mfu import gemm_peak
 
     if not SHARED.is_dir():
         print(f"skipped: {SHARED} is absent")
@@ -294,16 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         if task == "glue":
             results[task]["_step_peaks"] = step_peaks(lengths, 2 if args.quick else 5)
     report(results, args, peak)
-    record_results(
+    record(
         args.record_as,
-        {
-            "results": results,
-            "summary": SUMMARY,
-            "gemm_peak": peak,
-            "note": f"{'quick subsets' if args.quick else 'full'}; one seed (42); speed: median of {WINDOWS} windows "
-            "of each run's optimizer steps; peak: RSS high-water mark above the bare process, larger rank",
-            "figures": FIGURES,
-        },
+        f"{'quick subsets' if args.quick else 'full'}; one seed (42); speed: median of {WINDOWS} windows of each "
+        "run's optimizer steps; peak: RSS high-water mark above the bare process, larger rank",
+        results=results,
+        gemm_peak=peak,
     )
     return 0
 
@@ -358,14 +359,20 @@ def report(results: dict, args, peak: float) -> None:
             f"{100 * theirs['exact_match']:.2f} F1 {100 * theirs['f1']:.2f}; whole path runs: {status(ran)}"
         )
         ratio_line("QA training examples/s", "ours unpadded", "HF padded", r, 1.3, "windows/s")
-    FIGURES.append({"kind": "bars", "title": "Training examples/s (median of windows)", "file": "speed",
-                    "unit": "examples/s", "stack": ["examples/s"], "series": bars})  # fmt: skip
+    figure("bars", "speed", "Training examples/s (median of windows)", bars, unit="examples/s", stack=["examples/s"])
     if "glue" in results:
         steps = [{"label": n, "MiB": statistics.median(p) / 2**20} for n, p in results["glue"]["_step_peaks"].items()]
-        FIGURES.append({"kind": "bars", "title": "BoolQ one-step peak at the same batches of 16 (median)",
-                        "file": "step_peak", "unit": "MiB", "stack": ["MiB"], "series": steps})  # fmt: skip
-    FIGURES.append({"kind": "bars", "title": "Training process peak memory (RSS above the bare process)",
-                    "file": "peak", "unit": "GiB", "stack": ["GiB"], "series": memory})  # fmt: skip
+        figure(
+            "bars",
+            "step_peak",
+            "BoolQ one-step peak at the same batches of 16 (median)",
+            steps,
+            unit="MiB",
+            stack=["MiB"],
+        )
+    figure(
+        "bars", "peak", "Training process peak memory (RSS above the bare process)", memory, unit="GiB", stack=["GiB"]
+    )
 
 
 if __name__ == "__main__":

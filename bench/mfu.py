@@ -51,11 +51,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from _cpu import cpu_kind  # noqa: E402
-from bench._common import SUMMARY, say, status  # noqa: E402
+import torch
+
+from bench._common import cpu_kind, interleaved, record, say, status
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 RAW = Path(__file__).resolve().parent / "report" / "raw"
@@ -67,13 +66,7 @@ BF16_MFU_TARGETS = {"AVX512-BF16": 0.80, "AMX": 0.45}
 
 
 def native_bf16(device: torch.device) -> bool:
-    if device.type == "cuda":
-        return True
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return device.type == "cuda" or "(native bf16)" in cpu_kind()
 
 
 def seq128_sequences(seed: int = 0) -> list[list[int]]:
@@ -230,15 +223,12 @@ def measure(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.
         start = time.perf_counter()
         step()  # warm-up; the compiled contender compiles here
         warm[name] = time.perf_counter() - start
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for round_index in range(repeats):  # interleaved rounds: drift on a shared machine hits all alike
-        order = list(steps.items())
-        for name, step in order[::-1] if round_index % 2 else order:
-            sync(device)
-            start = time.perf_counter()
-            step()
-            sync(device)
-            times[name].append(time.perf_counter() - start)
+
+    def synced(step):
+        return lambda: (step(), sync(device))  # the step ends when the device is done (a no-op on a CPU)
+
+    sync(device)
+    times = interleaved({name: synced(step) for name, step in steps.items()}, repeats=repeats, warmup=0)
     lengths = [len(s["input_ids"]) for s in samples]
     masked = sum(label != -100 for s in samples for label in s["labels"])
     return {
@@ -338,8 +328,6 @@ def main(argv=None) -> int:
     parser.add_argument("--epoch-batches", type=int, default=0, help="cap the epoch's micro-batches (0: all)")
     parser.add_argument("--record-as", default="mfu", help="name of the recorded results (report section)")
     args = parser.parse_args(argv)
-    from bench._common import record_results
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         from ds_bertopt.data.parallel import available_cores
@@ -415,37 +403,34 @@ def main(argv=None) -> int:
             "bf16: not measured on this CPU (no native bf16: emulated, minutes per step); its targets, MFU >= 0.80 "
             "on AVX512-BF16 and >= 0.45 on AMX, compiled >= 1.15x eager: not measured"
         )
-    record_results(
+    record(
         args.record_as,
-        {
-            "device": where,
-            "results": results,
-            "summary": SUMMARY,
-            "note": f"{args.sequences} sequences of the seq-128 mix, BERT-base shape, forward + backward, one process; "
-            "MFU = model FLOPs on real tokens / step time / the GEMM peak measured in the same run and precision; "
-            "split: the medians of profiled steps per contender (torch.profiler op self times)",
-            "figures": [
-                {
-                    "kind": "bars",
-                    "title": "MFU, HF padded vs ours unpadded (BERT-base shape, seq-128 mix)",
-                    "file": "mfu",
-                    "unit": "model FLOPs / GEMM peak",
-                    "stack": ["MFU"],
-                    "series": bars,
-                },
-                {
-                    "kind": "bars",
-                    "title": "Where a step's time goes, fp32 (profiled steps, medians, seconds)",
-                    "file": "split",
-                    "unit": "seconds",
-                    "stack": ["GEMMs", "attention", "rest"],
-                    "series": [
-                        {"label": c, "GEMMs": s["gemm"], "attention": s["attention"], "rest": s["rest"]}
-                        for c, s in fp32["split"].items()
-                    ],
-                },
-            ],
-        },
+        f"{args.sequences} sequences of the seq-128 mix, BERT-base shape, forward + backward, one process; "
+        "MFU = model FLOPs on real tokens / step time / the GEMM peak measured in the same run and precision; "
+        "split: the medians of profiled steps per contender (torch.profiler op self times)",
+        device=where,
+        results=results,
+        figures=[
+            {
+                "kind": "bars",
+                "title": "MFU, HF padded vs ours unpadded (BERT-base shape, seq-128 mix)",
+                "file": "mfu",
+                "unit": "model FLOPs / GEMM peak",
+                "stack": ["MFU"],
+                "series": bars,
+            },
+            {
+                "kind": "bars",
+                "title": "Where a step's time goes, fp32 (profiled steps, medians, seconds)",
+                "file": "split",
+                "unit": "seconds",
+                "stack": ["GEMMs", "attention", "rest"],
+                "series": [
+                    {"label": c, "GEMMs": s["gemm"], "attention": s["attention"], "rest": s["rest"]}
+                    for c, s in fp32["split"].items()
+                ],
+            },
+        ],
     )
     return 0
 

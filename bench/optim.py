@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -49,9 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import SUMMARY, deepspeed_launcher, say  # noqa: E402
-from bench._common import environment_line, median, ratio_line, record_results  # noqa: E402
-from bench.optim_parts import (  # noqa: E402
+from bench._common import argv, cpu_env, deepspeed_launcher, environment_line, median, ratio_line, record, say
+from bench.optim_parts import (
     CONFIGS,
     DATA,
     REFERENCE_BATCH,
@@ -69,55 +67,35 @@ CURVES: list[dict] = []
 TABLE: list[str] = []
 
 
-def pretrain(
-    point: Point,
-    *,
-    micro: int,
-    samples: int,
-    eval_samples: int,
-    seq: int,
-    out: Path,
-    prefix: list[str],
-    save_every: int = 0,
-) -> Result:
+def pretrain(point: Point, args, out: Path, save_every: int = 0) -> Result:
     """One ``launch/pretrain.py`` run of ``point``; a run stopped by non-finite gradients is a diverged result."""
-    steps = max(1, samples // point.batch)
-    eval_every = max(1, eval_samples // point.batch)
+    steps = max(1, args.samples // point.batch)
+    eval_every = max(1, args.eval_samples // point.batch)
     overrides = [
         *SMALL_MODEL,
-        *point.overrides(micro, 2),
+        *point.overrides(args.micro, 2),
         "train.save_model=false",
         f"train.save_every={save_every}",
         "train.keep_last=1000",
         "deepspeed.csv_monitor.enabled=false",
     ]
-    config = ROOT / "ds_configs" / CONFIGS[point.optimizer]
-    cmd = prefix + [
+    cmd = argv(
+        *args.run_prefix.split(),
         *deepspeed_launcher(2),
-        str(ROOT / "launch" / "pretrain.py"),
-        "--deepspeed_config",
-        str(config),
-        "--train_file",
-        str(DATA),
-        "--max_steps",
-        str(steps),
-        "--eval_every",
-        str(eval_every),
-        "--log_every",
-        str(eval_every),
-        "--max_seq_length",
-        str(seq),
-        "--output_dir",
-        str(out),
-        "--overwrite_output_dir",
-        "--seed",
-        str(point.seed),
-    ]
-    for text in overrides:
-        cmd += ["-o", text]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        ROOT / "launch" / "pretrain.py",
+        deepspeed_config=ROOT / "ds_configs" / CONFIGS[point.optimizer],
+        train_file=DATA,
+        max_steps=steps,
+        eval_every=eval_every,
+        log_every=eval_every,
+        max_seq_length=args.seq,
+        output_dir=out,
+        overwrite_output_dir=True,
+        seed=point.seed,
+        overrides=overrides,
+    )
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, check=False)
     diverged = proc.returncode != 0 and "non-finite gradients" in proc.stdout + proc.stderr
     if proc.returncode != 0 and not diverged:
         raise RuntimeError(f"pretrain {point.label} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -143,16 +121,7 @@ def describe(result: Result, target: float) -> str:
 
 def run_point(point: Point, args, tmp: Path, save_every: int = 0) -> Result:
     out = tmp / f"run{len(CURVES):03d}"
-    result = pretrain(
-        point,
-        micro=args.micro,
-        samples=args.samples,
-        eval_samples=args.eval_samples,
-        seq=args.seq,
-        out=out,
-        prefix=args.run_prefix.split(),
-        save_every=save_every,
-    )
+    result = pretrain(point, args, out, save_every)
     CURVES.append(
         {
             "label": f"{point.label}, seed {point.seed}",
@@ -353,17 +322,13 @@ def main() -> None:
         "| optimizer | batch | lr @ 32 | scaling | warmup | β₂ | seed | samples to target | best accuracy |\n"
         "|---|---|---|---|---|---|---|---|---|"
     )
-    record_results(
+    record(
         args.record_as,
-        {
-            "summary": SUMMARY,
-            "figures": figures,
-            "tables": [header + "\n" + "\n".join(TABLE)] if TABLE else [],
-            "study": study,
-            "note": f"2 ranks ZeRO 1, small BERT, seq {args.seq}, seeds {args.seeds}, {args.samples} samples per run, "
-            f"target {args.target}, MLPerf-style schedule, LR scaled from batch {REFERENCE_BATCH}, "
-            f"grid {args.grid}",
-        },
+        f"2 ranks ZeRO 1, small BERT, seq {args.seq}, seeds {args.seeds}, {args.samples} samples per run, "
+        f"target {args.target}, MLPerf-style schedule, LR scaled from batch {REFERENCE_BATCH}, grid {args.grid}",
+        figures=figures,
+        tables=[header + "\n" + "\n".join(TABLE)] if TABLE else [],
+        study=study,
     )
 
 

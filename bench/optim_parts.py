@@ -14,16 +14,10 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import say, status  # noqa: E402
-from bench._common import interleaved, median, ratio_line  # noqa: E402
+from bench._common import bert_overrides, checkpoint_weights, interleaved, median, ratio_line, say, status
 
 DATA = ROOT.parent / "shared" / "data" / "wiki_sample.jsonl"
-SMALL_MODEL = [
-    "model.hidden_size=128",
-    "model.num_hidden_layers=2",
-    "model.num_attention_heads=2",
-    "model.intermediate_size=512",
-]
+SMALL_MODEL = bert_overrides(128, 2, 2, 512)
 CONFIGS = {"lamb": "bert_lamb.json", "adamw": "bert_adam.json"}
 SHIPPED_LR = {"lamb": 5e-3, "adamw": 1e-3}
 """Peak LRs at batch 32 (``bert_lamb.json`` / ``bert_adam.json``, tuned at reference batch 32)."""
@@ -137,11 +131,11 @@ def noise_study(checkpoints: Path, reference: Result, args, small: int, large: i
     """B_simple on the batch-32 AdamW run's checkpoints; the samples ratio it predicts for ``large`` vs ``small``."""
     import numpy as np
     import torch
-    from transformers import BertConfig, BertForMaskedLM
 
     from ds_bertopt.config import load_config
     from ds_bertopt.data.collate import MLMCollator, step_generator
     from ds_bertopt.data.pipeline import build_pretrain_data
+    from ds_bertopt.model.bert import build_pretraining_model
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     overrides = [*SMALL_MODEL, f"data.train_files={json.dumps([str(DATA)])}", f"data.max_seq_length={args.seq}"]
@@ -162,29 +156,12 @@ def noise_study(checkpoints: Path, reference: Result, args, small: int, large: i
         ]
         batch = collator(samples, step_generator(0, k))
         batches.append({key: batch[key] for key in ("input_ids", "token_type_ids", "attention_mask", "labels")})
-    m = cfg.model
-    model = BertForMaskedLM(
-        BertConfig(
-            vocab_size=len(data.tokenizer),
-            hidden_size=m.hidden_size,
-            num_hidden_layers=m.num_hidden_layers,
-            num_attention_heads=m.num_attention_heads,
-            intermediate_size=m.intermediate_size,
-            max_position_embeddings=m.max_position_embeddings,
-            pad_token_id=data.tokenizer.pad_token_id,
-        )
-    )
+    model = build_pretraining_model(cfg.model, data.tokenizer, cfg.data.max_seq_length)
     accuracy = {r["step"]: r["eval_accuracy"] for r in reference.evals}
     rows = []
     for tag in sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step") and "." not in p.name):
         step = int(tag[4:])
-        # our own run's checkpoint: DeepSpeed's file holds non-tensor objects (its config, versions)
-        module = torch.load(checkpoints / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)[
-            "module"
-        ]
-        model.load_state_dict(
-            {k[len("model.") :]: v for k, v in module.items() if k.startswith("model.")}, strict=False
-        )
+        model.load_state_dict(checkpoint_weights(checkpoints / tag), strict=False)
         model.tie_weights()
         b_simple, g2, trace = noise_scale(model, batches, args.micro)
         predicted = (1 + large / b_simple) / (1 + small / b_simple) if b_simple > 0 else math.nan

@@ -27,10 +27,8 @@ from pathlib import Path
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _cpu import cpu_kind  # noqa: E402
-from bench._common import SUMMARY, say  # noqa: E402
+from bench._common import cpu_kind, record, say
 
 TARGET = 1.8
 
@@ -67,7 +65,6 @@ def main(argv=None) -> int:
     from ds_bertopt.data.pipeline import build_sequences
     from ds_bertopt.data.tokenizer import load_tokenizer
     from ds_bertopt.model.local import default_model_dir
-    from bench._common import record_results
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", default=str(SHARED / "linux_docs.jsonl.gz"))
@@ -119,34 +116,31 @@ def main(argv=None) -> int:
             )
         verdict = "met" if ratio >= TARGET and len(digests) == 1 else "NOT met"
         say(f"preprocess words/s, 2 processes vs 1: {ratio:.2f}x (target >= {TARGET}x: {verdict})")
-        record_results(
+        record(
             "preprocess",
-            {
-                "corpus": args.corpus,
-                "words": words,
-                "seconds": seconds,
-                "other_cpu_seconds": others,
-                "words_per_s": rate,
-                "ratio": ratio,
-                "met": verdict == "met",
-                "summary": SUMMARY,
-                "note": f"MiniLM-L6's WordPiece tokenizer, sequences of {args.max_seq_length} tokens, best of "
-                f"{args.repeats} interleaved builds per process count, each in a fresh cache",
-                "figures": [
-                    {
-                        "kind": "bars",
-                        "title": "Preprocessing throughput (tokenize + build sequences)",
-                        "file": "words_per_s",
-                        "unit": "words/s",
-                        "stack": ["words_per_s"],
-                        "series": [
-                            {"label": f"{n} process{'es' if n > 1 else ''}", "words_per_s": rate[n]} for n in (1, 2)
-                        ],
-                        "reference": TARGET * rate[1],
-                        "note": f"dashed: the target, {TARGET}x the 1-process rate",
-                    }
-                ],
-            },  # fmt: skip
+            f"MiniLM-L6's WordPiece tokenizer, sequences of {args.max_seq_length} tokens, best of {args.repeats} "
+            "interleaved builds per process count, each in a fresh cache",
+            corpus=args.corpus,
+            words=words,
+            seconds=seconds,
+            other_cpu_seconds=others,
+            words_per_s=rate,
+            ratio=ratio,
+            met=verdict == "met",
+            figures=[
+                {
+                    "kind": "bars",
+                    "title": "Preprocessing throughput (tokenize + build sequences)",
+                    "file": "words_per_s",
+                    "unit": "words/s",
+                    "stack": ["words_per_s"],
+                    "series": [
+                        {"label": f"{n} process{'es' if n > 1 else ''}", "words_per_s": rate[n]} for n in (1, 2)
+                    ],
+                    "reference": TARGET * rate[1],
+                    "note": f"dashed: the target, {TARGET}x the 1-process rate",
+                }
+            ],
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)

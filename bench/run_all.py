@@ -15,17 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import _report  # noqa: E402
+from bench import _report
+from bench._common import run_streamed
 
 # report name -> (script, quick arguments, full arguments, quick timeout s, full timeout s)
 BENCHES: dict[str, tuple[str, list[str], list[str], int, int]] = {
@@ -85,26 +83,19 @@ def run_bench(name: str, script: str, extra: list[str], timeout: int, raw_dir: P
     print(f"\n=== {name}: {' '.join(cmd[2:])} (timeout {timeout} s)", flush=True)
     start = time.monotonic()
     log_path = log_dir / f"{name}.log"
+    lines: list[str] = []
+
+    def echo(line: str) -> None:
+        log.write(line)
+        lines.append(line.rstrip("\n"))
+        print(f"  [{name}] {line}", end="", flush=True)
+
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        lines: list[str] = []
-        # A watchdog, not a per-line check: a benchmark that hangs silently must still be stopped.
-        timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
-        timer.start()
-        try:
-            for line in proc.stdout:  # type: ignore[union-attr]
-                log.write(line)
-                lines.append(line.rstrip("\n"))
-                print(f"  [{name}] {line}", end="", flush=True)
-            proc.wait()
-        finally:
-            timer.cancel()
-        if time.monotonic() - start >= timeout:
-            status = f"timed out after {timeout} s"
-        else:
-            status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+        code = run_streamed(cmd, echo, timeout, env)  # a watchdog: a benchmark that hangs silently is stopped too
+    if time.monotonic() - start >= timeout:
+        status = f"timed out after {timeout} s"
+    else:
+        status = "ok" if code == 0 else f"failed (exit {code})"
     seconds = time.monotonic() - start
     print(f"=== {name}: {status} in {seconds:.0f} s", flush=True)
     return {

@@ -83,10 +83,9 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import SUMMARY, say, status  # noqa: E402
-from bench._common import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402
-from bench.time_to_train_runs import Run, run_one  # noqa: E402
-from bench.time_to_train_setup import (  # noqa: E402
+from bench._common import TABLES, environment_line, figure, interleaved, median, ratio_line, record, say, status
+from bench.time_to_train_runs import Run, run_one
+from bench.time_to_train_setup import (
     ALL_ON_OPTIMIZERS,
     CONTINUED_CONTENDERS,
     HF_CONTENDERS,
@@ -98,9 +97,6 @@ from bench.time_to_train_setup import (  # noqa: E402
     ours_contenders,
     prepare,
 )
-
-FIGURES: list[dict] = []
-TABLES: list[str] = []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -282,37 +278,29 @@ def summarise(
     for contender in ours_names:
         if contender != "ours_off" and "ours_off" in runs:
             compare(contender, "ours_off", f"{contender}_vs_off")
-    FIGURES.append(
-        {
-            "kind": "curves",
-            "file": f"{name}_accuracy_vs_time",
-            "xlabel": "wall time from launch (s), snapshot saving taken out",
-            "ylabel": "held-out MLM accuracy (common yardstick)",
-            "reference": target,
-            "title": f"{name}: accuracy vs wall time",
-            "note": f"dashed line: target {target:.4f} ({baseline}'s final accuracy)",
-            "series": [
-                {"label": r.label, "x": r.times, "y": r.accuracy}
-                for contender, items in runs.items()
-                if contender not in aliases
-                for r in items
-            ],
-        }
+    figure(
+        "curves",
+        f"{name}_accuracy_vs_time",
+        f"{name}: accuracy vs wall time",
+        [
+            {"label": r.label, "x": r.times, "y": r.accuracy}
+            for contender, items in runs.items()
+            if contender not in aliases
+            for r in items
+        ],
+        xlabel="wall time from launch (s), snapshot saving taken out",
+        ylabel="held-out MLM accuracy (common yardstick)",
+        reference=target,
+        note=f"dashed line: target {target:.4f} ({baseline}'s final accuracy)",
     )
-    FIGURES.append(
-        {
-            "kind": "bars",
-            "file": f"{name}_time_to_target",
-            "stack": ["time_to_target_s"],
-            "unit": "seconds to target (median of seeds)",
-            "title": f"{name}: wall time to accuracy {target:.4f}",
-            "note": "contenders that did not reach the target in every run are left out",
-            "series": [
-                {"label": c, "time_to_target_s": med(v[0])}
-                for c, v in per.items()
-                if not any(math.isinf(x) for x in v[0])
-            ],
-        }
+    figure(
+        "bars",
+        f"{name}_time_to_target",
+        f"{name}: wall time to accuracy {target:.4f}",
+        [{"label": c, "time_to_target_s": med(v[0])} for c, v in per.items() if not any(math.isinf(x) for x in v[0])],
+        stack=["time_to_target_s"],
+        unit="seconds to target (median of seeds)",
+        note="contenders that did not reach the target in every run are left out",
     )
     return {
         "scenario": name,
@@ -480,17 +468,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     print(f"done in {time.perf_counter() - started:.0f} s")
-    record_results(
+    record(
         args.record_as,
-        {
-            "summary": SUMMARY,
-            "figures": FIGURES,
-            "tables": TABLES,
-            "results": results,
-            "note": f"{'quick' if quick else 'full'} mode; seeds {args.seeds}; {args.points} snapshots per run; "
-            f"yardstick: up to {args.masks} mask set(s) per held-out sequence, until {args.yardstick_tokens} "
-            f"masked tokens; all-on optimizer {args.all_on_optimizer}; fp32, gloo, one thread per rank",
-        },
+        f"{'quick' if quick else 'full'} mode; seeds {args.seeds}; {args.points} snapshots per run; yardstick: up to "
+        f"{args.masks} mask set(s) per held-out sequence, until {args.yardstick_tokens} masked tokens; all-on "
+        f"optimizer {args.all_on_optimizer}; fp32, gloo, one thread per rank",
+        tables=TABLES,
+        results=results,
     )
     return 0
 

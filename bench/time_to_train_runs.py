@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -18,7 +17,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import cpu_env, deepspeed_launcher, maybe_lock  # noqa: E402
+from bench._common import argv, checkpoint_weights, cpu_env, deepspeed_launcher, maybe_lock, run_streamed
 from ds_bertopt.testing.distributed import free_port  # noqa: E402
 from bench.time_to_train_setup import (  # noqa: E402
     CONTINUED_HF_SCRIPT,
@@ -127,33 +126,19 @@ class OursWatcher(threading.Thread):
 def ours_args(
     scenario: Scenario, prep: Prepared, overrides: list[str], seed: int, out: Path, every: int, steps: int
 ) -> list[str]:
-    args = [
-        str(ROOT / "launch" / "pretrain.py"),
-        "--deepspeed_config",
-        str(scenario.config),
-        "--max_steps",
-        str(steps),
-        "--output_dir",
-        str(out),
-        "--overwrite_output_dir",
-        "--eval_every",
-        "0",
-        "--log_every",
-        str(every),
-        "--save_every",
-        str(every),
-        "--seed",
-        str(seed),
-    ]
-    for text in [
-        *scenario.data_overrides(),
-        "train.keep_last=1000000",
-        "train.save_model=false",
-        "deepspeed.csv_monitor.enabled=false",
-        *overrides,
-    ]:
-        args += ["-o", text]
-    return args
+    fixed = ["train.keep_last=1000000", "train.save_model=false", "deepspeed.csv_monitor.enabled=false"]
+    return argv(
+        ROOT / "launch" / "pretrain.py",
+        deepspeed_config=scenario.config,
+        max_steps=steps,
+        output_dir=out,
+        overwrite_output_dir=True,
+        eval_every=0,
+        log_every=every,
+        save_every=every,
+        seed=seed,
+        overrides=[*scenario.data_overrides(), *fixed, *overrides],
+    )
 
 
 def hf_args(
@@ -163,65 +148,40 @@ def hf_args(
     scenarios ours through ``BertOptTrainer`` (the scenario's DeepSpeed JSON, whose ``"bertopt"`` section applies)."""
     line_by_line, sampler = TRAINER_DATA.get(contender) or HF_CONTENDERS[contender]
     b, ds = prep.cfg.bertopt, prep.cfg.deepspeed
-    opt, sched = b.optimizer, b.schedule
-    micro = ds["train_micro_batch_size_per_gpu"]
-    accum = ds.get("gradient_accumulation_steps", 1)
+    opt = b.optimizer
     script = [str(HF_SCRIPT)]
     if scenario.continued:
         from ds_bertopt.model.local import default_model_dir
 
         trainer = "bertopt" if contender in TRAINER_DATA else "hf"
         script = [str(CONTINUED_HF_SCRIPT), "--model_name_or_path", default_model_dir(), "--trainer", trainer]
-    return [
+    return argv(
         *script,
         *hf_data_args(scenario, prep.cfg, prep.train_docs, prep.tokenizer_dir, prep.train_docs.parent, line_by_line),
-        "--snapshot_every",
-        str(every),
-        "--snapshot_dir",
-        str(out / "snapshots"),
-        "--timing_file",
-        str(out / "timing.jsonl"),
-        "--deepspeed",
-        str(scenario.config if contender in TRAINER_DATA else prep.ds_config),
-        "--output_dir",
-        str(out),
-        "--per_device_train_batch_size",
-        str(micro),
-        "--gradient_accumulation_steps",
-        str(accum),
-        "--max_steps",
-        str(steps),
-        "--learning_rate",
-        repr(opt.lr),  # the baseline's budget
-        "--weight_decay",
-        repr(opt.weight_decay),
-        "--adam_beta1",
-        repr(opt.betas[0]),
-        "--adam_beta2",
-        repr(opt.betas[1]),
-        "--adam_epsilon",
-        repr(opt.eps),
-        "--max_grad_norm",
-        repr(float(ds.get("gradient_clipping", 0.0))),
-        "--lr_scheduler_type",
-        "linear",
-        "--warmup_steps",
-        repr(sched.warmup_fraction),
-        "--logging_steps",
-        str(every),
-        "--save_strategy",
-        "no",
-        "--report_to",
-        "none",
-        "--disable_tqdm",
-        "true",
-        "--dataloader_num_workers",
-        "0",
-        "--seed",
-        str(seed),
-        "--train_sampling_strategy",
-        sampler,
-    ]
+        snapshot_every=every,
+        snapshot_dir=out / "snapshots",
+        timing_file=out / "timing.jsonl",
+        deepspeed=scenario.config if contender in TRAINER_DATA else prep.ds_config,
+        output_dir=out,
+        per_device_train_batch_size=ds["train_micro_batch_size_per_gpu"],
+        gradient_accumulation_steps=ds.get("gradient_accumulation_steps", 1),
+        max_steps=steps,
+        learning_rate=repr(opt.lr),  # the baseline's budget
+        weight_decay=repr(opt.weight_decay),
+        adam_beta1=repr(opt.betas[0]),
+        adam_beta2=repr(opt.betas[1]),
+        adam_epsilon=repr(opt.eps),
+        max_grad_norm=repr(float(ds.get("gradient_clipping", 0.0))),
+        lr_scheduler_type="linear",
+        warmup_steps=repr(b.schedule.warmup_fraction),
+        logging_steps=every,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm="true",
+        dataloader_num_workers=0,
+        seed=seed,
+        train_sampling_strategy=sampler,
+    )
 
 
 def launch(scenario: Scenario, script_args: list[str], out: Path, timeout: float, net) -> tuple[int, str]:
@@ -232,17 +192,11 @@ def launch(scenario: Scenario, script_args: list[str], out: Path, timeout: float
         port = free_port()
         cmd = [*deepspeed_launcher(scenario.ranks_per_node, port), *script_args]
         with open(out / "launcher.log", "w") as log:
-            proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=cpu_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
             try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+                code = run_streamed(cmd, log.write, timeout)
             finally:
                 remove_deepspeed_shm_buffers("127.0.0.1", port)  # scripts that never unlink DeepSpeed's shm
-        return proc.returncode, (out / "launcher.log").read_text(errors="replace")
+        return code, (out / "launcher.log").read_text(errors="replace")
     from ds_bertopt.testing.multinode import run_local_multinode
 
     results = run_local_multinode(
@@ -379,29 +333,22 @@ def load_finished(record: Path, key: str) -> Optional[Run]:
 # the common yardstick
 # ------------------------------------------------------------------------------------------------
 def scoring_model(prep: Prepared):
+    """The scenario's masked-LM model as ours builds it (the checkpoint's own architecture in the continued ones)."""
     import torch
     from transformers import BertConfig, BertForMaskedLM
 
     from ds_bertopt.config import load_config
     from ds_bertopt.data.tokenizer import load_tokenizer
+    from ds_bertopt.model.bert import build_pretraining_model
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    tokenizer = load_tokenizer(str(prep.tokenizer_dir))
     if prep.scenario.continued:  # the checkpoint's own architecture (MiniLM-L6)
         from ds_bertopt.model.local import default_model_dir
 
         return BertForMaskedLM(BertConfig.from_pretrained(default_model_dir())).eval()
-    m = load_config(str(prep.scenario.config), prep.scenario.data_overrides()).bertopt.model
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=m.hidden_size,
-        num_hidden_layers=m.num_hidden_layers,
-        num_attention_heads=m.num_attention_heads,
-        intermediate_size=m.intermediate_size,
-        max_position_embeddings=m.max_position_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return BertForMaskedLM(config).eval()
+    cfg = load_config(str(prep.scenario.config), prep.scenario.data_overrides()).bertopt
+    tokenizer = load_tokenizer(str(prep.tokenizer_dir))
+    return build_pretraining_model(cfg.model, tokenizer, cfg.data.max_seq_length).eval()
 
 
 TIED = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
@@ -417,9 +364,7 @@ def load_snapshot(model, path: Path, hf: bool) -> None:
         if state and all(k.startswith("model.") for k in state):  # BertOptTrainer's wrapper around the HF model
             state = {k[len("model.") :]: v for k, v in state.items()}
     else:
-        # our own run's checkpoint: DeepSpeed's file holds non-tensor objects (its config, versions)
-        raw = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
-        state = {k[len("model.") :]: v for k, v in raw.items() if k.startswith("model.")}
+        state = checkpoint_weights(path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - TIED:
         raise RuntimeError(

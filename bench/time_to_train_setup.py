@@ -6,7 +6,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import cpu_env  # noqa: E402
+from bench._common import argv, bert_overrides, run_checked
 
 
 SHARED = ROOT.parent / "shared" / "data"
@@ -27,10 +26,7 @@ YARDSTICK_SEED = 20240917
 MODELS = {
     "default": [],
     "4x256": [
-        "model.hidden_size=256",
-        "model.num_hidden_layers=4",
-        "model.num_attention_heads=4",
-        "model.intermediate_size=1024",
+        *bert_overrides(256, 4, 4, 1024),
         # every contender's AdamW (HF's too, it reads the LR from this config); at bert.json's 2e-3 this model stays
         # on the unigram plateau for 400 steps, at 1e-3 it leaves it by step 100 (docs/time_to_train.md, LR probe)
         "optimizer.lr=1e-3",
@@ -277,20 +273,9 @@ def prepare(scenario: Scenario, work: Path, masks: int, min_tokens: int) -> Prep
     hf_stats = {}
     for line_by_line in (False, True):
         stats = work / f"hf_stats_{scenario.name}_{int(line_by_line)}.json"
-        cmd = [
-            sys.executable,
-            str(HF_SCRIPT),
-            *hf_data_args(scenario, cfg, docs_path, tokenizer_dir, shared, line_by_line),
-            "--prepare_only",
-            "true",
-            "--stats_file",
-            str(stats),
-            "--output_dir",
-            str(work / "hf_prepare"),
-        ]
-        proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=1800)
-        if proc.returncode:
-            raise RuntimeError(f"HF data preparation failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        data_args = hf_data_args(scenario, cfg, docs_path, tokenizer_dir, shared, line_by_line)
+        prepare_only = argv(prepare_only="true", stats_file=stats, output_dir=work / "hf_prepare")
+        run_checked([sys.executable, str(HF_SCRIPT), *data_args, *prepare_only], "HF data preparation", timeout=1800)
         hf_stats["line_by_line" if line_by_line else "group_texts"] = json.loads(stats.read_text())
     yardstick, tokens, sets = build_yardstick(data.eval, data.tokenizer, masks, min_tokens)
     return Prepared(

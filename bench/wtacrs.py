@@ -44,29 +44,20 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from _cpu import cpu_kind  # bench/_cpu.py
-from wtacrs_common import FIGURES, ROOT, SUMMARY, TABLES, locked, say, setup_step  # bench/wtacrs_common.py
-from wtacrs_frontier import (
-    EMULATED_BF16_TOKENS,
-    FRONTIER_CELLS,
-    QUICK_CELLS,
-    FRONTIER_QUICK,
-    budget_section,
-    frontier_section,
-)
-from wtacrs_frontier import minilm_cells
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._common import figure, ROOT, TABLES, argv, cpu_env, cpu_kind, environment_line, interleaved, median
+from bench._common import ratio_line, record, run_checked, say
+from bench.wtacrs_frontier import EMULATED_BF16_TOKENS, FRONTIER_CELLS, FRONTIER_QUICK, QUICK_CELLS, budget_section
+from bench.wtacrs_frontier import frontier_section, locked, minilm_cells, setup_step
 from ds_bertopt.model.local import default_model_dir
-from bench._common import environment_line, interleaved, median, ratio_line, record_results
 from ds_bertopt.wtacrs.memory import CATEGORIES, MiB, measure_step_in_child, variant
 
 DATA = ROOT.parent / "shared" / "data" / "rt_polarity"
-LOCK = "/tmp/ds_bertopt_cpu.lock"
 
 MEMORY_VARIANTS = {
     "full": variant(),
@@ -126,23 +117,21 @@ def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, n
             f"{full['step_peak'] / r['step_peak']:.2f}x lower{verdict}; saved-for-backward "
             f"{full['saved']['total'] / r['saved']['total']:.2f}x lower"
         )
-    FIGURES.append(
-        {
-            "kind": "bars",
-            "file": f"memory_{dtype.split()[0]}",
-            "unit": "MiB",
-            "stack": ["saved for backward", "rest of the step's peak"],
-            "title": f"MiniLM-L6 fine-tuning step peak memory, batch {batch} × seq {seq}, {dtype}",
-            "note": "whole-step peak RSS above the bare interpreter, one fresh child process per variant",
-            "series": [
-                {
-                    "label": name,
-                    "saved for backward": r["saved"]["total"] / MiB,
-                    "rest of the step's peak": max(0.0, (r["step_peak"] - r["saved"]["total"]) / MiB),
-                }
-                for name, r in results.items()
-            ],
-        }
+    figure(
+        "bars",
+        f"memory_{dtype.split()[0]}",
+        f"MiniLM-L6 fine-tuning step peak memory, batch {batch} × seq {seq}, {dtype}",
+        [
+            {
+                "label": name,
+                "saved for backward": r["saved"]["total"] / MiB,
+                "rest of the step's peak": max(0.0, (r["step_peak"] - r["saved"]["total"]) / MiB),
+            }
+            for name, r in results.items()
+        ],
+        unit="MiB",
+        stack=["saved for backward", "rest of the step's peak"],
+        note="whole-step peak RSS above the bare interpreter, one fresh child process per variant",
     )
     return results
 
@@ -253,22 +242,20 @@ def families_section(minilm: str | None, batch: int, seq: int, threads: int, tin
         f"real weights. LoRA r=8 on each family's query/value projections (ModernBERT: the fused Wqkv)."
     )
     TABLES.append("\n".join([f"**Memory by model family.** {note}", ""] + rows))
-    FIGURES.append(
-        {
-            "kind": "bars",
-            "file": "families",
-            "unit": "x lower whole-step peak than full fine-tuning",
-            "stack": ["x lower"],
-            "reference": 1.0,
-            "title": f"Whole-step peak reduction by model family, batch {batch} × seq {seq}, fp32",
-            "note": note,
-            "series": [
-                {"label": f"{model_name}: {name}", "x lower": by_variant["full"]["step_peak"] / r["step_peak"]}
-                for model_name, by_variant in results.items()
-                for name, r in by_variant.items()
-                if name != "full"
-            ],
-        }
+    figure(
+        "bars",
+        "families",
+        f"Whole-step peak reduction by model family, batch {batch} × seq {seq}, fp32",
+        [
+            {"label": f"{model_name}: {name}", "x lower": by_variant["full"]["step_peak"] / r["step_peak"]}
+            for model_name, by_variant in results.items()
+            for name, r in by_variant.items()
+            if name != "full"
+        ],
+        unit="x lower whole-step peak than full fine-tuning",
+        stack=["x lower"],
+        reference=1.0,
+        note=note,
     )
     return results
 
@@ -298,53 +285,23 @@ def time_section(model_dir: str, batch: int, seq: int, repeats: int) -> None:
         say(f"{line} (target <= 1.10x: {'met' if ok else 'NOT met'})")
 
 
+# the kit's parts off: the plain step that WTA-CRS or LoRA alone is compared on
+KIT_OFF = [
+    "wtacrs.kit.sdpa_attention=false",
+    "wtacrs.kit.layernorm_saves_output=false",
+    "wtacrs.kit.recompute_gelu=false",
+    'wtacrs.kit.dropout_mask="float"',
+]
+# what the shipped config sets explicitly would override a preset: name the preset's fields again
+PRESET_FIELDS = ['wtacrs.targets=["all"]', "wtacrs.kit.recompute_qkv=true", "wtacrs.kit.recompute_ffn=true"]
 ACCURACY_VARIANTS = {
-    "full": [
-        "wtacrs.enabled=false",
-        "wtacrs.kit.sdpa_attention=false",
-        "wtacrs.kit.layernorm_saves_output=false",
-        "wtacrs.kit.recompute_gelu=false",
-        'wtacrs.kit.dropout_mask="float"',
-    ],
-    "WTA@0.3 (linears only)": [
-        "wtacrs.kit.sdpa_attention=false",
-        "wtacrs.kit.layernorm_saves_output=false",
-        "wtacrs.kit.recompute_gelu=false",
-        'wtacrs.kit.dropout_mask="float"',
-    ],
+    "full": ["wtacrs.enabled=false", *KIT_OFF],
+    "WTA@0.3 (linears only)": KIT_OFF,
     "exact kit + WTA@0.3": [],
-    # what the shipped config sets explicitly would override the preset: name the preset's fields again
-    "preset balanced": [
-        'wtacrs.preset="balanced"',
-        'wtacrs.targets=["all"]',
-        "wtacrs.kit.recompute_qkv=true",
-        "wtacrs.kit.recompute_ffn=true",
-    ],
-    "preset max_saving": [
-        'wtacrs.preset="max_saving"',
-        'wtacrs.targets=["all"]',
-        "wtacrs.kit.recompute_qkv=true",
-        "wtacrs.kit.recompute_ffn=true",
-        "wtacrs.kit.checkpoint_every=1",
-    ],
-    "LoRA": [
-        "wtacrs.enabled=false",
-        "wtacrs.lora.enabled=true",
-        "optimizer.lr=5e-4",
-        "wtacrs.kit.sdpa_attention=false",
-        "wtacrs.kit.layernorm_saves_output=false",
-        "wtacrs.kit.recompute_gelu=false",
-        'wtacrs.kit.dropout_mask="float"',
-    ],
-    "LoRA + WTA@0.3 (lora_A)": [
-        "wtacrs.lora.enabled=true",
-        "optimizer.lr=5e-4",
-        'wtacrs.targets=["lora_A"]',
-        "wtacrs.kit.sdpa_attention=false",
-        "wtacrs.kit.layernorm_saves_output=false",
-        "wtacrs.kit.recompute_gelu=false",
-        'wtacrs.kit.dropout_mask="float"',
-    ],
+    "preset balanced": ['wtacrs.preset="balanced"', *PRESET_FIELDS],
+    "preset max_saving": ['wtacrs.preset="max_saving"', *PRESET_FIELDS, "wtacrs.kit.checkpoint_every=1"],
+    "LoRA": ["wtacrs.enabled=false", "wtacrs.lora.enabled=true", "optimizer.lr=5e-4", *KIT_OFF],
+    "LoRA + WTA@0.3 (lora_A)": ["wtacrs.lora.enabled=true", "optimizer.lr=5e-4", 'wtacrs.targets=["lora_A"]', *KIT_OFF],
 }
 ACCURACY_PAIRS = (
     ("WTA@0.3 (linears only)", "full"),
@@ -359,36 +316,22 @@ def _finetune_run(
     name: str, seed: int, epochs: int, max_train: int | None, threads: int, max_eval: int | None = None
 ) -> float:
     out = Path(tempfile.mkdtemp(prefix="wtacrs_acc_"))
-    cmd = [
+    subset = [f"finetune.max_train_samples={max_train}"] if max_train else []
+    subset += [f"finetune.max_eval_samples={max_eval}"] if max_eval else []
+    cmd = argv(
         sys.executable,
-        str(ROOT / "launch" / "finetune.py"),
-        "--deepspeed_config",
-        str(ROOT / "ds_configs" / "finetune_zero0.json"),
-        "--train_file",
-        str(DATA / "train.csv"),
-        "--validation_file",
-        str(DATA / "dev.csv"),
-        "--epochs",
-        str(epochs),
-        "--seed",
-        str(seed),
-        "--output_dir",
-        str(out),
-        "--log_every",
-        "100",
-        "-o",
-        "deepspeed.train_micro_batch_size_per_gpu=32",
-    ]
-    if max_train:
-        cmd += ["-o", f"finetune.max_train_samples={max_train}"]
-    if max_eval:
-        cmd += ["-o", f"finetune.max_eval_samples={max_eval}"]
-    for override in ACCURACY_VARIANTS[name]:
-        cmd += ["-o", override]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
-    proc = locked(subprocess.run, cmd, env=env, capture_output=True, text=True, timeout=7200)
-    if proc.returncode != 0:
-        raise RuntimeError(f"finetune run {name} seed {seed} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        ROOT / "launch" / "finetune.py",
+        deepspeed_config=ROOT / "ds_configs" / "finetune_zero0.json",
+        train_file=DATA / "train.csv",
+        validation_file=DATA / "dev.csv",
+        epochs=epochs,
+        seed=seed,
+        output_dir=out,
+        log_every=100,
+        overrides=["deepspeed.train_micro_batch_size_per_gpu=32", *subset, *ACCURACY_VARIANTS[name]],
+    )
+    env = cpu_env(OMP_NUM_THREADS=str(threads))
+    locked(run_checked, cmd, f"finetune run {name} seed {seed}", env=env, timeout=7200)
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval_accuracy" in line]
     return 100.0 * evals[-1]["eval_accuracy"]
 
@@ -406,23 +349,21 @@ def accuracy_section(
             print(f"accuracy run: {name}, seed {seed}: {scores[name][-1]:.2f}", flush=True)
     subset = f"{max_train} training examples" if max_train else "all 10,451 training examples"
     subset += f", first {max_eval} dev examples" if max_eval else ""
-    FIGURES.append(
-        {
-            "kind": "errorbars",
-            "file": "accuracy",
-            "ylabel": "dev accuracy (%)",
-            "title": f"rt_polarity dev accuracy, MiniLM-L6, {epochs} epoch(s), {subset}",
-            "note": f"seeds {seeds}; bars: mean, whiskers: standard deviation, dots: runs",
-            "series": [
-                {
-                    "label": name,
-                    "mean": statistics.mean(v),
-                    "std": statistics.stdev(v) if len(v) > 1 else 0.0,
-                    "runs": v,
-                }
-                for name, v in scores.items()
-            ],
-        }
+    figure(
+        "errorbars",
+        "accuracy",
+        f"rt_polarity dev accuracy, MiniLM-L6, {epochs} epoch(s), {subset}",
+        [
+            {
+                "label": name,
+                "mean": statistics.mean(v),
+                "std": statistics.stdev(v) if len(v) > 1 else 0.0,
+                "runs": v,
+            }
+            for name, v in scores.items()
+        ],
+        ylabel="dev accuracy (%)",
+        note=f"seeds {seeds}; bars: mean, whiskers: standard deviation, dots: runs",
     )
     print(f"\n== dev accuracy (rt_polarity, {epochs} epoch(s), {subset}, seeds {seeds}) ==")
     for name in names:
@@ -559,17 +500,13 @@ def main() -> int:
             accuracy_section(args.seeds, args.epochs, args.max_train, args.threads, names)
     if "families" in sections:
         families_section(model, args.family_batch, args.family_seq, args.threads, args.family_tiny)
-    record_results(
+    emulated = "frontier" in sections and "emulated" in cpu_kind()
+    record(
         args.record_as,
-        {
-            "summary": SUMMARY,
-            "figures": FIGURES,
-            "tables": TABLES,
-            "note": f"sections {', '.join(sorted(sections))}; MiniLM-L6 unless a figure says "
-            f"otherwise; {'quick' if args.quick else 'full'} mode, "
-            f"{args.threads} threads; {cpu_kind()}"
-            + ("; bf16 cells measure bf16 emulation" if "frontier" in sections and "emulated" in cpu_kind() else ""),
-        },
+        f"sections {', '.join(sorted(sections))}; MiniLM-L6 unless a figure says otherwise; "
+        f"{'quick' if args.quick else 'full'} mode, {args.threads} threads; {cpu_kind()}"
+        + ("; bf16 cells measure bf16 emulation" if emulated else ""),
+        tables=TABLES,
     )
     return 0
 

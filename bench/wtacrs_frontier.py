@@ -3,11 +3,15 @@ and the budget mode's choice checked against re-timed throughput (see bench/wtac
 
 from __future__ import annotations
 
-from _cpu import cpu_kind  # bench/_cpu.py
-from wtacrs_common import FIGURES, TABLES, locked, say, setup_step
+import sys
+from pathlib import Path
 
-from bench._common import interleaved, median
-from ds_bertopt.wtacrs.memory import MiB, measure_step_in_child, variant
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import figure, TABLES, cpu_kind, interleaved, maybe_lock, median, say
+from ds_bertopt.wtacrs.memory import MiB, measure_step_in_child, step_fn, variant
+
+LOCK = "/tmp/ds_bertopt_cpu.lock"
 
 # the memory–time frontier: every setup a fine-tuner would pick, on the same batch
 FRONTIER_VARIANTS = {
@@ -39,6 +43,18 @@ PRESET_FALLBACK_TARGETS = {(16, 64): (None, 1.05), (64, 128): (3.1, 0.80)}
 """Issue 40, presets as a run resolves them (the fallback): (lowest peak saving or None, highest step time vs full)."""
 FRONTIER_CELLS = "bf16:16x64,fp32:16x64,bf16:64x128,fp32:64x128"  # precision:batch x seq, the order they run in
 QUICK_CELLS = "fp32:64x128"  # bench/wtacrs.py --quick with the default sections
+
+
+def locked(fn, *args, **kwargs):
+    """Run ``fn`` holding the shared CPU lock (one measurement at a time, others interleave between)."""
+    with maybe_lock(LOCK):
+        return fn(*args, **kwargs)
+
+
+def setup_step(model_dir, spec: dict, batch: int, seq: int, model_config=None, precision: str = "fp32"):
+    """One training step of setup ``spec`` (``ds_bertopt.wtacrs.memory.step_fn``), built once, to time."""
+    setup = {"model": model_dir, "model_config": model_config, "wtacrs": spec, "batch": batch, "seq": seq}
+    return step_fn({**setup, "precision": precision})
 
 
 def pareto_front(points: dict[str, tuple[float, float]]) -> set[str]:
@@ -131,17 +147,15 @@ def frontier_section(
             f"[target] {cell} on {isa}: preset max_saving >= {MAX_SAVING_TARGET[0]}x lower peak than full at "
             f"<= {MAX_SAVING_TARGET[1]}x step time: {'met' if ok else 'NOT met'} ({1 / memory:.2f}x at {step:.2f}x)"
         )
-    FIGURES.append(
-        {
-            "kind": "scatter",
-            "file": f"frontier_{label.split()[0].lower()}_{batch}x{seq}_{precision}",
-            "xlabel": "whole-step peak / full fine-tuning",
-            "ylabel": "step time / full fine-tuning",
-            "title": f"Fine-tuning memory vs step time, {label}, batch {batch} x seq {seq}, {precision}",
-            "note": "one point per setup; ringed: the Pareto front; dashed: 1.10x full step time",
-            "reference": FRONTIER_TIME_LIMIT,
-            "series": [{"label": n, "x": points[n][0], "y": points[n][1], "front": n in front} for n in names],
-        }
+    figure(
+        "scatter",
+        f"frontier_{label.split()[0].lower()}_{batch}x{seq}_{precision}",
+        f"Fine-tuning memory vs step time, {label}, batch {batch} x seq {seq}, {precision}",
+        [{"label": n, "x": points[n][0], "y": points[n][1], "front": n in front} for n in names],
+        xlabel="whole-step peak / full fine-tuning",
+        ylabel="step time / full fine-tuning",
+        note="one point per setup; ringed: the Pareto front; dashed: 1.10x full step time",
+        reference=FRONTIER_TIME_LIMIT,
     )
     TABLES.append(
         "\n".join(
