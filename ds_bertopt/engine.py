@@ -60,7 +60,7 @@ def _as_run_config(config: Any) -> RunConfig:
 
 def check_combinations(bertopt: BertOptConfig, ds: dict, our_optimizer: bool = True) -> None:
     """Refuse, before anything starts, feature combinations that cannot work together (the rows refused in the
-    GPU conformance matrix of docs/gpu.md, in its order). Every entry point calls it: the launcher's pre-flight,
+    GPU conformance matrix of docs/gpu_matrix.md, in its order). Every entry point calls it: the launcher's pre-flight,
     ``ds-bertopt config`` and the Hugging Face integration (``our_optimizer`` False when the Trainer builds its
     own optimizer, so ``bertopt.optimizer`` is not applied)."""
     stage = zero_stage(ds)

@@ -1,4 +1,4 @@
-"""What a CUDA run executes, run on the CPU with DeepSpeed's own classes (docs/gpu.md, the conformance matrix).
+"""What a CUDA run executes, run on the CPU with DeepSpeed's own classes (docs/gpu_matrix.md).
 
 Each row of the matrix is a combination a GPU user may configure (precision × optimizer × ZeRO stage ×
 offload_optimizer × overlap_comm). ``ds_bertopt.testing.gpu_paths.cuda_choice`` says which optimizer we build and
@@ -114,5 +114,5 @@ def test_fp16_rows_pass_the_preflight_on_cuda_and_are_refused_on_cpu():
 
 
 def test_docs_hold_the_matrix():
-    text = (REPO / "docs" / "gpu.md").read_text(encoding="utf-8")
-    assert markdown_table() in text, "docs/gpu.md's matrix differs from gpu_paths.cuda_choice: regenerate it"
+    text = (REPO / "docs" / "gpu_matrix.md").read_text(encoding="utf-8")
+    assert markdown_table() in text, "docs/gpu_matrix.md differs from gpu_paths.cuda_choice: regenerate it"

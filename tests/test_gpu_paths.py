@@ -13,6 +13,7 @@ from _launch import deepspeed_cmd, pretrain_args, run
 
 from ds_bertopt import config
 from ds_bertopt.comm.scaling import loss_scale_reader
+from ds_bertopt.compat import deepspeed as ds_compat
 from ds_bertopt.compat.deepspeed import register_as_producer, wait_for_bucket_producers
 from ds_bertopt.config import apply_precision
 from ds_bertopt.engine import _as_run_config, prepare_deepspeed_config
@@ -170,6 +171,11 @@ def test_shipped_gpu_configs_with_the_bf16_block_are_refused_on_a_t4_and_run_on_
     with pytest.raises(ConfigError, match=r"^deepspeed\.bf16\.enabled: bf16 on Tesla T4 \(compute capability 7\.5\)"):
         prepare_deepspeed_config(load_config(path), 1024, "cuda")
     monkeypatch.setattr(config, "cuda_capability", lambda: A100)
+    zero0 = load_config(path).deepspeed.get("zero_optimization", {}).get("stage", 0) == 0
+    if zero0 and not ds_compat.available("engine.bf16_zero0"):  # DeepSpeed < 0.18: refused in one line (compat.md)
+        with pytest.raises(ds_compat.DeepSpeedIncompatible, match=r"hook engine\.bf16_zero0 .*known to work with"):
+            prepare_deepspeed_config(load_config(path), 1024, "cuda")
+        return
     assert prepare_deepspeed_config(load_config(path), 1024, "cuda")["bf16"] == {"enabled": True}
 
 

@@ -1,4 +1,4 @@
-"""Section ``conformance``: the matrix of docs/gpu.md with the classes a CUDA run really gets."""
+"""Section ``conformance``: the matrix of docs/gpu_matrix.md with the classes a CUDA run really gets."""
 
 from __future__ import annotations
 
@@ -49,4 +49,4 @@ def section_conformance(ctx: Ctx) -> Result:
     where = f"{ctx.device}, 1 rank, {job.seconds:.0f} s"
     if failed:
         return Result("FAIL", f"{len(failed)} of {len(rows)} rows ({where}): {'; '.join(failed)}")
-    return Result("PASS", f"{len(rows)} rows of docs/gpu.md conform ({where}): classes, clip, LAMB, NaN skip, resume")
+    return Result("PASS", f"{len(rows)} rows of docs/gpu_matrix.md conform ({where}): classes, clip, LAMB, NaN, resume")

@@ -1,5 +1,5 @@
 """Config of the data pipeline: the corpus and sequence building (``"bertopt": {"data": {...}}``) and the
-length-aware batch planner (``"bertopt": {"sampler": {...}}``); see ``docs/data.md``."""
+length-aware batch planner (``"bertopt": {"sampler": {...}}``); see ``docs/data.md`` and ``docs/batching.md``."""
 
 from __future__ import annotations
 

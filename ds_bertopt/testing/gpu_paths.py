@@ -271,7 +271,7 @@ REPRESENTATIVE = (
 
 
 def markdown_table(rows: Optional[list[Row]] = None) -> str:
-    """The matrix as the Markdown table in ``docs/gpu.md`` (a test keeps the two equal)."""
+    """The matrix as the Markdown table in ``docs/gpu_matrix.md`` (a test keeps the two equal)."""
     short = {
         "AdamW (torch, fused, on the host)": "torch AdamW (host)",
         "FusedLAMB (apex, if importable) / Lamb": "FusedLAMB (apex) / Lamb",
