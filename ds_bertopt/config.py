@@ -292,6 +292,9 @@ class BertOptConfig:
         checkpoint = self.model.init_checkpoint or self.model.continued
         if checkpoint and not self.data.tokenizer:
             dead["data.tokenizer_vocab_size"] = "the tokenizer is the checkpoint's (model.init_checkpoint/continued)"
+        if self.finetune.train_file and not self.finetune.validation_file:  # fine-tuning (only it reads finetune.*)
+            for name in ("eval_every", "eval_each_epoch", "target_eval_accuracy"):
+                dead[f"train.{name}"] = "finetune.validation_file is not given: there is no evaluation"
         if self.optimizer.type == "lamb" and self.bucket_clip.enabled:
             dead["optimizer.max_grad_norm"] = "bucket_clip.enabled bounds the gradient norm, LAMB's own clipping is off"
         if deepspeed is None:

@@ -131,10 +131,10 @@ def _own_values(key: str) -> list:
     return [v for v in get_args(inner) if v != default] if get_origin(inner) is Literal else []
 
 
-def dead_cases() -> list[tuple[str, dict, Any]]:
-    """``(key, switch, value)``: the first switch under which ``key`` set to ``value`` (its default, or for a rule on
-    DeepSpeed's part any of its choices) is dead, the switch's own keys live and read by the task that reads
-    ``key``."""
+def dead_cases() -> list[tuple[str, dict, Any, str]]:
+    """``(key, switch, value, task)``: the first switch under which ``key`` set to ``value`` (its default, or for a
+    rule on DeepSpeed's part any of its choices) is dead, the switch's own keys live, and the task that reads
+    ``key`` and the switch's keys."""
     found: dict[str, tuple[dict, Any]] = {}
     for switch in _switches():
         trials = [(switch, None)]
@@ -146,10 +146,20 @@ def dead_cases() -> list[tuple[str, dict, Any]]:
             if own & set(dead):
                 continue
             for key in dead:
-                if tried not in (None, key) or key in found or unread_keys(own, TASK_READS[task_of(key)]):
+                task = task_reading(key, own)
+                if tried not in (None, key) or key in found or task is None:
                     continue
-                found[key] = (trial, trial[key] if tried else _dead_value(trial, key))
-    return sorted((key, {k: v for k, v in s.items() if k != key}, value) for key, (s, value) in found.items())
+                found[key] = (trial, trial[key] if tried else _dead_value(trial, key), task)
+    return sorted(
+        (key, {k: v for k, v in s.items() if k != key}, value, task) for key, (s, value, task) in found.items()
+    )
+
+
+def task_reading(key: str, own: set) -> str | None:
+    """The task that reads ``key`` and every key of ``own`` (``train.eval_every`` under ``finetune.train_file``: the
+    fine-tuning task), preferring :func:`task_of`'s; None where no task reads them all."""
+    tasks = sorted(TASK_READS, key=lambda name: name != task_of(key))
+    return next((name for name in tasks if not unread_keys({key, *own}, TASK_READS[name])), None)
 
 
 def _dead_value(switch: dict, key: str) -> Any:
@@ -170,14 +180,14 @@ def _override(key: str, value: Any) -> list[str]:
 def config_cases() -> list:
     cases = []
     for key, (tp, _) in FIELDS.items():
-        cases.append(pytest.param(key, _override(key, wrong_type(tp)), id=f"type-{key}"))
+        cases.append(pytest.param(key, _override(key, wrong_type(tp)), task_of(key), id=f"type-{key}"))
         refused = [v for v in out_of_range_candidates(tp) if _section_refuses(key, v)]
         if refused:
-            cases.append(pytest.param(key, _override(key, refused[0]), id=f"range-{key}"))
-    for key, switch, value in dead_cases():
+            cases.append(pytest.param(key, _override(key, refused[0]), task_of(key), id=f"range-{key}"))
+    for key, switch, value, task in dead_cases():
         argv = [a for k, v in switch.items() for a in _override(k, v)]
         argv += _override(key, value)  # set at all (its default where that is dead too), it cannot matter
-        cases.append(pytest.param(key, argv, id=f"dead-{key}"))
+        cases.append(pytest.param(key, argv, task, id=f"dead-{key}"))
     return cases
 
 
@@ -209,9 +219,9 @@ def run_entry(tmp_path, capsys):
     return run
 
 
-@pytest.mark.parametrize("key, argv", CONFIG_CASES)
-def test_every_config_field_refuses_bad_values_in_one_line(run_entry, key, argv):
-    line = run_entry(task_of(key), argv)
+@pytest.mark.parametrize("key, argv, task", CONFIG_CASES)
+def test_every_config_field_refuses_bad_values_in_one_line(run_entry, key, argv, task):
+    line = run_entry(task, argv)
     assert f"bertopt.{key.rsplit('.', 1)[0]}" in line and key.rsplit(".", 1)[1] in line, line
 
 

@@ -22,8 +22,12 @@ from ds_bertopt.wtacrs.sizing import (  # noqa: E402
     Measured,
     candidate_config,
     choose,
+    estimated_rate,
     fit_largest_batch,
+    fitted_batch,
     largest_fitting_batch,
+    probe_batches,
+    rate_bound,
     resolve_auto,
 )
 from ds_bertopt.wtacrs.config import KitConfig, LoraConfig, WtaCrsConfig  # noqa: E402
@@ -68,6 +72,100 @@ def test_the_search_returns_a_measured_batch_that_fits(curve, budget_bytes, max_
         return
     assert found in peaks and peaks[found] <= budget_bytes and found <= max_batch
     assert found >= 0.9 * truth, (found, truth, peaks)
+
+
+# ---------------------------------------------------------------- the fast search: probes, line, bound (pure)
+def test_two_small_probes_then_the_batch_their_line_puts_under_the_budget():
+    assert probe_batches(64, 256) == (8, 16) and probe_batches(8, 8) == (1, 2) and probe_batches(4, 1024) == (2, 4)
+    # peaks 100 + 10·b: 355 fits b = 25 (peak 350 on the line); clamped to max_batch; a probe over: below it
+    assert fitted_batch({8: 180, 16: 260}, 355.0, 256) == (25, 350.0)
+    assert fitted_batch({8: 180, 16: 260}, 355.0, 20) == (20, 300.0)
+    assert fitted_batch({8: 180, 16: 400}, 355.0, 256) == (14, 345.0)
+    assert fitted_batch({8: 400, 16: 500}, 355.0, 256) == (0, 400)
+    # a line that does not rise (RSS noise): max_batch, where the verified peak decides; no line through a step that
+    # ran out of memory: the probe that fits
+    assert fitted_batch({8: 300, 16: 299}, 355.0, 256) == (256, 300)
+    assert fitted_batch({8: 300, 16: math.inf}, 355.0, 256) == (8, 300)
+
+
+def test_the_rate_estimate_and_its_bound():
+    # t(b) = 0.5 + 0.1·b through the probes: at 64, 64 / 6.9 sequences/s
+    assert estimated_rate({8: 1.3, 16: 2.1}, 64) == pytest.approx(64 / 6.9)
+    # noise never makes the estimate pessimistic: a larger probe that ran faster counts as a fixed step time, a line
+    # below the origin as time proportional to the batch
+    assert estimated_rate({8: 2.2, 16: 2.1}, 64) == pytest.approx(64 / 2.1)
+    assert estimated_rate({8: 0.2, 16: 2.0}, 64) == pytest.approx(8.0)
+    assert rate_bound(10.0, []) == math.inf  # nothing timed yet: everything can win
+    # the most generous measured/estimated ratio (1.2), then the margin
+    assert rate_bound(15.0, [(10.0, 12.0), (20.0, 18.0)], margin=0.25) == pytest.approx(15 * 1.2 * 1.25)
+    # a setup the probes overestimated (5x) never lowers another's bound below its own estimate × (1 + margin)
+    assert rate_bound(15.0, [(100.0, 20.0)], margin=0.25) == pytest.approx(15 * 1.25)
+
+
+WORLDS = {
+    # setup: (peak at rest, peak per sequence, step fixed s, step s per sequence), the budget 2000
+    "the cheapest step wins at the same batch": {
+        "full": (500, 9, 0.2, 0.010),
+        "checkpointing": (500, 3, 0.2, 0.016),
+        "exact": (500, 4, 0.2, 0.012),
+        "lora": (300, 4, 0.2, 0.008),
+    },
+    "a larger batch wins": {"full": (500, 30, 1.0, 0.010), "lean": (500, 5, 1.0, 0.011), "ckpt": (500, 2, 1, 0.02)},
+    "nothing but one fits": {"huge": (2500, 9, 0.1, 0.01), "small": (100, 50, 0.1, 0.05)},
+    # its probes see only fixed overhead (a flat 0.05 s): extrapolated, it looks 10x the fastest and is timed
+    # first; measuring it must not shrink the real winner's bound
+    "an overhead-bound setup the probes overestimate": {
+        "full": (500, 9, 0.02, 0.002),
+        "overhead": (500, 3, 0.3, 0.004, 0.05),
+    },
+}
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_the_fast_search_chooses_what_measuring_everything_does(monkeypatch, world):
+    """``size_fast`` against the truth of a world of linear peaks and step times: the same setup at the same batch
+    as the exhaustive search, every setup it did not time bounded below the winner, and no more timed. The probes'
+    step times run 1.3× slow (their malloc setting), which the calibration undoes, unless a world says otherwise."""
+    from ds_bertopt.wtacrs import memory
+
+    setups, budget, timed = WORLDS[world], 2000.0, []
+
+    def peak(spec, b):
+        rest, per, *_ = setups[spec["wtacrs"]]
+        return rest + per * b
+
+    def step_s(spec, b):
+        _, _, fixed, per, *_ = setups[spec["wtacrs"]]
+        return fixed + per * b
+
+    def probe_s(spec, b):
+        _, _, _, _, *flat = setups[spec["wtacrs"]]
+        return flat[0] if flat else 1.3 * step_s(spec, b)
+
+    monkeypatch.setattr(
+        memory,
+        "probe_steps_in_child",
+        lambda spec: {
+            "peaks": {b: peak(spec, b) for b in spec["batches"]},
+            "step_s": {b: probe_s(spec, b) for b in spec["batches"]},
+        },
+    )
+    monkeypatch.setattr(memory, "measure_step_in_child", lambda spec: {"step_peak": peak(spec, spec["batch"])})
+    monkeypatch.setattr(
+        memory,
+        "time_steps_in_child",
+        lambda spec: timed.append(spec["wtacrs"]) or {"step_s": [step_s(spec, spec["batch"])] * spec["steps"]},
+    )
+    specs = {name: {"wtacrs": name} for name in setups}
+    fast = sizing.size_fast(specs, budget, probe=64, max_batch=256, say=lambda line: None)
+    fast_timed, timed[:] = list(timed), []
+    full = [sizing.measure(spec, name, budget, probe=64, max_batch=256) for name, spec in specs.items()]
+    chosen, truth = choose(fast, budget), choose(full, budget)
+    assert (chosen.setup, chosen.batch) == (truth.setup, truth.batch), (fast, full)
+    assert all(m.bound < chosen.rate for m in fast if m.bound)
+    assert len(fast_timed) <= len(timed), (fast_timed, timed)
+    if world == "the cheapest step wins at the same batch":
+        assert fast_timed == ["lora"] and len(timed) == 4  # the others' bounds were below it
 
 
 def test_choose_takes_the_fastest_that_fits_and_says_why_nothing_does():

@@ -71,6 +71,7 @@ def saved_tiny(tmp_path_factory):
         ("too long", ["--seq", "65"], "--seq: 65 exceeds the model's max_position_embeddings 64"),
         ("no such targets", ["--targets", "nonexistent", "--batch", "2", "--seq", "8"], "--targets: 'nonexistent'"),
         ("compare without a budget", ["--compare"], "--compare: needs --budget-gb"),
+        ("exhaustive without compare", ["--exhaustive"], "--exhaustive: only used with --compare"),
     ],
 )
 @pytest.mark.timeout(120)
@@ -99,7 +100,7 @@ def test_compare_sizes_every_setup_and_recommends_the_fastest_that_fits(monkeypa
 
     monkeypatch.setattr(memory_cli, "measure", measure)
     argv = ["memory", "--model", str(saved_tiny), "--seq", "16", "--batch", "8", "--budget-gb", "2", "--compare"]
-    assert cli_main(argv + ["--max-batch", "64", "--steps", "3"]) == 0
+    assert cli_main(argv + ["--max-batch", "64", "--steps", "3", "--exhaustive"]) == 0
     out = capsys.readouterr().out
     assert [s[0] for s in seen] == list(memory_cli.COMPARED)
     assert all(s[1:] == (8, 64, 3, 16) for s in seen), seen
@@ -171,3 +172,29 @@ def test_unpadded_families_only(tmp_path, capsys):
     assert cli_main(["memory", "--model", str(tmp_path / "deberta"), "--seq", "16", "--unpadded"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--unpadded: deberta-v2 cannot run unpadded" in err[0], err
+
+
+@pytest.mark.timeout(300)
+def test_compare_fast_recommends_what_the_exhaustive_measurement_does(monkeypatch, capsys, saved_tiny):
+    """Issue 40: ``--compare`` probes each setup in one child and times only those that can win; on a tiny model
+    with real children its recommendation (setup and batch) is the exhaustive one's, every setup is either timed or
+    listed as pruned, and progress is printed per setup."""
+    from ds_bertopt.cli import memory as memory_cli
+
+    # two setups far apart in step time (max_saving recomputes every layer and samples), so timing noise cannot
+    # flip the answer between the two runs
+    monkeypatch.setattr(memory_cli, "COMPARED", {k: memory_cli.COMPARED[k] for k in ("full", "preset max_saving")})
+    argv = ["memory", "--model", str(saved_tiny), "--seq", "64", "--batch", "8", "--budget-gb", "2", "--compare"]
+    argv += ["--max-batch", "64", "--steps", "3"]
+    recommended, outs = {}, {}
+    for mode in ("fast", "exhaustive"):
+        assert cli_main(argv + (["--exhaustive"] if mode != "fast" else [])) == 0
+        out = outs[mode] = capsys.readouterr().out
+        recommended[mode] = re.search(r"^recommended: fastest that fits 2\.00 GiB: (.+?) \(batch (\d+),", out, re.M)
+        assert recommended[mode], out
+        if mode == "fast":
+            assert re.search(r"^  \[1/2\] full: peaks [\d.]+, [\d.]+ GiB at batch 2 and 4: fits batch 64", out, re.M)
+            listed = out.split("setups:\n", 1)[1]
+            assert all(re.search(r"s/step|pruned: at most", line) for line in listed.splitlines()[:2]), out
+    assert recommended["fast"].groups() == recommended["exhaustive"].groups(), outs
+    assert recommended["fast"].group(2) == "64", recommended  # the budget is far above both: max_batch

@@ -3,7 +3,7 @@
     ds-bertopt memory [--model DIR] --batch 64 --seq 128 --ratio 0.3 [--lora] [--kit exact]
                       [--precision bf16 | --bf16-autocast] [--device cpu|cuda] [--budget-gb 2]
                       [--task classification|regression|token_classification|question_answering] [--unpadded]
-    ds-bertopt memory [--model DIR] --seq 128 --budget-gb 8 --compare [--max-batch 256] [--steps 2]
+    ds-bertopt memory [--model DIR] --seq 128 --budget-gb 8 --compare [--max-batch 256] [--steps 2] [--exhaustive]
 
 Prints saved-for-backward bytes by category (one forward, counted through
 ``saved_tensors_hooks``), the whole-step peak of each setup measured in a fresh child process, their
@@ -14,9 +14,12 @@ for ``--task`` (default: sequence classification), padded as Hugging Face models
 budget of that many tokens holds at most (the longest sequences; size a budget of ``T`` tokens with ``--batch T/seq``).
 
 ``--compare`` sizes every setup (full, checkpointing, each preset, LoRA + preset balanced) to the budget instead:
-the largest micro-batch whose measured peak fits (a secant search on measured peaks, at most 6 children),
-the median step time there, sequences per second, and the fastest that fits — what ``wtacrs.preset: "auto"``
-does at start-up for the run's own micro-batch. Peaks: CPU RSS of a fresh child above the bare interpreter
+one child per setup measures its peak at two small batches, their line gives the largest micro-batch under the
+budget; then, best estimate first, a setup's batch is verified (a secant search below it if over) and its median
+step time measured, unless its bound (``sizing.rate_bound``) cannot beat the best measured: sequences per second and
+the fastest that fits — what ``wtacrs.preset: "auto"`` does at start-up for the run's own micro-batch.
+``--exhaustive``: every setup searched (at most 6 children) and timed, as before. Children use every core given
+to this process unless ``--threads`` says otherwise. Peaks: CPU RSS of a fresh child above the bare interpreter
 (Linux), or on ``--device cuda`` what the process holds on the GPU: the caching allocator's reserved peak plus the
 CUDA context and NCCL's buffers (measured once per device). A setup that runs out of memory is over the budget.
 """
@@ -31,7 +34,7 @@ from ..errors import BertOptError, ConfigError
 from ..model.families import family_of_type
 from ..model.local import check_model_dir, default_model_dir
 from ..train.finetune_memory import task_variant
-from ..wtacrs.sizing import GiB, choose, describe, fit_largest_batch, measure, recommendation
+from ..wtacrs.sizing import GiB, choose, describe, fit_largest_batch, measure, recommendation, size_fast
 from ..child import OutOfMemory
 from ..wtacrs.memory import CATEGORIES, PRECISIONS, MiB, measure_step_in_child, peak_unmeasurable, variant
 
@@ -97,7 +100,14 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--max-batch", type=int, default=256, help="--compare: largest micro-batch tried")
     parser.add_argument("--steps", type=int, default=2, help="--compare: timed steps per setup (median)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="--compare: search and time every setup instead of probing and timing only those that can win",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=len(os.sched_getaffinity(0)), help="threads per child (default: every core)"
+    )
     parser.add_argument("--task", choices=FINETUNE_TASKS, default="classification", help="the fine-tuning task")
     parser.add_argument(
         "--unpadded", action="store_true", help="packed rows of batch × seq real tokens (model.unpadded)"
@@ -118,6 +128,8 @@ def main(argv: list[str]) -> int:
         raise BertOptError(f"--budget-gb: must be a positive number of GiB, got {args.budget_gb}")
     if args.compare and args.budget_gb is None:
         raise BertOptError("--compare: needs --budget-gb (the budget every setup is sized to)")
+    if args.exhaustive and not args.compare:
+        raise BertOptError("--exhaustive: only used with --compare")
     parts = [p.strip() for p in args.kit.split(",") if p.strip()]
     unknown = [p for p in parts if p not in KIT_CHOICES]
     if unknown:
@@ -250,20 +262,21 @@ def _compare(base: dict, args) -> int:
     print(
         f"model {base['model']}, seq {args.seq}{_task(args)}, {_precision(args)}, {base['device']}, "
         f"{args.threads} thread(s); "
-        f"budget {args.budget_gb} GiB; micro-batch up to {args.max_batch}; step time: median of {args.steps}"
+        f"budget {args.budget_gb} GiB; micro-batch up to {args.max_batch}; step time: median of {args.steps}; "
+        + ("every setup searched and timed" if args.exhaustive else "probed, only setups that can win timed")
     )
-    measured = []
-    for name, wtacrs in COMPARED.items():
-        m = measure(
-            {**base, "wtacrs": wtacrs},
-            name,
-            budget,
-            probe=min(args.batch, args.max_batch),
-            max_batch=args.max_batch,
-            steps=args.steps,
-        )
-        measured.append(m)
-        print(f"  {describe(m, budget)}", flush=True)
+    specs = {name: {**base, "wtacrs": wtacrs} for name, wtacrs in COMPARED.items()}
+    probe = min(args.batch, args.max_batch)
+    if args.exhaustive:
+        measured = []
+        for index, (name, spec) in enumerate(specs.items(), 1):
+            measured.append(measure(spec, name, budget, probe=probe, max_batch=args.max_batch, steps=args.steps))
+            print(f"  [{index}/{len(specs)}] {describe(measured[-1], budget)}", flush=True)
+    else:
+        measured = size_fast(specs, budget, probe, args.max_batch, args.steps, say=lambda line: print(line, flush=True))
+        print("setups:")
+        for m in measured:
+            print(f"  {describe(m, budget)}")
     chosen = choose(measured, budget)
     print(f"recommended: {recommendation(chosen, measured, budget)}")
     if chosen.batch == args.max_batch:

@@ -14,6 +14,7 @@ Command line (also ``launch/local_multinode.sh``)::
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -135,6 +136,7 @@ def run_local_multinode(
             _stop(proc)
         for pump in pumps:
             pump.join(timeout=10)
+        shutil.rmtree(tmp, ignore_errors=True)  # the hostfiles; a test's /tmp stays as it found it
     results = [NodeResult(i, p.returncode, "".join(outputs[i])) for i, p in enumerate(procs)]
     if timed_out:
         for r in results:

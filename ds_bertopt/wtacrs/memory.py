@@ -290,18 +290,69 @@ def measure_step(spec: dict) -> dict[str, Any]:
     :func:`device_overhead`), ``threads``, ``seed``, ``num_labels``; ``build``: a module-level
     ``spec -> (model, make_batch)`` (default :func:`sequence_classification`;
     ``ds_bertopt.train.finetune_memory.task_variant`` takes ``task`` and ``packed``: any fine-tuning task, padded or
-    packed rows of ``batch`` sequences of ``seq`` tokens).
+    packed rows of ``batch`` sequences of ``seq`` tokens); ``saved: False`` skips counting the saved-for-backward
+    bytes (one more forward) when only the peak is wanted.
     """
+    run = _warmed(spec)
+    model, optimizer, dtype, _, _, runtime_kib = run
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    batch, peak = _peak_step(run, spec, spec["batch"])
+    saved = saved_tensor_bytes(model, batch, dtype) if spec.get("saved", True) else None
+    flops = step_flops(model, optimizer, batch, dtype) if spec.get("flops") else None
+    return {
+        **peak,
+        "process_peak": _proc_status_kib("VmHWM") * 1024,
+        "runtime": runtime_kib * 1024,
+        "saved": saved,
+        "pid": os.getpid(),
+        "flops": flops,
+        "trainable": sum(p.numel() for p in trainable),
+        "sampled": sum(isinstance(m, SampledLinear) for m in model.modules()),
+    }
+
+
+def probe_steps(spec: dict) -> dict[str, Any]:
+    """Child-process entry: the step peak at each of ``spec["batches"]`` in one child (``spec`` as
+    :func:`measure_step`), one after the other, and the shortest of three step times at each (the measured one
+    and ``spec["repeats"]``, default 2, more: the first step at a shape pays its page faults, and a tiny step is
+    noise): what the budget mode's fast search fits its lines to (:mod:`.sizing`).
+    Returns ``{"peaks": {batch: bytes}, "step_s": {batch: s}}``; the step times run under the peak's malloc setting,
+    so they rank setups, they are not the step time a run sees."""
+    run = _warmed(spec)
+    model, optimizer, dtype, device, _, _ = run
+    peaks, times = {}, {}
+    for sequences in spec["batches"]:
+        batch, peak = _peak_step(run, spec, sequences)
+        peaks[sequences], times[sequences] = peak["step_peak"], peak["step_s"]
+        for _ in range(int(spec.get("repeats", 2))):
+            start = time.perf_counter()
+            train_step(model, optimizer, batch, dtype)
+            _sync(device)
+            times[sequences] = min(times[sequences], time.perf_counter() - start)
+        del batch
+    return {"peaks": peaks, "step_s": times, "pid": os.getpid()}
+
+
+def _warmed(spec: dict):
+    """``(model, optimizer, autocast dtype, device, batch maker, RSS KiB of the interpreter before the model)``
+    of ``spec``'s measured run, after one warm-up step."""
     torch.set_num_threads(int(spec.get("threads", 1)))
     import transformers  # noqa: F401  - import cost belongs to the baseline, not the step
 
     gc.collect()
     runtime_kib = _proc_status_kib("VmRSS")
     model, optimizer, dtype, device, make_batch = _prepared(spec)
-    trainable = [p for p in model.parameters() if p.requires_grad]
     warm = _on(make_batch(2, min(16, spec["seq"]), 1), device)
     train_step(model, optimizer, warm, dtype)
-    batch = _on(make_batch(spec["batch"], spec["seq"], spec.get("seed", 0)), device)
+    return model, optimizer, dtype, device, make_batch, runtime_kib
+
+
+def _peak_step(run: tuple, spec: dict, sequences: int):
+    """``(batch, figures)``: one step of ``sequences`` × ``spec["seq"]`` with the peak memory it reached above the
+    interpreter (CPU: RSS high-water mark reset just before; CUDA: the allocator's reserved peak); ``run``:
+    :func:`_warmed`'s."""
+    model, optimizer, dtype, device, make_batch, runtime_kib = run
+    batch = _on(make_batch(sequences, spec["seq"], spec.get("seed", 0)), device)
     gc.collect()
     resident_kib = _proc_status_kib("VmRSS")
     if device.type == "cuda":
@@ -322,22 +373,14 @@ def measure_step(spec: dict) -> dict[str, Any]:
     else:
         peak_kib = _proc_status_kib("VmHWM")
         step_peak, resident_before = (peak_kib - runtime_kib) * 1024, (resident_kib - runtime_kib) * 1024
-    saved = saved_tensor_bytes(model, batch, dtype)
-    flops = step_flops(model, optimizer, batch, dtype) if spec.get("flops") else None
-    return {
+    figures = {
         "step_peak": step_peak,
         "allocated_peak": allocated_peak,
         "resident_before": resident_before,
-        "process_peak": _proc_status_kib("VmHWM") * 1024,
-        "runtime": runtime_kib * 1024,
         "step_s": step_s,
-        "saved": saved,
         "exact_peak": exact_peak,
-        "pid": os.getpid(),
-        "flops": flops,
-        "trainable": sum(p.numel() for p in trainable),
-        "sampled": sum(isinstance(m, SampledLinear) for m in model.modules()),
     }
+    return batch, figures
 
 
 def step_flops(model, optimizer, batch: dict, autocast_dtype: Optional[torch.dtype] = None) -> int:
@@ -391,12 +434,23 @@ def measure_step_in_child(spec: dict, timeout: float = 900) -> dict[str, Any]:
     """:func:`measure_step` in a fresh spawned process with the mmap-threshold malloc setting; on CUDA its
     ``step_peak`` is what the process held: the allocator's reserved peak plus :func:`device_overhead`. Raises
     :class:`OutOfMemory` when the step did not fit."""
-    env = dict(MALLOC_ENV)
-    env.setdefault("OMP_NUM_THREADS", str(spec.get("threads", 1)))
-    result = run_in_child(measure_step, spec, env=env, timeout=timeout)
+    result = run_in_child(measure_step, spec, env=_peak_env(spec), timeout=timeout)
     result["overhead"] = device_overhead(spec.get("device", "cpu"))
     result["step_peak"] += result["overhead"]
     return result
+
+
+def probe_steps_in_child(spec: dict, timeout: float = 900) -> dict[str, Any]:
+    """:func:`probe_steps` in a fresh spawned process, as :func:`measure_step_in_child` (the same malloc setting;
+    on CUDA each peak plus :func:`device_overhead`). Raises :class:`OutOfMemory` when a step did not fit."""
+    result = run_in_child(probe_steps, spec, env=_peak_env(spec), timeout=timeout)
+    overhead = device_overhead(spec.get("device", "cpu"))
+    result["peaks"] = {batch: peak + overhead for batch, peak in result["peaks"].items()}
+    return result
+
+
+def _peak_env(spec: dict) -> dict[str, str]:
+    return {**MALLOC_ENV, "OMP_NUM_THREADS": str(spec.get("threads", 1))}
 
 
 def device_overhead_in_process(device: str) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """Sizing fine-tuning to a memory budget: which setup, at which micro-batch, fits and runs fastest.
 
 Pure part (no measuring): :func:`fit_largest_batch` (a linear fit of peaks against the batch),
-:func:`largest_fitting_batch` (a secant search on measured peaks),
-:func:`choose` (the fastest setup whose measured peak fits), :func:`candidate_config` (a ``preset: "auto"``
-config as one candidate sees it). Glue: :func:`measure` (peak and step time of one setup, in fresh children,
-through :mod:`ds_bertopt.wtacrs.memory`) and :func:`resolve_auto` (``wtacrs.preset: "auto"`` at start-up).
+:func:`largest_fitting_batch` (a secant search on measured peaks), :func:`probe_batches`, :func:`fitted_batch`,
+:func:`estimated_rate` and :func:`rate_bound` (the fast search's two small probes, the batch their line puts under
+the budget, and which setups can still win), :func:`choose` (the fastest setup whose measured peak fits),
+:func:`candidate_config` (a ``preset: "auto"`` config as one candidate sees it). Glue: :func:`measure` (peak and
+step time of one setup, in fresh children, through :mod:`ds_bertopt.wtacrs.memory`), :func:`size_fast` (every setup
+probed, only those that can win timed) and :func:`resolve_auto` (``wtacrs.preset: "auto"`` at start-up).
 
 "Fastest" is sequences per second at the setup's own batch; at one fixed micro-batch (the training run's) that
 is the shortest step. A peak *fits* when it is at most the budget; a step that ran out of memory has an infinite
@@ -39,6 +41,9 @@ class Measured:
     """Whole-step peak in bytes (see :func:`ds_bertopt.wtacrs.memory.measure_step`); ``inf``: ran out of memory."""
     step_s: float
     """Median seconds per training step at ``batch`` (``inf`` when not measured)."""
+    bound: float = 0.0
+    """Pruned by the fast search (:func:`size_fast`): not timed, its batch and peak from the probes' line, and the
+    most sequences per second it could reach (:func:`rate_bound`); 0: measured."""
 
     def __post_init__(self) -> None:
         if self.batch < 0 or self.peak < 0 or not self.step_s > 0:
@@ -106,6 +111,58 @@ def largest_fitting_batch(
     return largest_fitting(), peaks
 
 
+def probe_batches(first: int, max_batch: int) -> tuple[int, int]:
+    """The two small batches the fast search measures: ``p // 2`` and ``p``, ``p`` = ``first`` but at most a
+    sixteenth of ``max_batch`` (at least 2): the same start as :func:`largest_fitting_batch` from ``p``."""
+    p = max(2, min(first, max_batch // 16))
+    return max(1, p // 2), p
+
+
+def fitted_batch(peaks: dict[int, float], budget: float, max_batch: int) -> tuple[int, float]:
+    """``(batch, its peak on the line)``: the largest batch ``≤ max_batch`` that the line through the two largest
+    probed ``{batch: peak}`` points puts under ``budget`` (never below the largest probe that fits; ``max_batch``
+    when the line does not rise, as RSS noise at small batches can make it: the measured peak there decides);
+    ``(0, smallest peak)`` when no probe fits."""
+    fitting = [b for b, p in peaks.items() if p <= budget]
+    if not fitting:
+        return 0, min(peaks.values())
+    if not all(math.isfinite(p) for p in peaks.values()):  # a probe ran out of memory: no line goes through it
+        return max(fitting), peaks[max(fitting)]
+    line, slope, intercept = fit_largest_batch(peaks, budget)
+    if slope <= 0:
+        return max_batch, max(peaks[b] for b in fitting)
+    batch = min(max_batch, max(line, max(fitting)))
+    return batch, intercept + slope * batch
+
+
+def estimated_rate(times: dict[int, float], batch: int) -> float:
+    """Sequences per second at ``batch`` from step times ``{batch: s}`` at two smaller ones: the line
+    ``t(b) = a + c·b`` through them, with the fixed part ``a`` and the per-sequence part ``c`` at least 0 (timing
+    noise never makes a larger batch look cheaper per step than a smaller one, nor a step cost less than nothing)."""
+    (b1, t1), (b2, t2) = sorted(times.items())[-2:]
+    per_sequence = max(0.0, (t2 - t1) / (b2 - b1))
+    fixed = t2 - per_sequence * b2
+    if fixed < 0:
+        fixed, per_sequence = 0.0, t2 / b2
+    return batch / (fixed + per_sequence * batch)
+
+
+PRUNE_MARGIN = 0.25
+"""How far a setup's estimate may err low: it is timed unless even 1.25× its calibrated estimate loses."""
+
+
+def rate_bound(estimate: float, timed: list[tuple[float, float]], margin: float = PRUNE_MARGIN) -> float:
+    """The most sequences per second a setup estimated at ``estimate`` (:func:`estimated_rate`) could reach, given
+    ``timed``, the ``(estimate, measured)`` pairs of the setups timed so far: its estimate scaled by the largest
+    measured/estimated ratio among them, never below 1 (the probes run under a malloc setting that slows every step:
+    the ratio undoes that, taken at its most generous; a setup whose probes overestimated it, as a step made of fixed
+    overhead extrapolates, must not shrink the others' bounds), times ``1 + margin``. ``inf`` before anything was
+    timed."""
+    if not timed:
+        return math.inf
+    return estimate * max(1.0, *(measured / est for est, measured in timed)) * (1.0 + margin)
+
+
 def choose(measured: list[Measured], budget: float) -> Measured:
     """The setup with the highest throughput among those whose peak fits ``budget`` (ties: the first listed);
     a one-line :class:`~ds_bertopt.errors.ConfigError` naming the smallest peak when none fits."""
@@ -129,6 +186,8 @@ def describe(m: Measured, budget: float) -> str:
     verdict = "fits" if m.peak <= budget else "over"
     speed = f"{m.step_s:.3f} s/step, {m.rate:.1f} sequences/s" if math.isfinite(m.step_s) else "not timed"
     peak = f"peak {m.peak / GiB:.2f} GiB" if math.isfinite(m.peak) else "out of memory"
+    if m.bound:
+        peak, speed = f"fitted peak {m.peak / GiB:.2f} GiB", f"pruned: at most {m.bound:.1f} sequences/s"
     return f"{m.setup}: batch {max(m.batch, 1)}, {peak} ({verdict} {budget / GiB:.2f}), {speed}"
 
 
@@ -141,6 +200,9 @@ def recommendation(chosen: Measured, measured: list[Measured], budget: float) ->
         if runner is not None and runner.rate > 0
         else ""
     )
+    pruned = [m for m in measured if m.bound]
+    if pruned:
+        against += f"; not timed, bound below it: {', '.join(m.setup for m in pruned)}"
     return (
         f"fastest that fits {budget / GiB:.2f} GiB: {chosen.setup} (batch {chosen.batch}, peak "
         f"{chosen.peak / GiB:.2f} GiB, {chosen.rate:.1f} sequences/s{against})"
@@ -192,21 +254,27 @@ def measure(
     probe: int = 16,
     max_batch: int = 256,
     steps: int = 2,
+    probed: Optional[dict[int, float]] = None,
 ) -> Measured:
     """``setup`` (``spec["wtacrs"]``) measured in fresh children: at ``batch`` when given (the run's micro-batch),
     else at the largest batch ``≤ max_batch`` that fits (:func:`largest_fitting_batch` from ``probe``); then the
     median of ``steps`` timed steps there (default allocator, one warm-up). Not timed when it does not fit; a batch
-    whose child runs out of memory is over the budget."""
+    whose child runs out of memory is over the budget. ``probed``: peaks already measured (the fast search's); with
+    ``batch`` (its fitted batch), a ``batch`` over the budget goes on with the search from them."""
     from ..child import OutOfMemory
     from .memory import measure_step_in_child, time_steps_in_child
 
-    def peak_at(b: int) -> float:
-        try:
-            return measure_step_in_child({**spec, "batch": b})["step_peak"]
-        except OutOfMemory:
-            return math.inf
+    known = dict(probed or {})
 
-    if batch is not None:
+    def peak_at(b: int) -> float:
+        if b not in known:
+            try:
+                known[b] = measure_step_in_child({**spec, "batch": b, "saved": False})["step_peak"]
+            except OutOfMemory:
+                known[b] = math.inf
+        return known[b]
+
+    if batch is not None and (probed is None or peak_at(batch) <= budget):
         found, peaks = batch, {batch: peak_at(batch)}
     else:
         found, peaks = largest_fitting_batch(peak_at, budget, probe, max_batch)
@@ -219,6 +287,64 @@ def measure(
     except OutOfMemory:  # the default allocator's layout did not fit where the measured one did
         return Measured(setup, found, math.inf, math.inf)
     return Measured(setup, found, peaks[found], statistics.median(times))
+
+
+def size_fast(
+    specs: dict[str, dict],
+    budget: float,
+    probe: int = 16,
+    max_batch: int = 256,
+    steps: int = 2,
+    margin: float = PRUNE_MARGIN,
+    say: Callable[[str], None] = print,
+) -> list[Measured]:
+    """Every setup of ``specs`` (``{name: spec}``, as :func:`measure` takes them) sized to ``budget``, timing only
+    those that can still win. Each is probed in one child (:func:`~ds_bertopt.wtacrs.memory.probe_steps`: peaks and
+    step times at the two :func:`probe_batches`), its batch taken from the line through the peaks
+    (:func:`fitted_batch`) and its throughput there estimated (:func:`estimated_rate`). Then, best estimate first,
+    each is measured at its fitted batch (:func:`measure`: the peak there verified once, the search going on below
+    it if over, then ``steps`` timed steps), unless its :func:`rate_bound` is below the best measured so far: then it
+    is pruned, not timed. Says a line per setup as it goes. Returns :class:`Measured` in ``specs``' order."""
+    from ..child import OutOfMemory
+    from .memory import probe_steps_in_child
+
+    batches, found = probe_batches(probe, max_batch), {}
+    for index, (name, spec) in enumerate(specs.items(), 1):
+        try:
+            probed = probe_steps_in_child({**spec, "batches": list(batches)})
+        except OutOfMemory:
+            probed = {"peaks": {b: math.inf for b in batches}, "step_s": {b: math.inf for b in batches}}
+        batch, peak = fitted_batch(probed["peaks"], budget, max_batch)
+        timed_probes = all(math.isfinite(t) for t in probed["step_s"].values())
+        # a setup whose larger probe ran out of memory has no estimate: it is timed first (at its small batch)
+        estimate = (estimated_rate(probed["step_s"], batch) if timed_probes else math.inf) if batch else 0.0
+        found[name] = (batch, peak, estimate, probed["peaks"], probed["step_s"])
+        shown = ", ".join(f"{p / GiB:.3f}" if math.isfinite(p) else "out of memory" for p in probed["peaks"].values())
+        say(
+            f"  [{index}/{len(specs)}] {name}: peaks {shown} GiB at batch {' and '.join(map(str, batches))}: "
+            + (f"fits batch {batch} by their line, about {estimate:.1f} sequences/s" if batch else "nothing fits")
+        )
+    results: dict[str, Measured] = {}
+    timed: list[tuple[float, float]] = []
+    best: Optional[Measured] = None
+    for name in sorted(found, key=lambda n: -found[n][2]):
+        batch, peak, estimate, peaks, times = found[name]
+        bound = rate_bound(estimate, timed, margin)
+        if batch == 0:
+            results[name] = Measured(name, 0, peak, math.inf)
+        elif best is not None and bound < best.rate:
+            results[name] = Measured(name, batch, peak, math.inf, bound=bound)
+            say(f"  {name}: pruned at batch {batch}: at most {bound:.1f} sequences/s < {best.setup}'s {best.rate:.1f}")
+        else:
+            say(f"  {name}: verifying batch {batch} and timing {steps} step(s) there ...")
+            measured = measure(specs[name], name, budget, batch, batches[1], max_batch, steps, probed=peaks)
+            results[name] = measured
+            say(f"  {describe(measured, budget)}")
+            if measured.rate > 0 and math.isfinite(estimate):
+                timed.append((estimated_rate(times, measured.batch), measured.rate))
+            if measured.rate > 0 and (best is None or measured.rate > best.rate):
+                best = measured
+    return [results[name] for name in specs]
 
 
 def resolve_auto(

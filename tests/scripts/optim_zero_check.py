@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -174,9 +173,7 @@ def run_checks(out_dir: str, checks=ALL_CHECKS, steps: int = 4) -> None:
         train_steps(engine, lamb, 0, steps)
         results["per_shard"] = {"params": flat_params(engine)}
     if "resume" in checks:
-        ckpt_root = tempfile.mkdtemp(prefix="optim_resume_") if rank == 0 else None
-        holder = [ckpt_root]
-        torch.distributed.broadcast_object_list(holder, src=0)
+        holder = [os.path.join(out_dir, "resume_checkpoints")]  # the caller's directory: nothing left in /tmp
         for stage in (0, 2):
             engine, lamb = engine_for(stage, max_grad_norm=0.05)
             train_steps(engine, lamb, 0, steps)
