@@ -29,7 +29,10 @@ from torch import nn
 from . import unpadded
 
 OP_NAMESPACE = "ds_bertopt"
-"""``torch.ops.ds_bertopt.packed_attention`` / ``packed_attention_backward``."""
+OP_VERSION = 2
+"""In the ops' names (``torch.ops.ds_bertopt.packed_attention_v2`` / ``packed_attention_backward_v2``): Inductor's
+on-disk cache keeps compiled code that calls an op by name, whatever its schema became, so a changed schema takes a
+new name."""
 LAYER_LISTS = ("layer", "layers")
 """Names of the ``nn.ModuleList`` holding the encoder layers (BERT's ``encoder.layer``, DistilBERT's
 ``transformer.layer``, ModernBERT's ``layers``)."""
@@ -75,7 +78,7 @@ def _attend(query, key, value, cu_seqlens, seed, max_seqlen, dropout_p, scale, w
         )
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::packed_attention", mutates_args=())
+@torch.library.custom_op(f"{OP_NAMESPACE}::packed_attention_v{OP_VERSION}", mutates_args=())
 def packed_attention_op(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -99,14 +102,14 @@ def _(query, key, value, cu_seqlens, seed, max_seqlen, dropout_p, scale, window,
     return torch.empty_like(query)
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::packed_attention_backward", mutates_args=())
+@torch.library.custom_op(f"{OP_NAMESPACE}::packed_attention_backward_v{OP_VERSION}", mutates_args=())
 def packed_attention_backward_op(
-    grad: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     cu_seqlens: torch.Tensor,
     seed: torch.Tensor,
+    grad: torch.Tensor,
     max_seqlen: int,
     dropout_p: float,
     scale: Optional[float],
@@ -123,7 +126,7 @@ def packed_attention_backward_op(
 
 
 @packed_attention_backward_op.register_fake
-def _(grad, query, key, value, cu_seqlens, seed, max_seqlen, dropout_p, scale, window, backend):
+def _(query, key, value, cu_seqlens, seed, grad, max_seqlen, dropout_p, scale, window, backend):
     return tuple(torch.empty_like(x) for x in (query, key, value))
 
 
@@ -134,7 +137,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad):
     query, key, value, cu_seqlens, seed = ctx.saved_tensors
-    grads = packed_attention_backward_op(grad, query, key, value, cu_seqlens, seed, *ctx.options)
+    grads = packed_attention_backward_op(query, key, value, cu_seqlens, seed, grad, *ctx.options)
     return (*grads, None, None, None, None, None, None, None)
 
 
@@ -148,7 +151,7 @@ def compiled_attention(
     the graph (Inductor's generator, seeded from torch's), ``max_seqlen`` on the :func:`max_seqlen_bucket` ladder."""
     seed = torch.randint(1 << 62, (), dtype=torch.int64) if dropout_p > 0.0 else torch.zeros((), dtype=torch.int64)
     max_seqlen = max_seqlen_bucket(packing.max_seqlen) if packing.backend == "varlen" else 0
-    return torch.ops.ds_bertopt.packed_attention(
+    return packed_attention_op(
         query,
         key,
         value,
