@@ -45,9 +45,9 @@ def measured_setup(model, unpadded: bool) -> Optional[dict]:
     return {"build": task_variant, "task": task_of(get_base() if callable(get_base) else model), "packed": unpadded}
 
 
-def wrap_task_model(model, attention: str) -> UnpaddedTaskWithLoss:
+def wrap_task_model(model, attention: str, compile: bool = False) -> UnpaddedTaskWithLoss:
     """``model`` (prepared: LoRA, kit, WTA-CRS) in its task's class of :mod:`ds_bertopt.model.heads`."""
-    return packed_task_model(model, attention)
+    return packed_task_model(model, attention, compile)
 
 
 PACKABLE_COLLATORS = ("DataCollatorWithPadding", "DataCollatorForTokenClassification", "DefaultDataCollator")

@@ -82,9 +82,10 @@ class UnpaddedTrainerMixin:
         if not self._bertopt.bertopt.model.unpadded or isinstance(model, UnpaddedEncoder):
             return super()._bertopt_prepare(model)
         attention = self._bertopt.bertopt.model.unpadded_attention
+        compile_layers = self._bertopt.bertopt.model.compile
         if is_task_model(model):
             model = super()._bertopt_prepare(model)
-            return self._bertopt_wrap(wrap_task_model, model, attention)
+            return self._bertopt_wrap(wrap_task_model, model, attention, compile=compile_layers)
         wtacrs = self._bertopt.bertopt.wtacrs
         if wtacrs.enabled or wtacrs.kit.any or wtacrs.lora.enabled:
             raise ConfigError(
@@ -93,7 +94,9 @@ class UnpaddedTrainerMixin:
             )
         model = super()._bertopt_prepare(model)
         fused_dropout = self._bertopt.bertopt.model.fused_dropout
-        return self._bertopt_wrap(TrainerUnpaddedMLM, model, attention, fused_dropout=fused_dropout)
+        return self._bertopt_wrap(
+            TrainerUnpaddedMLM, model, attention, fused_dropout=fused_dropout, compile=compile_layers
+        )
 
     @staticmethod
     def _bertopt_wrap(wrap, model, attention: str, **options):

@@ -53,6 +53,11 @@ class ModelConfig:
     probability within 2⁻¹⁷ of ``1 - p``, rescaled exactly) and BERT's ``dense → dropout → LayerNorm(· + input)``
     blocks fuse the dropout with the residual add (``ds_bertopt.model.fused``). Same parameters and state dict;
     a different random stream than torch's ``bernoulli_`` (same distribution), so it is off by default."""
+    compile: bool = False
+    """Unpadded model: each encoder layer runs under ``torch.compile`` (Inductor), one graph per layer with the
+    attention as one op and the packed length a dynamic dimension: two compiles for a whole epoch, no padding, the
+    same result as eager (``ds_bertopt.model.compiled``). The first steps take longer (compiling); parameters and
+    checkpoints are unchanged."""
     init_checkpoint: Optional[str] = None
     """Directory of a Hugging Face checkpoint to start from instead of random init (``--model_name_or_path``): its
     own architecture (BERT, RoBERTa, XLM-R, CamemBERT, DistilBERT, ELECTRA, ModernBERT, DeBERTa; the size keys
@@ -71,6 +76,7 @@ class ModelConfig:
         else:
             dead["unpadded_attention"] = "model.unpadded is false: the padded model runs attn_implementation"
             dead["fused_dropout"] = "model.unpadded is false: only the unpadded model fuses its dropout"
+            dead["compile"] = "model.unpadded is false: only the unpadded model's layers are compiled"
         if self.init_checkpoint or self.continued:
             for name in SIZE_FIELDS:
                 dead[name] = "the architecture is the checkpoint's (model.init_checkpoint or model.continued)"
@@ -89,7 +95,9 @@ class ModelConfig:
             self.hidden_size % self.num_attention_heads == 0,
             f"num_attention_heads: {self.num_attention_heads} does not divide hidden_size {self.hidden_size}",
         )
-        check(isinstance(self.fused_dropout, bool), f"fused_dropout: must be true or false, got {self.fused_dropout!r}")
+        for name in ("fused_dropout", "compile"):
+            value = getattr(self, name)
+            check(isinstance(value, bool), f"{name}: must be true or false, got {value!r}")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             value = getattr(self, name)
             check(0.0 <= value < 1.0, f"{name}: must be in [0, 1), got {value}")

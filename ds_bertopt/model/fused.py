@@ -62,6 +62,9 @@ def keep_mask(shape, p: float, device=None, generator: Optional[torch.Generator]
     levels = keep_levels(p)
     if levels == KEEP_LEVELS:  # the threshold 2¹⁵ would wrap to -2¹⁵ as an int16 scalar: nothing is dropped
         return torch.ones(shape, dtype=torch.bool, device=device)
+    if torch.compiler.is_compiling():  # model.compile: in-place random_ breaks the graph; Inductor fuses rand into
+        # the consumer (no mask in memory). fp32 uniforms are multiples of 2⁻²⁴, so P(u < k/2¹⁶) is k/2¹⁶ exactly
+        return torch.rand(shape, device=device) < levels / KEEP_LEVELS  # (the graph's generator, as all its draws)
     threshold = levels - KEEP_LEVELS // 2  # int16 values below it: k of the 2¹⁶
     return packed_bits(math.prod(shape), device, generator).view(shape) < threshold
 

@@ -156,12 +156,12 @@ class UnpaddedTaskModel(UnpaddedEncoder):
     """A transformers task model (or a PEFT model around one) on packed, padding-free batches; see the module
     docstring. ``state_dict`` and ``save_pretrained`` are the wrapped model's."""
 
-    def __init__(self, model, attention: str = "auto"):
+    def __init__(self, model, attention: str = "auto", compile: bool = False):
         get_base = getattr(model, "get_base_model", None)
         hf = get_base() if callable(get_base) else model
         self_task = task_of(hf)
         family = family_of_type(getattr(hf.config, "model_type", None), f"{type(hf).__name__}")
-        super().__init__(model, family, attention)
+        super().__init__(model, family, attention, compile=compile)
         self.task = self_task
 
     def forward(

@@ -289,6 +289,14 @@ def hf_packed_attention(
     None)`` out. ``sliding_window`` is what ModernBERT's local layers pass: their half window + 1, flash-attention's
     inclusive bound (transformers' ``sliding_window_bidirectional_overlay``: ``|i - j| <= sliding_window - 1``)."""
     packing = kwargs.get(PACKING_KWARG)
+    window = None if sliding_window is None else sliding_window - 1
+    if packing is not None and torch.compiler.is_compiling():  # a compiled layer (model.compile): one opaque op
+        from .compiled import compiled_attention
+
+        out = compiled_attention(
+            *(x[0].transpose(0, 1) for x in (query, key, value)), packing, dropout, scaling, window
+        )
+        return out[None], None
     if packing is None:  # a padded call of the wrapped model: transformers' own SDPA, with its mask
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -303,7 +311,7 @@ def hf_packed_attention(
         dropout_p=dropout,
         scale=scaling,
         backend=packing.backend,
-        window=None if sliding_window is None else sliding_window - 1,
+        window=window,
     )
     return out[None], None
 
@@ -335,7 +343,9 @@ class UnpaddedEncoder(torch.nn.Module):
     given (its parameters, state dict and ``save_pretrained`` unchanged); ``.hf`` the transformers model in it.
     Subclasses add their heads: :class:`UnpaddedMLM` (pretraining), :class:`~.heads.UnpaddedTaskModel` (fine-tuning)."""
 
-    def __init__(self, model, family: MlmFamily, attention: str = "auto", fused_dropout: bool = False):
+    def __init__(
+        self, model, family: MlmFamily, attention: str = "auto", fused_dropout: bool = False, compile: bool = False
+    ):
         super().__init__()
         get_base = getattr(model, "get_base_model", None)  # PEFT wraps the transformers model
         hf = get_base() if callable(get_base) else model
@@ -361,6 +371,11 @@ class UnpaddedEncoder(torch.nn.Module):
         self.dropout_p = float(getattr(config, family.attention_dropout, 0.0) or 0.0)
         self._backends: dict[tuple, str] = {}  # (device, dtype, with dropout) -> "varlen" | "sdpa_loop"
         self.fused = fused.fuse_encoder(hf, family) if fused_dropout else None  # None: HF's own modules
+        self.compiled = None  # model.compile: the log line of .compiled.compile_layers
+        if compile:
+            from .compiled import compile_layers  # imports torch's compiler stack only when asked for
+
+            self.compiled = compile_layers(hf)
 
     @property
     def config(self):
@@ -384,9 +399,10 @@ class UnpaddedEncoder(torch.nn.Module):
         what = " / ".join(dict.fromkeys(names[c] for c in chosen))
         local = f", local layers |i-j| <= {self.window}" if self.window is not None else ""
         fused_what = f"; fused: {', '.join(self.fused) or 'nothing'}" if self.fused is not None else ""
+        compiled_what = f"; {self.compiled}" if self.compiled else ""
         return (
             f"unpadded attention: {what} ({device.type}, {str(dtype).replace('torch.', '')}, head_dim "
-            f"{self.head_dim}{local}){fused_what}"
+            f"{self.head_dim}{local}){fused_what}{compiled_what}"
         )
 
     def _backend(self, device: torch.device, dtype: torch.dtype, with_dropout: bool) -> str:
@@ -462,8 +478,8 @@ class UnpaddedMLM(UnpaddedEncoder):
     (:func:`.fused.fuse_encoder`, ``model.fused_dropout``).
     """
 
-    def __init__(self, model, attention: str = "auto", fused_dropout: bool = False):
-        super().__init__(model, family_of(model), attention, fused_dropout)
+    def __init__(self, model, attention: str = "auto", fused_dropout: bool = False, compile: bool = False):
+        super().__init__(model, family_of(model), attention, fused_dropout, compile)
         self.nsp = type(model).__name__ == self.family.pretraining_class
 
     def forward(

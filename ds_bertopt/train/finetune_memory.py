@@ -27,8 +27,9 @@ from ..wtacrs import prepare_model, run_from
 from ..wtacrs.config import WtaCrsConfig
 
 
-def packed_task_model(model, attention: str = "auto"):
-    """``model`` (a transformers task model or a PEFT model around one, prepared) in its task's packed class."""
+def packed_task_model(model, attention: str = "auto", compile: bool = False):
+    """``model`` (a transformers task model or a PEFT model around one, prepared) in its task's packed class;
+    ``compile``: ``model.compile``."""
     get_base = getattr(model, "get_base_model", None)
     hf = get_base() if callable(get_base) else model
     task = task_of(hf)
@@ -37,7 +38,7 @@ def packed_task_model(model, attention: str = "auto"):
             f"model.unpadded: {type(hf).__name__} is set up for multi-label classification (problem_type); the "
             "unpadded heads take one class per text, a number (regression), a tag per token or an answer span"
         )
-    wrapper = TASK_MODEL_CLASSES[task](model, attention=attention)
+    wrapper = TASK_MODEL_CLASSES[task](model, attention=attention, compile=compile)
     run_from(wrapper, model)
     return wrapper
 

@@ -65,9 +65,13 @@ class FinetuneTask:
         "data.max_skipped_fraction",
         "model.unpadded",
         "model.unpadded_attention",
+        "model.compile",
     )
     unread_hints = {
-        "model": "the model is finetune.model_name_or_path's; fine-tuning reads model.unpadded and unpadded_attention",
+        "model": (
+            "the model is finetune.model_name_or_path's; fine-tuning reads model.unpadded, unpadded_attention and "
+            "compile"
+        ),
         "data": "its data settings are finetune.*, e.g. finetune.train_file, finetune.max_seq_length",
     }
     shortcuts = {
@@ -161,7 +165,7 @@ class FinetuneTask:
         self.sampled = any(isinstance(m, SampledLinear) for m in model.modules())
         self.pass_example_ids = wtacrs.enabled and wtacrs.grad_norm_cache and self.sampled
         if self.unpadded:
-            wrapper = UnpaddedTaskModel(model, attention=b.model.unpadded_attention)
+            wrapper = UnpaddedTaskModel(model, attention=b.model.unpadded_attention, compile=b.model.compile)
             run_from(wrapper, model)  # its forward brackets what the prepared model's would (batch context, recompute)
             return wrapper
         return model

@@ -115,7 +115,8 @@ class PretrainTask:
         self.forward_keys = UNPADDED_KEYS if b.model.unpadded else FORWARD_KEYS
         model = build_pretraining_model(b.model, self.data.tokenizer, b.data.max_seq_length)
         if b.model.unpadded:
-            return UnpaddedMLM(model, attention=b.model.unpadded_attention, fused_dropout=b.model.fused_dropout)
+            options = {"fused_dropout": b.model.fused_dropout, "compile": b.model.compile}
+            return UnpaddedMLM(model, attention=b.model.unpadded_attention, **options)
         return SparseMLMHead(model)
 
     # --- the step -----------------------------------------------------------------------------------
