@@ -21,12 +21,21 @@ def is_main() -> bool:
     return global_rank() == 0
 
 
+def _print_whole(*args, file=None, sep: str = " ", end: str = "\n") -> None:
+    """``print`` as one write: the ranks of a launcher share its stdout pipe, and a line written in pieces, or
+    behind a buffer longer than the pipe's atomic size, can come out with another rank's output inside it."""
+    file = file or sys.stdout
+    file.flush()  # what was pending goes first, on its own
+    file.write(sep.join(map(str, args)) + end)
+    file.flush()
+
+
 def print0(*args, file=None, **kwargs) -> None:
-    """``print`` on global rank 0 only, prefixed with ``[ds_bertopt]`` and flushed."""
+    """``print`` on global rank 0 only, prefixed with ``[ds_bertopt]`` and flushed as one write."""
     if is_main():
-        print("[ds_bertopt]", *args, file=file or sys.stdout, flush=True, **kwargs)
+        _print_whole("[ds_bertopt]", *args, file=file, **kwargs)
 
 
 def print_all(*args, **kwargs) -> None:
-    """``print`` on every rank, prefixed with the rank (for per-rank diagnostics)."""
-    print(f"[ds_bertopt rank {global_rank()}]", *args, flush=True, **kwargs)
+    """``print`` on every rank, prefixed with the rank (for per-rank diagnostics), as one write."""
+    _print_whole(f"[ds_bertopt rank {global_rank()}]", *args, **kwargs)

@@ -63,6 +63,7 @@ from ..dist import release_shm_buffer
 from ..dsconfig import zero_stage
 from ..engine import attach_extensions, check_combinations
 from ..errors import ConfigError
+from ..log import print0
 from ..wtacrs import prepare_model
 from ..wtacrs.fallback import FALLBACK_PRESETS
 from ..wtacrs.sizing import resolve_preset
@@ -80,15 +81,8 @@ check_api()
 
 
 # ---------------------------------------------------------------- output
-def _is_main_process() -> bool:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank() == 0
-    return int(os.environ.get("RANK", "0") or 0) == 0
-
-
 def _say(message: str) -> None:
-    if _is_main_process():
-        print(f"[ds_bertopt] {message}", flush=True)
+    print0(message)
 
 
 # ---------------------------------------------------------------- DeepSpeed under Trainer on CPU-only hosts
