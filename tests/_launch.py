@@ -35,9 +35,16 @@ def pretrain_args(out: Path, cache_dir: Path, *extra: str, config: str = "ds_con
     ]
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CROSS_RANK",
+                      "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+"""Set by a launcher for its ranks; in-process tests leave them in this process (accelerate's ``PartialState`` writes
+RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE), and a launched job must not inherit them stale."""
+
+
 def launcher_env(**extra: str) -> dict:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    env.pop("DS_BERTOPT_FAULT", None)
+    for name in ("DS_BERTOPT_FAULT", *LAUNCHER_VARIABLES):
+        env.pop(name, None)
     env.update(extra)
     return env
 

@@ -59,7 +59,7 @@ from ..config import BertOptConfig, leaf_keys, refuse_emulated_bf16
 from ..configlib import dead_fields_of, load_section
 from ..data.collate import padded_positions
 from ..data.sampler import PlanBatchSampler
-from ..dist import release_shm_buffer
+from ..dist import release_shm_buffer, topology_from_env
 from ..dsconfig import zero_stage
 from ..engine import attach_extensions, check_combinations
 from ..errors import ConfigError
@@ -684,7 +684,9 @@ class BertOptTrainerMixin:
         else:
             collator = self._get_collator_with_removed_columns(self.data_collator, description="Training")
         world = max(1, args.world_size)
-        local = next((int(os.environ[n]) for n in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE") if os.environ.get(n)), world)
+        # the launcher's own variables first (dist.topology_from_env's order): accelerate's in-process PartialState
+        # writes LOCAL_WORLD_SIZE into os.environ, where a later deepspeed launch inherits it stale
+        local = topology_from_env().ranks_per_node if world > 1 else 1
         sampler = PlanBatchSampler(
             lengths,
             rank=args.process_index if world > 1 else 0,
