@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
-import transformers
 
 from ds_bertopt.config import BertOptConfig, RunConfig, dead_keys
 from ds_bertopt.data.collate import pack_sequences
@@ -18,18 +17,10 @@ from ds_bertopt.model import compiled
 from ds_bertopt.model.config import ModelConfig
 from ds_bertopt.model.unpadded import UnpaddedMLM, sdpa_loop_attention
 from ds_bertopt.testing.distributed import spawn_ranks
+from test_fused import tiny_bert
 
 MIXES = ([5, 9, 3], [7, 12, 4], [20, 3, 6], [11, 11, 11])
 """Packed micro-batches of three sequences (our samplers' contract: equally many per micro-batch), four lengths."""
-
-
-def tiny_bert(dropout: float = 0.0, seed: int = 0):
-    torch.manual_seed(seed)
-    config = transformers.BertConfig(
-        vocab_size=90, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
-        max_position_embeddings=64, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
-    )  # fmt: skip
-    return transformers.BertForMaskedLM(config)
 
 
 def packed(lengths, seed: int) -> dict:
@@ -77,7 +68,7 @@ def test_compiled_equals_eager_in_two_graphs_without_a_break(dtype, dynamo_count
     """Inductor-compiled layers against the same model eager, on four packed lengths: the loss and every gradient
     (fp32: to fp32 rounding; bf16 autocast: to bf16's), two graphs in all (static, then the length dynamic), no
     break, and the same state dict keys."""
-    eager, compiled_model = UnpaddedMLM(tiny_bert()).train(), UnpaddedMLM(tiny_bert(), compile=True).train()
+    eager, compiled_model = UnpaddedMLM(tiny_bert(0.0)).train(), UnpaddedMLM(tiny_bert(0.0), compile=True).train()
     assert compiled_model.compiled and "BertLayer" in compiled_model.choose_attention()
     assert list(compiled_model.state_dict()) == list(eager.state_dict())
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
@@ -143,7 +134,7 @@ def _checkpoint_rank(rank: int, world_size: int, root: str, stage: int) -> dict:
     }
     batch, out = packed(MIXES[0], 0), {}
     for name, compile_layers in (("eager", False), ("compiled", True)):
-        model = UnpaddedMLM(tiny_bert(), compile=compile_layers).train()
+        model = UnpaddedMLM(tiny_bert(0.0), compile=compile_layers).train()
         engine, *_ = deepspeed.initialize(model=model, config=config)
         engine.backward(engine(**batch).loss)
         engine.step()
