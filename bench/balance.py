@@ -285,10 +285,7 @@ def packed_layout(
         f"packed_{mix.split()[0]}_{world}x{micro}x{accum}",
         f"Step time by planner, {label}",
         [
-            {
-                "label": "packed_node_balance (unpadded kernels)",
-                "step_time_vs_random": rel["packed_node_balance"][0],
-            },
+            {"label": "packed_node_balance (unpadded kernels)", "step_time_vs_random": rel["packed_node_balance"][0]},
             *(
                 {"label": SHOWN.get(n, n), "step_time_vs_random": rel[n][1]}
                 for n in (

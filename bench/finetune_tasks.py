@@ -41,17 +41,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._common import (
-    figure,
-    ROOT,
-    cpu_kind,
-    deepspeed_launcher,
-    environment_line,
-    record,
-    run_checked,
-    say,
-    status,
-)
+from bench._common import figure, ROOT, cpu_kind, deepspeed_launcher, environment_line, record, run_checked, say, status
 
 SHARED = ROOT.parent / "shared" / "data"
 OURS = {"model": {"unpadded": True}, "sampler": {"strategy": "packed_node_balance"}}

@@ -354,12 +354,7 @@ def accuracy_section(
         "accuracy",
         f"rt_polarity dev accuracy, MiniLM-L6, {epochs} epoch(s), {subset}",
         [
-            {
-                "label": name,
-                "mean": statistics.mean(v),
-                "std": statistics.stdev(v) if len(v) > 1 else 0.0,
-                "runs": v,
-            }
+            {"label": name, "mean": statistics.mean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0, "runs": v}
             for name, v in scores.items()
         ],
         ylabel="dev accuracy (%)",

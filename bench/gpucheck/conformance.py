@@ -5,14 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .runner import (
-    ENTRY,
-    Ctx,
-    Job,
-    Result,
-    free_port,
-    run_jobs,
-)
+from .runner import ENTRY, Ctx, Job, Result, free_port, run_jobs
 
 
 def section_conformance(ctx: Ctx) -> Result:

@@ -7,16 +7,7 @@ import sys
 from pathlib import Path
 
 from .apex_lamb import apex_checks
-from .runner import (
-    ENTRY,
-    ROOT,
-    Ctx,
-    Job,
-    Result,
-    free_port,
-    launcher,
-    run_jobs,
-)
+from .runner import ENTRY, ROOT, Ctx, Job, Result, free_port, launcher, run_jobs
 
 
 def lamb_job(ctx: Ctx, out: Path, world: int, checks: tuple, timeout: float = 240) -> Job:

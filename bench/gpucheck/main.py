@@ -14,13 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import conformance, lamb_equal, memory, nccl, precision, resume, syncs, unpadded, wtacrs
-from .runner import (
-    Ctx,
-    Result,
-    Skip,
-    on_terminate,
-    say,
-)
+from .runner import Ctx, Result, Skip, on_terminate, say
 from .workers import WORKERS
 
 SECTION_FUNCTIONS: dict = {  # in the order a full run takes them

@@ -7,10 +7,7 @@ import statistics
 import time
 import warnings
 
-from .runner import (
-    Ctx,
-    Result,
-)
+from .runner import Ctx, Result
 from .wtacrs import shipped_wtacrs
 
 MEMORY_VARIANTS = ("full", "hf_ckpt", "kit+wta", "lora+kit", "kit+wta+ckpt", "exact", "balanced", "max_saving")

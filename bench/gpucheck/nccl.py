@@ -7,16 +7,7 @@ import statistics
 
 from .lamb_equal import run_lamb_checks
 from .resume import resume_check
-from .runner import (
-    ENTRY,
-    Ctx,
-    Job,
-    Result,
-    Skip,
-    launcher,
-    run_jobs,
-    tiny_flags,
-)
+from .runner import ENTRY, Ctx, Job, Result, Skip, launcher, run_jobs, tiny_flags
 from .syncs import loop_worker_job
 
 
@@ -103,15 +94,7 @@ def section_nccl(ctx: Ctx) -> Result:
     if ctx.left() > 60:
         result = ctx.dir("clip_timing.json")
         result.unlink(missing_ok=True)
-        cmd = [
-            *launcher(2),
-            str(ENTRY),
-            "--out",
-            str(result),
-            "--rounds",
-            "3",
-            *(["--tiny"] if ctx.tiny else []),
-        ]
+        cmd = [*launcher(2), str(ENTRY), "--out", str(result), "--rounds", "3", *(["--tiny"] if ctx.tiny else [])]
         job = run_jobs(
             ctx, [Job("clip timing", cmd, ctx.env(GPU_CHECK_WORKER="clip"), ctx.dir("clip_timing.log"), 240)]
         )[0]

@@ -5,15 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from .runner import (
-    Ctx,
-    Result,
-    log_line,
-    losses_by_step,
-    pretrain_job,
-    read_metrics,
-    run_jobs,
-)
+from .runner import Ctx, Result, log_line, losses_by_step, pretrain_job, read_metrics, run_jobs
 
 
 def judge_losses(records: list, steps: int) -> tuple:

@@ -10,10 +10,7 @@ import traceback
 import warnings
 from typing import Optional
 
-from .runner import (
-    ENTRY,
-    Ctx,
-)
+from .runner import ENTRY, Ctx
 
 SYNC_MARK = "synchronizing cuda operation"  # c10::cuda::warn_or_error_on_sync's message, lower-cased
 DOCUMENTED_SYNCS = (

@@ -8,15 +8,7 @@ import sys
 from pathlib import Path
 
 from .recorder import describe_syncs
-from .runner import (
-    ENTRY,
-    Ctx,
-    Job,
-    Result,
-    launcher,
-    run_jobs,
-    tiny_flags,
-)
+from .runner import ENTRY, Ctx, Job, Result, launcher, run_jobs, tiny_flags
 
 
 def synthetic_csv(path: Path, rows: int = 512, seed: int = 0) -> Path:

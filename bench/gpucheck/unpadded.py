@@ -7,10 +7,7 @@ import random
 import statistics
 import time
 
-from .runner import (
-    Ctx,
-    Result,
-)
+from .runner import Ctx, Result
 
 
 def attention_compare(ctx: Ctx, dtype, lengths, heads: int, dim: int) -> dict:

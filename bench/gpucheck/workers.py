@@ -10,9 +10,7 @@ import time
 from pathlib import Path
 
 from .recorder import SyncRecorder
-from .runner import (
-    ROOT,
-)
+from .runner import ROOT
 
 
 def worker_loop(argv: list) -> int:

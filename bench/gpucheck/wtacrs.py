@@ -10,13 +10,7 @@ import statistics
 import sys
 
 from .recorder import SyncRecorder
-from .runner import (
-    ROOT,
-    Ctx,
-    Job,
-    Result,
-    run_jobs,
-)
+from .runner import ROOT, Ctx, Job, Result, run_jobs
 
 
 def bias_statistic(estimates, exact) -> float:
