@@ -107,10 +107,15 @@ def maybe_lock(path: Optional[str]) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def bert_sizes(hidden: int, layers: int, heads: int, ffn: int, **extra) -> dict:
+    """A BERT's sizes as ``BertConfig`` fields, ``extra`` fields after them."""
+    sizes = {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads, "intermediate_size": ffn}
+    return {**sizes, **extra}
+
+
 def bert_overrides(hidden: int, layers: int, heads: int, ffn: int) -> list[str]:
     """The config overrides (``-o``) of a BERT of these sizes."""
-    sizes = {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads, "intermediate_size": ffn}
-    return [f"model.{key}={value}" for key, value in sizes.items()]
+    return [f"model.{key}={value}" for key, value in bert_sizes(hidden, layers, heads, ffn).items()]
 
 
 def argv(*args, overrides: Iterable[str] = (), **options) -> list[str]:

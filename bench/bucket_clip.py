@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import figure, argv, cpu_env, deepspeed_launcher, environment_line, interleaved, median, record
-from bench._common import ratio_line, record_results, say
+from bench._common import bert_sizes, ratio_line, record_results, say
 from ds_bertopt.compat.deepspeed import wrap_reductions
 from ds_bertopt.testing.distributed import free_port
 from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers
@@ -48,18 +48,7 @@ from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers
 MODELS = {
     # name: (BertConfig overrides, micro-batch, default bucket size in elements; see docs/bucket_clip.md
     # for the sweep behind the bucket sizes)
-    "small": (
-        dict(
-            hidden_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            intermediate_size=1024,
-            vocab_size=8192,
-            max_position_embeddings=512,
-        ),
-        8,
-        1_000_000,
-    ),
+    "small": (bert_sizes(256, 4, 4, 1024, vocab_size=8192, max_position_embeddings=512), 8, 1_000_000),
     "base": (dict(), 2, 5_000_000),  # transformers' BertConfig() defaults: BERT-base, 110M parameters
 }
 SEQ = 128
@@ -190,19 +179,8 @@ def worker(args) -> int:
 # orchestrator
 # ------------------------------------------------------------------------------------------------
 def worker_argv(args, models, stages, bucket_sizes) -> list[str]:
-    return [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker",
-        "--repeats",
-        str(args.repeats),
-        "--models",
-        *models,
-        "--stages",
-        *map(str, stages),
-        "--bucket-sizes",
-        *map(str, bucket_sizes),
-    ]
+    lists = ["--models", *models, "--stages", *map(str, stages), "--bucket-sizes", *map(str, bucket_sizes)]
+    return [*argv(sys.executable, Path(__file__).resolve(), "--worker", repeats=args.repeats), *lists]
 
 
 def run_ranks(start, argv, master_addr: str, ifname: str, log_dir: Path, tag: str, timeout: float) -> list[dict]:

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import argv, cpu_env, deepspeed_launcher, environment_line, median, ratio_line, record, say
+from bench._common import argv, cpu_env, deepspeed_launcher, environment_line, figure, median, ratio_line, record, say
 from bench.optim_parts import (
     CONFIGS,
     DATA,
@@ -271,35 +271,20 @@ def main() -> None:
             study = convergence_study(args, Path(tmp))
     if not args.skip_step_time:
         step_time_study(repeats=25)
-    figures = (
-        [
-            {
-                "kind": "curves",
-                "file": "convergence",
-                "xlabel": "training samples",
-                "ylabel": "held-out MLM accuracy",
-                "reference": args.target,
-                "title": f"LAMB vs AdamW at batch 32 and {32 * args.factor}",
-                "series": CURVES,
-            }
-        ]
-        if CURVES
-        else []
-    )
+    if CURVES:
+        title = f"LAMB vs AdamW at batch 32 and {32 * args.factor}"
+        labels = {"xlabel": "training samples", "ylabel": "held-out MLM accuracy"}
+        figure("curves", "convergence", title, CURVES, reference=args.target, **labels)
     if study.get("noise"):
         rows = study["noise"]["rows"]
-        figures.append(
-            {
-                "kind": "curves",
-                "file": "noise_scale",
-                "xlabel": "training samples (batch 32, AdamW)",
-                "ylabel": "B_simple (sequences)",
-                "reference": study["noise"]["needed"],
-                "title": "Gradient noise scale; dashed: what a 1.3x samples ratio at the large batch needs",
-                "series": [
-                    {"label": "B_simple", "x": [r["samples"] for r in rows], "y": [r["b_simple"] for r in rows]}
-                ],
-            }
+        figure(
+            "curves",
+            "noise_scale",
+            "Gradient noise scale; dashed: what a 1.3x samples ratio at the large batch needs",
+            [{"label": "B_simple", "x": [r["samples"] for r in rows], "y": [r["b_simple"] for r in rows]}],
+            xlabel="training samples (batch 32, AdamW)",
+            ylabel="B_simple (sequences)",
+            reference=study["noise"]["needed"],
         )
     header = (
         "| optimizer | batch | lr @ 32 | scaling | warmup | β₂ | seed | samples to target | best accuracy |\n"
@@ -309,7 +294,6 @@ def main() -> None:
         args.record_as,
         f"2 ranks ZeRO 1, small BERT, seq {args.seq}, seeds {args.seeds}, {args.samples} samples per run, "
         f"target {args.target}, MLPerf-style schedule, LR scaled from batch {REFERENCE_BATCH}, grid {args.grid}",
-        figures=figures,
         tables=[header + "\n" + "\n".join(TABLE)] if TABLE else [],
         study=study,
     )

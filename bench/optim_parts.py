@@ -14,7 +14,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import bert_overrides, checkpoint_weights, interleaved, median, ratio_line, say, status
+from bench._common import bert_overrides, bert_sizes, checkpoint_weights, interleaved, median, ratio_line, say, status
 
 DATA = ROOT.parent / "shared" / "data" / "wiki_sample.jsonl"
 SMALL_MODEL = bert_overrides(128, 2, 2, 512)
@@ -217,14 +217,7 @@ def preset(point: Point, args) -> dict:
     }
     optimizer = {**base["bertopt"]["optimizer"], "lr": point.lr, "betas": [0.9, point.beta2]}
     config["bertopt"] = {
-        "model": {
-            "hidden_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "intermediate_size": 512,
-            "max_position_embeddings": 512,
-            "objective": "mlm",
-        },
+        "model": bert_sizes(128, 2, 2, 512, max_position_embeddings=512, objective="mlm"),
         "data": {"max_seq_length": args.seq},
         "train": {
             "max_steps": max(1, args.samples // point.batch),
@@ -334,11 +327,7 @@ def step_time_study(repeats: int) -> None:
 
     def model_with_grads():
         torch.manual_seed(0)
-        model = BertForMaskedLM(
-            BertConfig(
-                vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024
-            )
-        )
+        model = BertForMaskedLM(BertConfig(**bert_sizes(256, 4, 4, 1024, vocab_size=8192)))
         for p in model.parameters():
             p.grad = torch.randn_like(p) * 1e-2
         return model

@@ -28,7 +28,7 @@ from pathlib import Path
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import cpu_kind, record, say
+from bench._common import cpu_kind, figure, record, say
 
 TARGET = 1.8
 
@@ -115,6 +115,17 @@ def main(argv=None) -> int:
                 f"other processes took {others[n][best[n]]:.1f} CPU-s during the best)"
             )
         verdict = "met" if ratio >= TARGET and len(digests) == 1 else "NOT met"
+        series = [{"label": f"{n} process{'es' if n > 1 else ''}", "words_per_s": rate[n]} for n in (1, 2)]
+        figure(
+            "bars",
+            "words_per_s",
+            "Preprocessing throughput (tokenize + build sequences)",
+            series,
+            unit="words/s",
+            stack=["words_per_s"],
+            reference=TARGET * rate[1],
+            note=f"dashed: the target, {TARGET}x the 1-process rate",
+        )
         say(f"preprocess words/s, 2 processes vs 1: {ratio:.2f}x (target >= {TARGET}x: {verdict})")
         record(
             "preprocess",
@@ -127,20 +138,6 @@ def main(argv=None) -> int:
             words_per_s=rate,
             ratio=ratio,
             met=verdict == "met",
-            figures=[
-                {
-                    "kind": "bars",
-                    "title": "Preprocessing throughput (tokenize + build sequences)",
-                    "file": "words_per_s",
-                    "unit": "words/s",
-                    "stack": ["words_per_s"],
-                    "series": [
-                        {"label": f"{n} process{'es' if n > 1 else ''}", "words_per_s": rate[n]} for n in (1, 2)
-                    ],
-                    "reference": TARGET * rate[1],
-                    "note": f"dashed: the target, {TARGET}x the 1-process rate",
-                }
-            ],
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)

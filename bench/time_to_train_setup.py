@@ -296,29 +296,14 @@ def prepare(scenario: Scenario, work: Path, masks: int, min_tokens: int) -> Prep
 
 def hf_data_args(scenario: Scenario, cfg, docs: Path, tokenizer_dir: Path, shared: Path, line_by_line: bool) -> list:
     m = cfg.bertopt.model
-    sizes = dict(
-        hidden_size=m.hidden_size,
-        num_hidden_layers=m.num_hidden_layers,
-        num_attention_heads=m.num_attention_heads,
-        intermediate_size=m.intermediate_size,
-        max_position_embeddings=m.max_position_embeddings,
-        hidden_dropout_prob=m.hidden_dropout_prob,
-        attention_probs_dropout_prob=m.attention_probs_dropout_prob,
+    sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "max_position_embeddings")
+    dropout = ("hidden_dropout_prob", "attention_probs_dropout_prob")
+    return argv(
+        train_file=docs,
+        tokenizer_name=tokenizer_dir,
+        max_seq_length=scenario.seq,
+        line_by_line=str(line_by_line).lower(),
+        mlm_probability=cfg.bertopt.data.mlm_probability,
+        cache_dir=shared / "hf_datasets",
+        **{key: getattr(m, key) for key in sizes + dropout},
     )
-    args = [
-        "--train_file",
-        str(docs),
-        "--tokenizer_name",
-        str(tokenizer_dir),
-        "--max_seq_length",
-        str(scenario.seq),
-        "--line_by_line",
-        str(line_by_line).lower(),
-        "--mlm_probability",
-        str(cfg.bertopt.data.mlm_probability),
-        "--cache_dir",
-        str(shared / "hf_datasets"),
-    ]
-    for key, value in sizes.items():
-        args += [f"--{key}", str(value)]
-    return args

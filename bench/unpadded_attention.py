@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bench._common import bert_sizes
 from ds_bertopt.model.unpadded import sdpa_loop_attention, token_counts
 
 
@@ -128,14 +129,7 @@ def bench_model(reps: int = 3) -> None:
     from ds_bertopt.model.unpadded import UnpaddedBert
 
     torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=8192,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=1024,
-        max_position_embeddings=512,
-    )
+    config = BertConfig(**bert_sizes(256, 4, 4, 1024, vocab_size=8192, max_position_embeddings=512))
     set_attention_implementation(config, "sdpa")
     model = BertForMaskedLM(config).train()
     rng = np.random.default_rng(1)

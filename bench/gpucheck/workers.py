@@ -118,6 +118,7 @@ def worker_clip(argv: list) -> int:
     from deepspeed.accelerator import get_accelerator
     from transformers import BertConfig, BertForMaskedLM
 
+    from bench._common import bert_sizes
     from ds_bertopt.engine import initialize
 
     accelerator = get_accelerator()
@@ -126,18 +127,7 @@ def worker_clip(argv: list) -> int:
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", max(args.local_rank, 0))))
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
     device = torch.device(accelerator.current_device_name())
-    sizes = (
-        dict(
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=64,
-            vocab_size=200,
-            max_position_embeddings=64,
-        )
-        if args.tiny
-        else {}
-    )  # else BERT-base (BertConfig defaults)
+    sizes = bert_sizes(32, 1, 2, 64, vocab_size=200, max_position_embeddings=64) if args.tiny else {}  # {}: BERT-base
     micro, seq, bucket = (2, 16, 10_000) if args.tiny else (16, 128, 5_000_000)
     precision = "bf16" if cuda else "fp32"
 

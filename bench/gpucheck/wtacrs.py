@@ -112,29 +112,16 @@ def wtacrs_training(ctx: Ctx, precision: str, steps: int) -> dict:
     from transformers import BertConfig, BertForSequenceClassification
     from transformers.utils import logging as hf_logging
 
+    from bench._common import bert_sizes
     from ds_bertopt.wtacrs import SampledLinear, prepare_model
 
     hf_logging.set_verbosity_error()
     device = torch.device(ctx.device)
     torch.manual_seed(0)
     sizes = (
-        dict(
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            vocab_size=200,
-            max_position_embeddings=64,
-        )
+        bert_sizes(32, 2, 2, 64, vocab_size=200, max_position_embeddings=64)
         if ctx.tiny
-        else dict(
-            hidden_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            intermediate_size=1024,
-            vocab_size=2000,
-            max_position_embeddings=128,
-        )
+        else bert_sizes(256, 4, 4, 1024, vocab_size=2000, max_position_embeddings=128)
     )
     model = BertForSequenceClassification(BertConfig(num_labels=2, **sizes))
     model, _ = prepare_model(model, shipped_wtacrs(min_k=8))
