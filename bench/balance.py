@@ -461,23 +461,13 @@ def main() -> int:
     for part, label, nodes in (("ranks", "2 ranks", 1), ("nodes", "2 nodes × 2 ranks", 2)):
         if part not in measured:
             continue
+        model, steps = ("small", 4) if args.quick else ("medium", 8)
         for micro, accum in ((16, 1), (4, 4)):
-            measured_part(
-                label,
-                nodes,
-                2,
-                "small" if args.quick else "medium",
-                "wide",
-                micro,
-                accum,
-                4 if args.quick else 8,
-                2,
-                MEASURED,
-                args.repeats,
-                args.lock,
-                # the targets are for 2 ranks at one micro-batch of 16
-                targets=TOKEN_TARGETS if (part, micro, accum) == ("ranks", 16, 1) else None,
-            )
+            targets = (
+                TOKEN_TARGETS if (part, micro, accum) == ("ranks", 16, 1) else None
+            )  # the issue's: 2 ranks, 16 × 1
+            run = (label, nodes, 2, model, "wide", micro, accum, steps, 2, MEASURED, args.repeats, args.lock)
+            measured_part(*run, targets=targets)
     if "convergence" in parts:
         convergence_part([1, 2], 60 if args.quick else 300, args.quick)
     print(f"done in {time.perf_counter() - started:.0f} s")

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import figure, argv, cpu_env, deepspeed_launcher, environment_line, interleaved, median, record
-from bench._common import bert_sizes, ratio_line, record_results, say
+from bench._common import SUMMARY, bert_sizes, ratio_line, say
 from ds_bertopt.compat.deepspeed import wrap_reductions
 from ds_bertopt.testing.distributed import free_port
 from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers
@@ -349,36 +349,23 @@ def convergence(args) -> None:
         flush=True,
     )
     # eval and training loss (mean of 10 steps) of every run, drawn from the record by bench/_report.py
-    figures = [
-        {
-            "kind": "curves",
-            "file": f"{kind}_loss",
-            "title": f"{title} MLM loss: bucket_clip vs global clipping",
-            "xlabel": "step",
-            "ylabel": f"{kind} MLM loss",
-            "series": [
-                {
-                    "label": f"{'bucket_clip' if hook else 'global clip'} seed {seed}",
-                    "x": [r["step"] for r in runs[index]],
-                    "y": [r[key] for r in runs[index]],
-                }
-                for (hook, seed), runs in sorted(curves.items())
-            ],
-        }
-        for kind, title, key, index in (("eval", "Held-out", "eval_loss", 1), ("training", "Training", "loss", 0))
-    ]
-    record_results(
-        "bucket_clip_convergence",
-        {
-            "summary": [
-                f"final eval loss bucket_clip {' / '.join(f'{x:.4f}' for x in hook_final)} vs global clip "
-                f"{' / '.join(f'{x:.4f}' for x in global_final)} ({args.steps} steps, seeds {seeds})"
-            ],
-            "note": f"launch/pretrain.py, {args.ds_config}, wiki_sample.jsonl, 2 ranks, {args.steps} steps, "
-            f"seeds {seeds}",
-            "figures": figures,
-        },
+    for kind, title, key, index in (("eval", "Held-out", "eval_loss", 1), ("training", "Training", "loss", 0)):
+        series = [
+            {
+                "label": f"{'bucket_clip' if hook else 'global clip'} seed {seed}",
+                "x": [r["step"] for r in runs[index]],
+                "y": [r[key] for r in runs[index]],
+            }
+            for (hook, seed), runs in sorted(curves.items())
+        ]
+        title = f"{title} MLM loss: bucket_clip vs global clipping"
+        figure("curves", f"{kind}_loss", title, series, xlabel="step", ylabel=f"{kind} MLM loss")
+    SUMMARY.append(
+        f"final eval loss bucket_clip {' / '.join(f'{x:.4f}' for x in hook_final)} vs global clip "
+        f"{' / '.join(f'{x:.4f}' for x in global_final)} ({args.steps} steps, seeds {seeds})"
     )
+    note = f"launch/pretrain.py, {args.ds_config}, wiki_sample.jsonl, 2 ranks, {args.steps} steps, seeds {seeds}"
+    record("bucket_clip_convergence", note)
 
 
 def main(args_in=None) -> int:

@@ -101,20 +101,8 @@ def run_scenario(scenario: Scenario, args, work: Path, baseline_hint: Optional[s
 
         def runner(name: str, seed_iter):
             def go() -> float:
-                seed = next(seed_iter)
-                run = run_one(
-                    scenario,
-                    prep,
-                    name,
-                    ours.get(name),
-                    seed,
-                    args.points,
-                    args.run_timeout,
-                    args.lock,
-                    net,
-                    args.ours_budget,
-                    args.resume,
-                )
+                settings = (args.points, args.run_timeout, args.lock, net, args.ours_budget, args.resume)
+                run = run_one(scenario, prep, name, ours.get(name), next(seed_iter), *settings)
                 runs.setdefault(name, []).append(run)
                 return run.wall_s
 
