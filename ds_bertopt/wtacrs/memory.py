@@ -325,7 +325,7 @@ def probe_steps(spec: dict) -> dict[str, Any]:
     for sequences in spec["batches"]:
         made[sequences], peak = _peak_step(run, spec, sequences)
         peaks[sequences], times[sequences] = peak["step_peak"], peak["step_s"]
-    if spec.get("_switch", True) and _malloc_for(peak=False):  # else: timed under the peak's setting
+    if _malloc_for(peak=False):  # else: timed under the peak's setting
         train_step(model, optimizer, made[max(made)], dtype)
         times = {b: math.inf for b in made}
     for sequences, batch in made.items():
