@@ -303,8 +303,9 @@ def size_fast(
     say: Callable[[str], None] = print,
 ) -> list[Measured]:
     """Every setup of ``specs`` (``{name: spec}``, as :func:`measure` takes them) sized to ``budget``, timing only
-    those that can still win. Each is probed in one child (:func:`~ds_bertopt.wtacrs.memory.probe_steps`: peaks and
-    step times at the two :func:`probe_batches`), its batch taken from the line through the peaks
+    those that can still win. All are probed in one child, in turn
+    (:func:`~ds_bertopt.wtacrs.memory.probe_setups_in_child`: peaks and step times at the two :func:`probe_batches`,
+    each setup's line said as it arrives), its batch taken from the line through the peaks
     (:func:`fitted_batch`) and its throughput there estimated (:func:`estimated_rate`). Then, best estimate first,
     each is measured at its fitted batch (:func:`measure`: the peak there verified once, the search going on below
     it if over, then ``steps`` timed steps), unless its :func:`rate_bound` is below the best measured so far: then it
