@@ -37,13 +37,11 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 
 
-def _child_entry(queue, fn: Callable, args: tuple, streams: bool = False) -> None:
+def _child_entry(queue, fn: Callable, args: tuple) -> None:
     # a child's stderr is the user's terminal: transformers' own deprecation notices (its checkpointing calls
     # is_gradient_checkpointing) would print once per measured setup
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     try:
-        if streams:  # what it has done so far goes to the parent as it goes (progress, partial results)
-            args = (*args, lambda part: queue.put(("part", part)))
         queue.put(("ok", fn(*args)))
     except errors.BertOptError as exc:  # bad input (a target matching nothing, ...): the parent says it in one line
         queue.put((type(exc).__name__, str(exc)))
@@ -68,43 +66,26 @@ def _dead_child(exitcode: Optional[int]) -> RuntimeError:
     return ChildDied(f"the child exited with status {exitcode} without a result")
 
 
-def _wait_for_result(queue, proc, timeout: float, on_part: Optional[Callable] = None):
+def _wait_for_result(queue, proc, timeout: float):
     """The child's ``(status, result)``; raises as soon as the child is gone without one (never waits out
-    ``timeout`` on a dead child), or after ``timeout`` on a live one. Parts it sends on the way go to
-    ``on_part``."""
+    ``timeout`` on a dead child), or after ``timeout`` on a live one."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            status, result = queue.get(timeout=POLL_S)
-            if status != "part":
-                return status, result
-            on_part(result)
-            continue
+            return queue.get(timeout=POLL_S)
         except queue_mod.Empty:
             pass
         if not proc.is_alive():
             try:  # its last words may still be in the pipe
-                while True:
-                    status, result = queue.get(timeout=1.0)
-                    if status != "part":
-                        return status, result
-                    on_part(result)
+                return queue.get(timeout=1.0)
             except queue_mod.Empty:
                 raise _dead_child(proc.exitcode) from None
         if time.monotonic() > deadline:
             raise ChildDied(f"the child gave no result within {timeout:.0f} s")
 
 
-def run_in_child(
-    fn: Callable,
-    *args,
-    env: Optional[Mapping[str, str]] = None,
-    timeout: float = 900,
-    on_part: Optional[Callable] = None,
-):
+def run_in_child(fn: Callable, *args, env: Optional[Mapping[str, str]] = None, timeout: float = 900):
     """``fn(*args)`` in a fresh spawned process (``fn`` importable, module-level); return its result.
-    With ``on_part``, the child runs ``fn(*args, send)``: each ``send(part)`` there is ``on_part(part)`` here, as it
-    comes (a long child's progress; what it finished before it died).
 
     ``env`` entries are set in the child's environment before it starts (e.g. the malloc setting that
     lets RSS follow live tensors). A :class:`~ds_bertopt.errors.BertOptError` in the child is raised again, same
@@ -116,7 +97,7 @@ def run_in_child(
     os.environ.update(env or {})
     try:
         queue = ctx.Queue()
-        proc = ctx.Process(target=_child_entry, args=(queue, fn, args, on_part is not None))
+        proc = ctx.Process(target=_child_entry, args=(queue, fn, args))
         proc.start()
     finally:
         for key, value in saved.items():
@@ -125,7 +106,7 @@ def run_in_child(
             else:
                 os.environ[key] = value
     try:
-        status, result = _wait_for_result(queue, proc, timeout, on_part)
+        status, result = _wait_for_result(queue, proc, timeout)
     finally:
         proc.join(timeout=30)
         if proc.is_alive():

@@ -39,16 +39,6 @@ def test_a_child_that_dies_otherwise_is_named():
 
 
 @pytest.mark.timeout(120)
-def test_what_a_child_sent_before_it_died_arrives():
-    """``on_part``: the budget mode's one probe child sends each setup as it is done; one the out-of-memory killer
-    ends later still delivered the setups before it."""
-    parts = []
-    with pytest.raises(OutOfMemory, match="killed by SIGKILL"):
-        run_in_child(memory_children.sends_then_killed, 3, timeout=600, on_part=parts.append)
-    assert parts == [0, 1, 2]
-
-
-@pytest.mark.timeout(120)
 def test_an_allocation_over_the_limit_is_out_of_memory():
     assert run_in_child(memory_children.step, FITS, FITS)["step_peak"] == FITS * PER_EXAMPLE
     with pytest.raises(OutOfMemory, match="MemoryError"):

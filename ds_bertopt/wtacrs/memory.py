@@ -314,10 +314,10 @@ def measure_step(spec: dict) -> dict[str, Any]:
 
 
 def probe_steps(spec: dict) -> dict[str, Any]:
-    """The step peak at each of ``spec["batches"]`` (``spec`` as :func:`measure_step`), one after the other, then
-    each one's step time under a warm default-like allocator (:func:`_malloc_for`; one untimed step at the largest
-    first, then the shortest of ``spec["repeats"]``, default 1, at each): what the budget mode's fast search fits its
-    lines to (:mod:`.sizing`). Returns ``{"peaks": {batch: bytes}, "step_s": {batch: s}}``."""
+    """Child-process entry: the step peak at each of ``spec["batches"]`` (``spec`` as :func:`measure_step`), one after
+    the other, then each one's step time under a warm default-like allocator (:func:`_malloc_for`; one untimed step at
+    the largest first, then the shortest of ``spec["repeats"]``, default 1, at each): what the budget mode's fast
+    search fits its lines to (:mod:`.sizing`). Returns ``{"peaks": {batch: bytes}, "step_s": {batch: s}}``."""
     _malloc_for(peak=True)
     run = _warmed(spec)
     model, optimizer, dtype, device, _, _ = run
@@ -336,24 +336,6 @@ def probe_steps(spec: dict) -> dict[str, Any]:
             times[sequences] = min(times[sequences], time.perf_counter() - start)
     _malloc_for(peak=True)
     return {"peaks": peaks, "step_s": times}
-
-
-def probe_setups(specs: list[dict], send: Callable[[tuple[int, Optional[dict]]], None]) -> int:
-    """Child-process entry: :func:`probe_steps` of each of ``specs`` in turn, in this one process (one interpreter,
-    one import of torch and transformers for all), each sent as ``(index, result)`` as soon as it is done; a setup
-    that ran out of memory is sent as ``(index, None)`` and the next one goes on (its model freed first)."""
-    from ..child import is_out_of_memory
-
-    for index, spec in enumerate(specs):
-        try:
-            result = probe_steps(spec)
-        except Exception as exc:  # noqa: BLE001 - only running out of memory is a result; the rest is raised
-            if not is_out_of_memory(exc):
-                raise
-            result = None
-        gc.collect()
-        send((index, result))
-    return len(specs)
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -495,32 +477,21 @@ def measure_step_in_child(spec: dict, timeout: float = 900) -> dict[str, Any]:
 
 
 def probe_setups_in_child(
-    specs: list[dict], batches: list[int], on_setup: Callable[[int, Optional[dict]], None], timeout: float = 1800
+    specs: list[dict], batches: list[int], on_setup: Callable[[int, Optional[dict]], None], timeout: float = 900
 ) -> None:
-    """:func:`probe_setups` of ``specs`` at ``batches``, in as few fresh processes as it takes (the peak's malloc
-    setting; on CUDA each peak plus :func:`device_overhead`): ``on_setup(index, result)`` for each as it is done,
-    ``None`` for one that ran out of memory. A child the out-of-memory killer ends takes the setup it was probing
-    with it; a new child goes on with the rest."""
+    """:func:`probe_steps` of each of ``specs`` at ``batches``, each in a fresh process (the peak's malloc setting;
+    on CUDA each peak plus :func:`device_overhead`): ``on_setup(index, result)`` as each is done, ``None`` for one
+    that ran out of memory. One process per setup: probed one after another in one process, a setup's peaks came
+    out inflated or flat after the one before it (the heap that its warm timing steps grew)."""
     overhead = device_overhead(specs[0].get("device", "cpu")) if specs else 0
-    done: set[int] = set()
-
-    def arrived(part: tuple[int, Optional[dict]]) -> None:
-        index, result = part
+    for index, spec in enumerate(specs):
+        try:
+            result = run_in_child(probe_steps, {**spec, "batches": list(batches)}, env=_peak_env(spec), timeout=timeout)
+        except OutOfMemory:
+            result = None
         if result is not None:
             result["peaks"] = {batch: peak + overhead for batch, peak in result["peaks"].items()}
-        done.add(index)
         on_setup(index, result)
-
-    while len(done) < len(specs):
-        rest = [i for i in range(len(specs)) if i not in done]
-        batch_specs = [{**specs[i], "batches": list(batches)} for i in rest]
-        try:
-            run_in_child(probe_setups, batch_specs, env=_peak_env(specs[rest[0]]), timeout=timeout,
-                         on_part=lambda part, rest=rest: arrived((rest[part[0]], part[1])))  # fmt: skip
-        except OutOfMemory:
-            first = next(i for i in rest if i not in done)
-            done.add(first)
-            on_setup(first, None)
 
 
 def _peak_env(spec: dict) -> dict[str, str]:

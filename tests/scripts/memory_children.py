@@ -39,13 +39,3 @@ def exits(status: int) -> None:
 
 def crashes() -> None:
     os.kill(os.getpid(), signal.SIGSEGV)
-
-
-def sends_then_killed(count: int, send) -> None:
-    """Sends ``count`` parts, then dies as the out-of-memory killer kills (after the queue's feeder had time)."""
-    import time
-
-    for index in range(count):
-        send(index)
-    time.sleep(1.0)
-    os.kill(os.getpid(), signal.SIGKILL)
