@@ -14,7 +14,7 @@ for ``--task`` (default: sequence classification), padded as Hugging Face models
 budget of that many tokens holds at most (the longest sequences; size a budget of ``T`` tokens with ``--batch T/seq``).
 
 ``--compare`` sizes every setup (full, checkpointing, each preset, LoRA + preset balanced) to the budget instead:
-one child measures every setup in turn, peak and step time at two small batches; their line gives the largest
+one fresh child per setup measures peak and step time at two small batches; their line gives the largest
 micro-batch under the budget; then, best estimate first, a setup's batch is verified (a secant search below it if
 over) and its median step time measured, unless its bound (``sizing.rate_bound``) cannot beat the best measured:
 sequences per second and the fastest that fits — what ``wtacrs.preset: "auto"`` does at start-up for the run's own

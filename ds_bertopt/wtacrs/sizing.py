@@ -303,7 +303,7 @@ def size_fast(
     say: Callable[[str], None] = print,
 ) -> list[Measured]:
     """Every setup of ``specs`` (``{name: spec}``, as :func:`measure` takes them) sized to ``budget``, timing only
-    those that can still win. All are probed in one child, in turn
+    those that can still win. Each is probed in a fresh child
     (:func:`~ds_bertopt.wtacrs.memory.probe_setups_in_child`: peaks and step times at the two :func:`probe_batches`,
     each setup's line said as it arrives), its batch taken from the line through the peaks
     (:func:`fitted_batch`) and its throughput there estimated (:func:`estimated_rate`). Then, best estimate first,
