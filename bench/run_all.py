@@ -59,6 +59,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str], int, int]] = {
     "preprocess": ("preprocess", ["--repeats", "2"], [], 600, 1200),
     "corpus_scale": ("corpus_scale", ["--sizes", "5", "25", "50", "--slice-mb", "5"], [], 1800, 7200),
     "mfu": ("mfu", [], [], 900, 1800),
+    "wtacrs_budget": ("wtacrs_budget", [], ["--repeats", "2", "--exhaustive"], 600, 2400),
     "finetune_tasks": ("finetune_tasks", ["--quick"], [], 1800, 14400),
     "time_to_train_continued": (
         "time_to_train",

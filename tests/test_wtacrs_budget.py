@@ -76,7 +76,7 @@ def test_the_search_returns_a_measured_batch_that_fits(curve, budget_bytes, max_
 
 # ---------------------------------------------------------------- the fast search: probes, line, bound (pure)
 def test_two_small_probes_then_the_batch_their_line_puts_under_the_budget():
-    assert probe_batches(64, 256) == (8, 16) and probe_batches(8, 8) == (1, 2) and probe_batches(4, 1024) == (2, 4)
+    assert probe_batches(64, 256) == (16, 32) and probe_batches(8, 8) == (1, 2) and probe_batches(4, 1024) == (4, 8)
     # peaks 100 + 10·b: 355 fits b = 25 (peak 350 on the line); clamped to max_batch; a probe over: below it
     assert fitted_batch({8: 180, 16: 260}, 355.0, 256) == (25, 350.0)
     assert fitted_batch({8: 180, 16: 260}, 355.0, 20) == (20, 300.0)
@@ -142,14 +142,12 @@ def test_the_fast_search_chooses_what_measuring_everything_does(monkeypatch, wor
         _, _, _, _, *flat = setups[spec["wtacrs"]]
         return flat[0] if flat else 1.3 * step_s(spec, b)
 
-    monkeypatch.setattr(
-        memory,
-        "probe_steps_in_child",
-        lambda spec: {
-            "peaks": {b: peak(spec, b) for b in spec["batches"]},
-            "step_s": {b: probe_s(spec, b) for b in spec["batches"]},
-        },
-    )
+    def probe_setups_in_child(specs, batches, on_setup):
+        for index, spec in enumerate(specs):
+            peaks, times = {b: peak(spec, b) for b in batches}, {b: probe_s(spec, b) for b in batches}
+            on_setup(index, {"peaks": peaks, "step_s": times})
+
+    monkeypatch.setattr(memory, "probe_setups_in_child", probe_setups_in_child)
     monkeypatch.setattr(memory, "measure_step_in_child", lambda spec: {"step_peak": peak(spec, spec["batch"])})
     monkeypatch.setattr(
         memory,

@@ -14,10 +14,11 @@ for ``--task`` (default: sequence classification), padded as Hugging Face models
 budget of that many tokens holds at most (the longest sequences; size a budget of ``T`` tokens with ``--batch T/seq``).
 
 ``--compare`` sizes every setup (full, checkpointing, each preset, LoRA + preset balanced) to the budget instead:
-one child per setup measures its peak at two small batches, their line gives the largest micro-batch under the
-budget; then, best estimate first, a setup's batch is verified (a secant search below it if over) and its median
-step time measured, unless its bound (``sizing.rate_bound``) cannot beat the best measured: sequences per second and
-the fastest that fits — what ``wtacrs.preset: "auto"`` does at start-up for the run's own micro-batch.
+one fresh child per setup measures peak and step time at two small batches; their line gives the largest
+micro-batch under the budget; then, best estimate first, a setup's batch is verified (a secant search below it if
+over) and its median step time measured, unless its bound (``sizing.rate_bound``) cannot beat the best measured:
+sequences per second and the fastest that fits — what ``wtacrs.preset: "auto"`` does at start-up for the run's own
+micro-batch.
 ``--exhaustive``: every setup searched (at most 6 children) and timed, as before. Children use every core given
 to this process unless ``--threads`` says otherwise. Peaks: CPU RSS of a fresh child above the bare interpreter
 (Linux), or on ``--device cuda`` what the process holds on the GPU: the caching allocator's reserved peak plus the

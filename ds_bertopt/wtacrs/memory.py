@@ -25,8 +25,10 @@
 from __future__ import annotations
 
 import copy
+import ctypes
 import functools
 import gc
+import math
 import os
 import re
 import time
@@ -38,7 +40,7 @@ from torch import nn
 
 from ..compat.transformers import TORCH_MODULES
 from ..configlib import load_section
-from ..child import run_in_child
+from ..child import OutOfMemory, run_in_child
 from .config import WtaCrsConfig
 from .convert import convert, prepare_model
 from .families import detect, matches
@@ -312,25 +314,59 @@ def measure_step(spec: dict) -> dict[str, Any]:
 
 
 def probe_steps(spec: dict) -> dict[str, Any]:
-    """Child-process entry: the step peak at each of ``spec["batches"]`` in one child (``spec`` as
-    :func:`measure_step`), one after the other, and the shortest of three step times at each (the measured one
-    and ``spec["repeats"]``, default 2, more: the first step at a shape pays its page faults, and a tiny step is
-    noise): what the budget mode's fast search fits its lines to (:mod:`.sizing`).
-    Returns ``{"peaks": {batch: bytes}, "step_s": {batch: s}}``; the step times run under the peak's malloc setting,
-    so they rank setups, they are not the step time a run sees."""
+    """Child-process entry: the step peak at each of ``spec["batches"]`` (``spec`` as :func:`measure_step`), one after
+    the other, then each one's step time under a warm default-like allocator (:func:`_malloc_for`; one untimed step at
+    the largest first, then the shortest of ``spec["repeats"]``, default 1, at each): what the budget mode's fast
+    search fits its lines to (:mod:`.sizing`). Returns ``{"peaks": {batch: bytes}, "step_s": {batch: s}}``."""
+    _malloc_for(peak=True)
     run = _warmed(spec)
     model, optimizer, dtype, device, _, _ = run
-    peaks, times = {}, {}
+    peaks, times, made = {}, {}, {}
     for sequences in spec["batches"]:
-        batch, peak = _peak_step(run, spec, sequences)
+        made[sequences], peak = _peak_step(run, spec, sequences)
         peaks[sequences], times[sequences] = peak["step_peak"], peak["step_s"]
-        for _ in range(int(spec.get("repeats", 2))):
+    if _malloc_for(peak=False):  # else: timed under the peak's setting
+        train_step(model, optimizer, made[max(made)], dtype)
+        times = {b: math.inf for b in made}
+    for sequences, batch in made.items():
+        for _ in range(int(spec.get("repeats", 1))):
             start = time.perf_counter()
             train_step(model, optimizer, batch, dtype)
             _sync(device)
             times[sequences] = min(times[sequences], time.perf_counter() - start)
-        del batch
-    return {"peaks": peaks, "step_s": times, "pid": os.getpid()}
+    _malloc_for(peak=True)
+    return {"peaks": peaks, "step_s": times}
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+"""glibc ``mallopt`` parameters (malloc.h)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _glibc():
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def _malloc_for(peak: bool) -> bool:
+    """Switches glibc's malloc, in this process, to the peak's setting (:data:`MALLOC_ENV`: a block over 64 KiB is
+    its own mapping and a freed one goes back to the OS, so RSS follows live tensors; free heap pages trimmed now) or
+    to one like the default allocator's once warm: glibc's dynamic mmap threshold rises, as blocks are freed, up to
+    ``DEFAULT_MMAP_THRESHOLD_MAX`` (32 MiB on 64-bit) and the trim threshold to twice it (malloc.c ``__libc_free``),
+    so steps reuse freed blocks instead of faulting in fresh pages, which would charge more time to the setups that
+    allocate more. One child can then measure peaks and rank step times. ``False``: no glibc ``mallopt`` here."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    threshold = 64 * 1024 if peak else 32 * MiB
+    libc.mallopt(M_MMAP_THRESHOLD, threshold)
+    libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024 if peak else 2 * threshold)
+    if peak:
+        libc.malloc_trim(0)
+    return True
 
 
 def _warmed(spec: dict):
@@ -440,13 +476,22 @@ def measure_step_in_child(spec: dict, timeout: float = 900) -> dict[str, Any]:
     return result
 
 
-def probe_steps_in_child(spec: dict, timeout: float = 900) -> dict[str, Any]:
-    """:func:`probe_steps` in a fresh spawned process, as :func:`measure_step_in_child` (the same malloc setting;
-    on CUDA each peak plus :func:`device_overhead`). Raises :class:`OutOfMemory` when a step did not fit."""
-    result = run_in_child(probe_steps, spec, env=_peak_env(spec), timeout=timeout)
-    overhead = device_overhead(spec.get("device", "cpu"))
-    result["peaks"] = {batch: peak + overhead for batch, peak in result["peaks"].items()}
-    return result
+def probe_setups_in_child(
+    specs: list[dict], batches: list[int], on_setup: Callable[[int, Optional[dict]], None], timeout: float = 900
+) -> None:
+    """:func:`probe_steps` of each of ``specs`` at ``batches``, each in a fresh process (the peak's malloc setting;
+    on CUDA each peak plus :func:`device_overhead`): ``on_setup(index, result)`` as each is done, ``None`` for one
+    that ran out of memory. One process per setup: probed one after another in one process, a setup's peaks came
+    out inflated or flat after the one before it (the heap that its warm timing steps grew)."""
+    overhead = device_overhead(specs[0].get("device", "cpu")) if specs else 0
+    for index, spec in enumerate(specs):
+        try:
+            result = run_in_child(probe_steps, {**spec, "batches": list(batches)}, env=_peak_env(spec), timeout=timeout)
+        except OutOfMemory:
+            result = None
+        if result is not None:
+            result["peaks"] = {batch: peak + overhead for batch, peak in result["peaks"].items()}
+        on_setup(index, result)
 
 
 def _peak_env(spec: dict) -> dict[str, str]:

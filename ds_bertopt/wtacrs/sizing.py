@@ -113,10 +113,13 @@ def largest_fitting_batch(
 
 
 def probe_batches(first: int, max_batch: int) -> tuple[int, int]:
-    """The two small batches the fast search measures: ``p // 2`` and ``p``, ``p`` = ``first`` but at most a
-    sixteenth of ``max_batch`` (at least 2): the same start as :func:`largest_fitting_batch` from ``p``."""
-    p = max(2, min(first, max_batch // 16))
-    return max(1, p // 2), p
+    """The two small batches the fast search measures: ``p`` and ``2p``, ``p`` = ``first`` but at most a sixteenth
+    of ``max_batch`` (at least 1). Not smaller: at a few sequences the step's peak is the optimizer's (AdamW's
+    temporaries over every weight), flat in the batch, and a line through two such points underestimates the slope
+    (MiniLM-L6 at seq 64: the line through batches 8 and 16 put 221 under 2 GiB where 117 fits; through 16 and 32,
+    117)."""
+    p = max(1, min(first, max_batch // 16))
+    return p, 2 * p
 
 
 def fitted_batch(peaks: dict[int, float], budget: float, max_batch: int) -> tuple[int, float]:
@@ -300,31 +303,33 @@ def size_fast(
     say: Callable[[str], None] = print,
 ) -> list[Measured]:
     """Every setup of ``specs`` (``{name: spec}``, as :func:`measure` takes them) sized to ``budget``, timing only
-    those that can still win. Each is probed in one child (:func:`~ds_bertopt.wtacrs.memory.probe_steps`: peaks and
-    step times at the two :func:`probe_batches`), its batch taken from the line through the peaks
+    those that can still win. Each is probed in a fresh child
+    (:func:`~ds_bertopt.wtacrs.memory.probe_setups_in_child`: peaks and step times at the two :func:`probe_batches`,
+    each setup's line said as it arrives), its batch taken from the line through the peaks
     (:func:`fitted_batch`) and its throughput there estimated (:func:`estimated_rate`). Then, best estimate first,
     each is measured at its fitted batch (:func:`measure`: the peak there verified once, the search going on below
     it if over, then ``steps`` timed steps), unless its :func:`rate_bound` is below the best measured so far: then it
     is pruned, not timed. Says a line per setup as it goes. Returns :class:`Measured` in ``specs``' order."""
-    from ..child import OutOfMemory
-    from .memory import probe_steps_in_child
+    from .memory import probe_setups_in_child
 
-    batches, found = probe_batches(probe, max_batch), {}
-    for index, (name, spec) in enumerate(specs.items(), 1):
-        try:
-            probed = probe_steps_in_child({**spec, "batches": list(batches)})
-        except OutOfMemory:
-            probed = {"peaks": {b: math.inf for b in batches}, "step_s": {b: math.inf for b in batches}}
-        batch, peak = fitted_batch(probed["peaks"], budget, max_batch)
-        timed_probes = all(math.isfinite(t) for t in probed["step_s"].values())
+    batches, found, names = probe_batches(probe, max_batch), {}, list(specs)
+
+    def probed(index: int, result: Optional[dict]) -> None:
+        name = names[index]
+        if result is None:  # it ran out of memory at a probe
+            result = {"peaks": {b: math.inf for b in batches}, "step_s": {b: math.inf for b in batches}}
+        batch, peak = fitted_batch(result["peaks"], budget, max_batch)
+        timed_probes = all(math.isfinite(t) for t in result["step_s"].values())
         # a setup whose larger probe ran out of memory has no estimate: it is timed first (at its small batch)
-        estimate = (estimated_rate(probed["step_s"], batch) if timed_probes else math.inf) if batch else 0.0
-        found[name] = (batch, peak, estimate, probed["peaks"], probed["step_s"])
-        shown = ", ".join(f"{p / GiB:.3f}" if math.isfinite(p) else "out of memory" for p in probed["peaks"].values())
+        estimate = (estimated_rate(result["step_s"], batch) if timed_probes else math.inf) if batch else 0.0
+        found[name] = (batch, peak, estimate, result["peaks"], result["step_s"])
+        shown = ", ".join(f"{p / GiB:.3f}" if math.isfinite(p) else "out of memory" for p in result["peaks"].values())
         say(
-            f"  [{index}/{len(specs)}] {name}: peaks {shown} GiB at batch {' and '.join(map(str, batches))}: "
+            f"  [{index + 1}/{len(specs)}] {name}: peaks {shown} GiB at batch {' and '.join(map(str, batches))}: "
             + (f"fits batch {batch} by their line, about {estimate:.1f} sequences/s" if batch else "nothing fits")
         )
+
+    probe_setups_in_child([specs[name] for name in names], list(batches), probed)
     results: dict[str, Measured] = {}
     timed: list[tuple[float, float]] = []
     best: Optional[Measured] = None
@@ -338,7 +343,7 @@ def size_fast(
             say(f"  {name}: pruned at batch {batch}: at most {bound:.1f} sequences/s < {best.setup}'s {best.rate:.1f}")
         else:
             say(f"  {name}: verifying batch {batch} and timing {steps} step(s) there ...")
-            measured = measure(specs[name], name, budget, batch, batches[1], max_batch, steps, probed=peaks)
+            measured = measure(specs[name], name, budget, batch, batches[-1], max_batch, steps, probed=peaks)
             results[name] = measured
             say(f"  {describe(measured, budget)}")
             if measured.rate > 0 and math.isfinite(estimate):
