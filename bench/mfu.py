@@ -30,9 +30,14 @@ warm-up step (the compiled contender's warm-up compiles), the contenders interle
 (interleaved; each part the median over them); every
 op's self time goes to GEMMs (matrix multiplies outside attention), attention (everything inside an attention call
 and its backward) or the rest (dropout, LayerNorm, GELU, adds, copies, casts, embeddings, the loss, and the host
-time no op accounts for: the profiled step's wall time minus the other two). **Non-GEMM time per real token** is
+time no op accounts for: the profiled step's wall time minus the other two). In the compiled contender the GEMMs stay
+aten ``mm`` / ``addmm`` calls (Inductor's extern kernels) and the attention is our ops by name, while Inductor's fused
+kernels (``cpp_fused_add_native_dropout_native_layer_norm…``: dropout, residual add and LayerNorm in one pass; GELU and
+the backward's fused counterparts) are no profiler events: their time is in the rest, through that remainder.
+**Non-GEMM time per real token** is
 attention + the rest, over the real tokens; ``--baseline NAME`` compares it with the recorded
-run ``bench/report/raw/NAME.json`` (``mfu_baseline``: main before issue 40's changes, on this CPU).
+run ``bench/report/raw/NAME.json`` (``mfu_baseline``: main before issue 40's changes, on this CPU), one target line
+per contender (fused dropout, compiled).
 
 **Recompiles over an epoch**: the compiled unpadded model (tiny width, the same code) runs forward + backward on every
 micro-batch of one epoch of the seq-128 mix (all its sequences, shuffled, ``--sequences`` per micro-batch, so every

@@ -18,6 +18,7 @@ from ds_bertopt.model import compiled
 from ds_bertopt.model.config import ModelConfig
 from ds_bertopt.model.unpadded import UnpaddedMLM, sdpa_loop_attention
 from ds_bertopt.testing.distributed import spawn_ranks
+from _launch import FULL_MATRIX
 from test_fused import tiny_bert
 
 MIXES = ([5, 9, 3], [7, 12, 4], [20, 3, 6], [11, 11, 11])
@@ -153,7 +154,7 @@ def _checkpoint_rank(rank: int, world_size: int, root: str, stage: int) -> dict:
     return {**out, "losses": losses}
 
 
-@pytest.mark.parametrize("stage", [3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3] if FULL_MATRIX else [3])  # ZeRO 0-2: make test-matrix
 def test_checkpoints_keep_their_keys_and_resume_across_compile(tmp_path, stage):
     (result,) = spawn_ranks(_checkpoint_rank, 1, str(tmp_path), stage, timeout=200)
     assert result["compiled"]["keys"] == result["eager"]["keys"] and result["eager"]["keys"]
