@@ -4,6 +4,7 @@ replaying its dropout, state dict and DeepSpeed checkpoints unchanged, and the c
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from ds_bertopt.model import compiled
 from ds_bertopt.model.config import ModelConfig
 from ds_bertopt.model.unpadded import UnpaddedMLM, sdpa_loop_attention
 from ds_bertopt.testing.distributed import spawn_ranks
+from _launch import FULL_MATRIX
 from test_fused import tiny_bert
 
 MIXES = ([5, 9, 3], [7, 12, 4], [20, 3, 6], [11, 11, 11])
@@ -100,26 +102,31 @@ def test_every_packed_length_and_dropout_stay_in_two_graphs(dynamo_counters):
 
 
 def test_the_attention_op_backward_replays_its_dropout():
-    """The op's forward and gradients equal autograd through the eager SDPA loop run from the same seed (its
-    attention-dropout mask), and a different seed drops differently."""
+    """The op's forward and gradients (from the probabilities and keep-mask its forward kept) equal autograd through
+    the eager SDPA loop run from the same seed (its attention-dropout mask), compiled too (Inductor, the kept size
+    dynamic over two length mixes); a different seed drops differently."""
     torch.manual_seed(0)
-    cu = torch.tensor([0, 5, 12, 15], dtype=torch.int32)
-    q, k, v = (torch.randn(15, 2, 8, requires_grad=True) for _ in range(3))
-    grad = torch.randn(15, 2, 8)
+    grad = torch.randn(26, 2, 8)
+    compiled_op = torch.compile(compiled.packed_attention_op, backend="inductor", fullgraph=True)
 
-    def op(seed):
-        return compiled.packed_attention_op(q, k, v, cu, torch.tensor(seed), 0, 0.3, None, -1, "sdpa_loop")
+    def op(lengths, seed, call=compiled.packed_attention_op):
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        scores = torch.empty(()).expand(sum(n * n for n in lengths))
+        qkv = (x[: sum(lengths)] for x in (q, k, v))
+        return call(*qkv, cu, torch.tensor(seed), scores, 0, 0.3, None, -1, "sdpa_loop")
 
-    out = op(7)
-    got = torch.autograd.grad(out, (q, k, v), grad)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(7)
-        ref = sdpa_loop_attention(q, k, v, [5, 7, 3], dropout_p=0.3)
-    want = torch.autograd.grad(ref, (q, k, v), grad)
-    torch.testing.assert_close(out, ref)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
-    assert not torch.equal(op(8), out)
+    q, k, v = (torch.randn(26, 2, 8, requires_grad=True) for _ in range(3))
+    for lengths in ([5, 7, 3], [9, 2, 15]):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(7)
+            ref = sdpa_loop_attention(*(x[: sum(lengths)] for x in (q, k, v)), lengths, dropout_p=0.3)
+        want = torch.autograd.grad(ref, (q, k, v), grad[: sum(lengths)])
+        for call in (compiled.packed_attention_op, compiled_op):
+            out = op(lengths, 7, call)[0]
+            torch.testing.assert_close(out, ref)
+            for got, expected in zip(torch.autograd.grad(out, (q, k, v), grad[: sum(lengths)]), want):
+                torch.testing.assert_close(got, expected)
+    assert not torch.equal(op(lengths, 8)[0], out)
 
 
 def _checkpoint_rank(rank: int, world_size: int, root: str, stage: int) -> dict:
@@ -147,7 +154,7 @@ def _checkpoint_rank(rank: int, world_size: int, root: str, stage: int) -> dict:
     return {**out, "losses": losses}
 
 
-@pytest.mark.parametrize("stage", [3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3] if FULL_MATRIX else [3])  # ZeRO 0-2: make test-matrix
 def test_checkpoints_keep_their_keys_and_resume_across_compile(tmp_path, stage):
     (result,) = spawn_ranks(_checkpoint_rank, 1, str(tmp_path), stage, timeout=200)
     assert result["compiled"]["keys"] == result["eager"]["keys"] and result["eager"]["keys"]

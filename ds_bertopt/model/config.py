@@ -56,7 +56,8 @@ class ModelConfig:
     compile: bool = False
     """Unpadded model: each encoder layer runs under ``torch.compile`` (Inductor), one graph per layer with the
     attention as one op and the packed length a dynamic dimension: two compiles for a whole epoch, no padding, the
-    same result as eager (``ds_bertopt.model.compiled``). The first steps take longer (compiling); parameters and
+    same result as eager (``ds_bertopt.model.compiled``). On the CPU the attention's backward runs from what its
+    forward kept, as eager's does (CUDA: recomputed). The first steps take longer (compiling); parameters and
     checkpoints are unchanged."""
     init_checkpoint: Optional[str] = None
     """Directory of a Hugging Face checkpoint to start from instead of random init (``--model_name_or_path``): its

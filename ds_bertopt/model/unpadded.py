@@ -272,6 +272,9 @@ class PackedSequences:
     """Every sequence's length (host ints)."""
     backend: str
     """``varlen`` or ``sdpa_loop``, decided before the forward (never probed inside a checkpointed layer)."""
+    scores: Optional[torch.Tensor] = None
+    """``[sum(n^2)]`` with stride 0 (no storage): the query-key pair count as a tensor dimension, which a compiled
+    layer reads as a dynamic size (:mod:`.compiled`'s attention op keeps that many probabilities for backward)."""
 
 
 def hf_packed_attention(
@@ -446,7 +449,8 @@ class UnpaddedEncoder(torch.nn.Module):
             else self.hf.get_input_embeddings().weight.dtype
         )
         backend = self._backend(input_ids.device, dtype, self.training and self.dropout_p > 0)  # before any layer
-        packing = PackedSequences(cu_seqlens, int(max_seqlen), tuple(seq_lengths), backend)
+        scores = cu_seqlens.new_empty(()).expand(sum(n * n for n in seq_lengths))
+        packing = PackedSequences(cu_seqlens, int(max_seqlen), tuple(seq_lengths), backend, scores)
         inputs = {
             "input_ids": input_ids[None],
             "position_ids": (position_ids + self.position_offset if self.position_offset else position_ids)[None],

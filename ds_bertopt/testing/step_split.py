@@ -11,6 +11,9 @@ time (host time on CPU, the kernels' device time on CUDA) into three parts:
 * ``gemm``: matrix multiplies outside attention (``mm``, ``addmm``, ``bmm``, oneDNN / MKL linears);
 * ``rest``: everything else (dropout, LayerNorm, GELU, adds, copies, casts, embeddings, the loss), plus, when the
   step's wall time is given, the host time no op accounts for (Python, dispatch): ``rest = wall - gemm - attention``.
+  Under ``torch.compile`` on a CPU, Inductor's fused kernels (``cpp_fused_*``) are no profiler events (unless
+  ``TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1``), so their time reaches ``rest`` through that remainder; its matrix
+  multiplies stay ``aten::mm`` / ``addmm`` (extern kernels), and the attention ops keep their names.
 
 Used by ``bench/mfu.py``; tested on a real profile in ``tests/test_fused.py``.
 """
