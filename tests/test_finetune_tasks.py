@@ -15,7 +15,7 @@ import pytest
 from ds_bertopt.data.collate import collate_task_batch
 from ds_bertopt.data.squad import answer_tokens, best_answer
 from ds_bertopt.data.tagged import align_word_labels, word_predictions
-from ds_bertopt.testing.distributed import free_port
+from ds_bertopt.testing.distributed import free_port, start_processes
 from ds_bertopt.train.tasks.finetune import main
 from _launch import deepspeed_cmd, run
 from test_finetune import _tiny_checkpoint
@@ -195,12 +195,10 @@ def test_every_task_trains_alike_under_zero_0_to_3(tmp_path):
     """Every task's packed head through real ``deepspeed.initialize`` on 2 gloo ranks at ZeRO 0, 1, 2 and 3 (one
     spawn, fp32, tiny BERT): the same losses, and every parameter, the heads' included, moved by the same update as
     at ZeRO 0 (to 1e-3 of the largest update). The launcher runs each task end to end at one stage (above)."""
-    import torch.multiprocessing as mp
-
     sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
     import task_zero_worker
 
-    mp.spawn(task_zero_worker.run, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    start_processes(task_zero_worker.run, (2, free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for task, stages in results.items():

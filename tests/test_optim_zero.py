@@ -13,11 +13,10 @@ from pathlib import Path
 
 from ds_bertopt.compat import deepspeed as ds_compat
 from ds_bertopt.optim import lamb_kernel
-from ds_bertopt.testing.distributed import free_port
+from ds_bertopt.testing.distributed import free_port, start_processes
 import pytest
 from _launch import deepspeed_cmd
 import torch
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "optim_zero_check.py"
@@ -30,11 +29,8 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("optim_zero")
-    mp.spawn(
-        optim_zero_check.spawn_worker,
-        args=(2, free_port(), str(out), optim_zero_check.ALL_CHECKS, STEPS),
-        nprocs=2,
-        join=True,
+    start_processes(
+        optim_zero_check.spawn_worker, (2, free_port(), str(out), optim_zero_check.ALL_CHECKS, STEPS), nprocs=2
     )
     return torch.load(out / "optim_zero_check.pt", weights_only=False)
 

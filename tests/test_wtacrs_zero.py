@@ -6,9 +6,9 @@ import json
 import sys
 from pathlib import Path
 
-from ds_bertopt.testing.distributed import free_port
+from ds_bertopt.testing.distributed import free_port, start_processes
 import pytest
-import torch.multiprocessing as mp
+from _launch import FULL_MATRIX
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 import wtacrs_zero_worker  # noqa: E402
@@ -18,12 +18,14 @@ KIT = {"sdpa_attention": True, "dropout_mask": "regenerate", "layernorm_saves_ou
 
 def run_ranks(tmp_path: Path, stage: int, steps: int, wtacrs: dict) -> list[dict]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    mp.spawn(wtacrs_zero_worker.run, args=(2, free_port(), stage, str(tmp_path), steps, wtacrs), nprocs=2)
+    start_processes(wtacrs_zero_worker.run, (2, free_port(), stage, str(tmp_path), steps, wtacrs), nprocs=2)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("stage", [0, 2, 3])
+# make test: ZeRO 3 (partitioned weights, the hardest); the shipped WTA-CRS configs also run at ZeRO 2 and 3 under the
+# launcher in test_finetune. make test-matrix: every stage.
+@pytest.mark.parametrize("stage", [0, 2, 3] if FULL_MATRIX else [3])
 def test_finetuning_under_zero_learns(tmp_path, stage):
     wtacrs = {
         "enabled": True,
