@@ -151,6 +151,9 @@ def estimated_rate(times: dict[int, float], batch: int) -> float:
     return batch / (fixed + per_sequence * batch)
 
 
+PROBE_REPEATS = 2
+"""Timed steps per probe batch, the shortest kept: with one, a single slow or fast step on a shared machine moved a
+setup's estimate by up to 3x (full at 74 sequences/s probed, 24 measured) and with it the order of timing."""
 PRUNE_MARGIN = 0.25
 """How far a setup's estimate may err low: it is timed unless even 1.25× its calibrated estimate loses."""
 
@@ -329,7 +332,7 @@ def size_fast(
             + (f"fits batch {batch} by their line, about {estimate:.1f} sequences/s" if batch else "nothing fits")
         )
 
-    probe_setups_in_child([specs[name] for name in names], list(batches), probed)
+    probe_setups_in_child([{**specs[name], "repeats": PROBE_REPEATS} for name in names], list(batches), probed)
     results: dict[str, Measured] = {}
     timed: list[tuple[float, float]] = []
     best: Optional[Measured] = None
