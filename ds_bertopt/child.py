@@ -8,6 +8,7 @@ purpose (no torch here): a child imports only what its function needs.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -84,6 +85,21 @@ def _wait_for_result(queue, proc, timeout: float):
             raise ChildDied(f"the child gave no result within {timeout:.0f} s")
 
 
+@contextlib.contextmanager
+def environment_set(env: Mapping[str, str]):
+    """``env`` in ``os.environ`` for the block (what a process started there inherits), the previous values after."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def run_in_child(fn: Callable, *args, env: Optional[Mapping[str, str]] = None, timeout: float = 900):
     """``fn(*args)`` in a fresh spawned process (``fn`` importable, module-level); return its result.
 
@@ -93,18 +109,10 @@ def run_in_child(fn: Callable, *args, env: Optional[Mapping[str, str]] = None, t
     one still running after ``timeout`` seconds raises :class:`ChildDied`, with its message.
     """
     ctx = mp.get_context("spawn")
-    saved = {key: os.environ.get(key) for key in (env or {})}
-    os.environ.update(env or {})
-    try:
+    with environment_set(env or {}):
         queue = ctx.Queue()
         proc = ctx.Process(target=_child_entry, args=(queue, fn, args))
         proc.start()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     try:
         status, result = _wait_for_result(queue, proc, timeout)
     finally:

@@ -20,6 +20,7 @@ import traceback
 from typing import Any, Callable
 
 from ..buildlocks import clear_stale_build_locks
+from ..child import environment_set
 from ..dist import free_port, release_shm_buffer, shutdown
 
 __all__ = ["free_port", "spawn_ranks", "start_processes"]
@@ -40,16 +41,8 @@ def _context():
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-    saved = {k: os.environ.get(k) for k in _SERVER_ENV}
-    os.environ.update(_SERVER_ENV)
-    try:
+    with environment_set(_SERVER_ENV):
         forkserver.ensure_running()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     return ctx
 
 
