@@ -183,7 +183,7 @@ def test_unpadded_families_only(tmp_path, capsys):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(
     not FULL_MATRIX,
-    reason="76 s of real children: runs in make test-matrix; the made-up worlds of "
+    reason="112 s of real children: runs in make test-matrix; the made-up worlds of "
     "tests/test_wtacrs_budget.py check the same choice in make test",
 )
 def test_compare_fast_recommends_what_the_exhaustive_measurement_does(monkeypatch, capsys, saved_tiny):
