@@ -53,7 +53,14 @@ def test_the_budget_search_goes_on_below_a_step_that_ran_out_of_memory(monkeypat
     monkeypatch.setattr(
         memory, "measure_step_in_child", lambda spec: run_in_child(memory_children.step, spec["batch"], FITS)
     )
-    monkeypatch.setattr(memory, "time_steps_in_child", lambda spec: {"step_s": [0.01]})
+
+    def probe_in_child(spec, batches, budget=None):  # the peak in a real child, the step time made up
+        return {
+            "peaks": {b: run_in_child(memory_children.step, b, FITS)["step_peak"] for b in batches},
+            "step_s": {b: 0.01 for b in batches},
+        }
+
+    monkeypatch.setattr(memory, "probe_in_child", probe_in_child)
     found = sizing.measure({"device": "cpu"}, "full", budget=4 * GiB, probe=16, max_batch=64)
     assert 16 <= found.batch <= FITS and found.peak == found.batch * PER_EXAMPLE and math.isfinite(found.step_s)
     over = sizing.measure({"device": "cpu"}, "full", budget=4 * GiB, batch=32)  # the run's own micro-batch

@@ -121,11 +121,13 @@ WORLDS = {
 }
 
 
+@pytest.mark.parametrize("margin", [0.0, sizing.TIE_MARGIN])
 @pytest.mark.parametrize("world", list(WORLDS))
-def test_the_fast_search_chooses_what_measuring_everything_does(monkeypatch, world):
+def test_the_fast_search_chooses_what_measuring_everything_does(monkeypatch, world, margin):
     """``size_fast`` against the truth of a world of linear peaks and step times: the same setup at the same batch
-    as the exhaustive search, every setup it did not time bounded below the winner, and no more timed. The probes'
-    step times run 1.3× slow (their malloc setting), which the calibration undoes, unless a world says otherwise."""
+    as the exhaustive search, with and without a tie margin; every setup it did not time could not have changed the
+    choice at its true rate, and no more timed. The probes' step times run 1.3× slow (their malloc setting), which
+    the calibration undoes, unless a world says otherwise."""
     from ds_bertopt.wtacrs import memory
 
     setups, budget, timed = WORLDS[world], 2000.0, []
@@ -147,23 +149,31 @@ def test_the_fast_search_chooses_what_measuring_everything_does(monkeypatch, wor
             peaks, times = {b: peak(spec, b) for b in batches}, {b: probe_s(spec, b) for b in batches}
             on_setup(index, {"peaks": peaks, "step_s": times})
 
+    def probe_in_child(spec, batches, budget=None):  # one child: the peak verified, the steps timed if it fits
+        ((b,),) = (batches,)
+        fits = budget is None or peak(spec, b) <= budget
+        timed.extend([spec["wtacrs"]] if fits else [])
+        return {"peaks": {b: peak(spec, b)}, "step_s": {b: step_s(spec, b) if fits else math.inf}}
+
     monkeypatch.setattr(memory, "probe_setups_in_child", probe_setups_in_child)
     monkeypatch.setattr(memory, "measure_step_in_child", lambda spec: {"step_peak": peak(spec, spec["batch"])})
-    monkeypatch.setattr(
-        memory,
-        "time_steps_in_child",
-        lambda spec: timed.append(spec["wtacrs"]) or {"step_s": [step_s(spec, spec["batch"])] * spec["steps"]},
-    )
+    monkeypatch.setattr(memory, "probe_in_child", probe_in_child)
     specs = {name: {"wtacrs": name} for name in setups}
-    fast = sizing.size_fast(specs, budget, probe=64, max_batch=256, say=lambda line: None)
+    fast = sizing.size_fast(specs, budget, probe=64, max_batch=256, say=lambda line: None, tie_margin=margin)
     fast_timed, timed[:] = list(timed), []
     full = [sizing.measure(spec, name, budget, probe=64, max_batch=256) for name, spec in specs.items()]
-    chosen, truth = choose(fast, budget), choose(full, budget)
+    chosen, truth = choose(fast, budget, margin), choose(full, budget, margin)
     assert (chosen.setup, chosen.batch) == (truth.setup, truth.batch), (fast, full)
-    assert all(m.bound < chosen.rate for m in fast if m.bound)
+    timed_fast = [m for m in fast if m.rate > 0]
+    for pruned, true in zip(fast, full):
+        if pruned.bound:  # at its true rate it would not have changed the answer either
+            assert true.rate <= pruned.bound and not sizing.could_change(timed_fast, true, list(specs), budget, margin)
     assert len(fast_timed) <= len(timed), (fast_timed, timed)
     if world == "the cheapest step wins at the same batch":
-        assert fast_timed == ["lora"] and len(timed) == 4  # the others' bounds were below it
+        # full, the simplest, first: the reference; lora's bound could beat it, the others' could not
+        assert fast_timed == ["full", "lora"] and len(timed) == 4
+        # lora is 1.28x full's rate: inside the tie margin full stays, without one lora wins
+        assert chosen.setup == ("full" if margin else "lora")
 
 
 def test_choose_takes_the_fastest_that_fits_and_says_why_nothing_does():
@@ -173,14 +183,42 @@ def test_choose_takes_the_fastest_that_fits_and_says_why_nothing_does():
         Measured("preset balanced", 32, 2 * GiB, 1.6),  # 20 /s: fastest that fits
         Measured("checkpointing", 64, 3 * GiB, 5.0),  # 12.8 /s
     ]
-    assert choose(runs, 4 * GiB).setup == "preset balanced"
-    assert choose(runs, 6 * GiB).setup == "preset balanced"  # full fits now but runs 8 /s
-    line = sizing.recommendation(choose(runs, 4 * GiB), runs, 4 * GiB)
-    assert "preset balanced" in line and "next: preset exact" in line, line
+    assert choose(runs, 4 * GiB, margin=0).setup == "preset balanced"
+    assert choose(runs, 6 * GiB, margin=0).setup == "preset balanced"  # full fits now but runs 8 /s
+    line = sizing.recommendation(choose(runs, 4 * GiB, margin=0), runs, 4 * GiB, margin=0)
+    assert "preset balanced" in line and "the fastest that fits 4.00 GiB; next: preset exact" in line, line
     with pytest.raises(ConfigError, match=r"no setup fits; the smallest peak is preset exact's 2\.00 GiB") as info:
         choose(runs, 1 * GiB)
     assert "\n" not in str(info.value)
     assert Measured("x", 0, GiB, math.inf).rate == 0.0
+
+
+def _rated(setup: str, rate: float, batch: int = 256) -> Measured:
+    return Measured(setup, batch, GiB, batch / rate)
+
+
+def test_choose_prefers_the_simplest_setup_within_the_tie_margin():
+    """Issue 40: rates that differ by less than the run-to-run spread do not decide; the list is simplest first."""
+    full, exact, balanced = _rated("full", 27.0, 117), _rated("preset exact", 27.9), _rated("preset balanced", 28.1)
+    lora = _rated("LoRA + preset balanced", 31.3)
+    assert sizing.TIE_MARGIN == pytest.approx(0.30)
+    assert choose([full, exact, balanced, lora], 2 * GiB).setup == "full"  # 31.3 / 27.0 = 1.16x: a tie
+    assert choose([full, exact, balanced, lora], 2 * GiB, margin=0.15).setup == "preset exact"  # 1.12x: a tie
+    assert choose([full, exact, balanced, lora], 2 * GiB, margin=0).setup == "LoRA + preset balanced"
+    faster = _rated("LoRA + preset balanced", 36.0)  # 1.33x full's: beyond the margin; exact is within 1.29x of it
+    assert choose([full, exact, balanced, faster], 2 * GiB).setup == "preset exact"
+    over = Measured("full", 117, 3 * GiB, 117 / 40.0)  # the fastest, but over the budget: not the reference
+    assert choose([over, exact, lora], 2 * GiB).setup == "preset exact"
+    line = sizing.recommendation(full, [full, exact, balanced, lora], 2 * GiB)
+    assert line.startswith("full (batch 117, peak 1.00 GiB, 27.0 sequences/s): fits 2.00 GiB and is simpler"), line
+    assert "the fastest, LoRA + preset balanced at 31.3 (1.16x), within the 30% tie margin" in line, line
+    # an untimed setup is timed only if, at its bound, it could change the answer (either way round)
+    order = ["full", "preset exact", "preset balanced", "LoRA + preset balanced"]
+    assert not sizing.could_change([full], _rated("preset balanced", 35.0), order, 2 * GiB)  # 1.30x: inside
+    assert sizing.could_change([full], _rated("preset balanced", 35.2), order, 2 * GiB)
+    slow_full = _rated("full", 20.0, 117)  # LoRA wins by 1.57x; exact, simpler than LoRA, could take it back
+    assert sizing.could_change([slow_full, lora], _rated("preset exact", 24.5), order, 2 * GiB)
+    assert not sizing.could_change([slow_full, lora], _rated("preset exact", 24.0), order, 2 * GiB)
 
 
 # ---------------------------------------------------------------- preset "auto" as a config
@@ -240,9 +278,16 @@ def test_resolve_auto_picks_the_fastest_that_fits_and_logs_why(monkeypatch):
     monkeypatch.setattr(sizing, "measure", measure)
     cfg = WtaCrsConfig(preset="auto", memory_budget=4.0)
     chosen, batch, lines = resolve_auto(cfg, model_dir="unused", batch=16, seq=64)
-    assert chosen.preset == "balanced" and chosen.enabled and batch == 16
+    # balanced is the fastest by 3 %, inside the tie margin: exact, simpler (exact gradients), is chosen
+    assert chosen.preset == "exact" and not chosen.enabled and batch == 16
     assert [a[0] for a in asked] == list(table) and all(a[2] == 16 for a in asked)
-    assert "preset auto chose preset balanced" in lines[-1] and "next: preset exact" in lines[-1], lines
+    assert "preset auto chose preset exact (batch 16" in lines[-1], lines
+    assert "simpler than the fastest, preset balanced at 15.7 (1.03x)" in lines[-1], lines
+    # the candidates are measured simplest first whatever order they were given in
+    asked.clear()
+    shuffled = WtaCrsConfig(preset="auto", memory_budget=4.0, auto_candidates=("balanced", "none", "exact"))
+    assert resolve_auto(shuffled, model_dir="unused", batch=16, seq=64)[0].preset == "exact"
+    assert [a[0] for a in asked] == ["no preset", "preset exact", "preset balanced"]
     assert sum("over 4.00" in line for line in lines) == 1  # "no preset" (full fine-tuning) is over the budget
     exact_only = WtaCrsConfig(preset="auto", memory_budget=4.0, auto_candidates=("none", "checkpointing", "exact"))
     assert resolve_auto(exact_only, model_dir="unused", batch=16, seq=64)[0].preset == "exact"

@@ -111,7 +111,7 @@ def test_compare_sizes_every_setup_and_recommends_the_fastest_that_fits(monkeypa
     assert [s[0] for s in seen] == list(memory_cli.COMPARED)
     assert all(s[1:] == (8, 64, 3, 16) for s in seen), seen
     assert "full: batch 32, peak 3.00 GiB (over 2.00)" in out, out
-    assert re.search(r"^recommended: fastest that fits 2\.00 GiB: preset exact \(batch 32", out, re.M), out
+    assert re.search(r"^recommended: preset exact \(batch 32, .*\): the fastest that fits 2\.00 GiB", out, re.M), out
 
 
 @pytest.mark.timeout(240)
@@ -183,29 +183,32 @@ def test_unpadded_families_only(tmp_path, capsys):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(
     not FULL_MATRIX,
-    reason="76 s of real children: runs in make test-matrix; the made-up worlds of "
+    reason="112 s of real children: runs in make test-matrix; the made-up worlds of "
     "tests/test_wtacrs_budget.py check the same choice in make test",
 )
 def test_compare_fast_recommends_what_the_exhaustive_measurement_does(monkeypatch, capsys, saved_tiny):
-    """Issue 40: ``--compare`` probes each setup in one child and times only those that can win; on a tiny model
-    with real children its recommendation (setup and batch) is the exhaustive one's, every setup is either timed or
-    listed as pruned, and progress is printed per setup."""
+    """Issue 40: ``--compare`` probes each setup in one child, times the simplest that fits first and then only those
+    that could change the choice; on a tiny model with real children its recommendation (setup and batch) is the
+    exhaustive one's, every setup is either timed or listed as pruned, and progress is printed per setup."""
     from ds_bertopt.cli import memory as memory_cli
 
-    # two setups far apart in step time (max_saving recomputes every layer and samples), so timing noise cannot
-    # flip the answer between the two runs
-    monkeypatch.setattr(memory_cli, "COMPARED", {k: memory_cli.COMPARED[k] for k in ("full", "preset max_saving")})
+    # full and checkpointing are a near-tie on a model this small (a step of fixed costs): which measures faster is
+    # a coin flip, and only the tie margin (sizing.choose) makes both runs answer the same; max_saving is far
+    # slower (it recomputes every layer and samples)
+    names = ("full", "checkpointing", "preset max_saving")
+    monkeypatch.setattr(memory_cli, "COMPARED", {k: memory_cli.COMPARED[k] for k in names})
     argv = ["memory", "--model", str(saved_tiny), "--seq", "64", "--batch", "8", "--budget-gb", "2", "--compare"]
     argv += ["--max-batch", "16", "--steps", "3"]
     recommended, outs = {}, {}
     for mode in ("fast", "exhaustive"):
         assert cli_main(argv + (["--exhaustive"] if mode != "fast" else [])) == 0
         out = outs[mode] = capsys.readouterr().out
-        recommended[mode] = re.search(r"^recommended: fastest that fits 2\.00 GiB: (.+?) \(batch (\d+),", out, re.M)
+        recommended[mode] = re.search(r"^recommended: (.+?) \(batch (\d+),", out, re.M)
         assert recommended[mode], out
         if mode == "fast":
-            assert re.search(r"^  \[1/2\] full: peaks [\d.]+, [\d.]+ GiB at batch 1 and 2: fits batch 16", out, re.M)
+            assert re.search(r"^  \[1/3\] full: peaks [\d.]+, [\d.]+ GiB at batch 1 and 2: fits batch 16", out, re.M)
+            assert re.search(r"^  full: batch 16, peak .* sequences/s \(\d+ s\)$", out, re.M), out  # the reference
             listed = out.split("setups:\n", 1)[1]
-            assert all(re.search(r"s/step|pruned: at most", line) for line in listed.splitlines()[:2]), out
+            assert all(re.search(r"s/step|pruned: at most", line) for line in listed.splitlines()[:3]), out
     assert recommended["fast"].groups() == recommended["exhaustive"].groups(), outs
     assert recommended["fast"].group(2) == "16", recommended  # the budget is far above both: max_batch

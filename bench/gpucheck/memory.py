@@ -12,6 +12,9 @@ from .wtacrs import shipped_wtacrs
 
 MEMORY_VARIANTS = ("full", "hf_ckpt", "kit+wta", "lora+kit", "kit+wta+ckpt", "exact", "balanced", "max_saving")
 """The last three: the ``wtacrs.preset`` of that name (the frontier of docs/wtacrs.md, on CUDA memory)."""
+SIMPLEST_FIRST = ("full", "hf_ckpt", "exact", "kit+wta", "balanced", "kit+wta+ckpt", "max_saving", "lora+kit")
+"""MEMORY_VARIANTS as ``sizing.choose`` orders setups: how far each departs from full fine-tuning's math (the
+model's own recomputation, exact kit swaps, sampled gradients, + checkpointing), LoRA last."""
 
 
 def enable_activation_checkpointing(model) -> None:
@@ -100,8 +103,9 @@ def measure_memory(model, batch_size: int, seq: int, dtype, device, vocab: int) 
 
 def budget_recommendations(results: dict, detail) -> list[str]:
     """The budget mode (``ds_bertopt.wtacrs.sizing.choose``) on the CUDA peaks just measured: per model, shape and
-    dtype, the fastest variant whose peak fits HF checkpointing's peak (the budget of a user who turned
-    checkpointing on to fit), and its step time against checkpointing's."""
+    dtype, the variant it recommends (the simplest within its tie margin of the fastest) among those whose peak fits
+    HF checkpointing's peak (the budget of a user who turned checkpointing on to fit), and its step time against
+    checkpointing's."""
     from ds_bertopt.wtacrs.sizing import Measured, choose, recommendation
 
     out = []
@@ -111,6 +115,7 @@ def budget_recommendations(results: dict, detail) -> list[str]:
             continue
         batch = int(key[1].split("x")[0])
         measured = [Measured(v, batch, r["peak"], r["step_s"]) for v, r in row.items() if r and r.get("peak")]
+        measured.sort(key=lambda m: SIMPLEST_FIRST.index(m.setup))  # the order sizing.choose prefers in a tie
         chosen = choose(measured, ckpt["peak"])
         line = recommendation(chosen, measured, ckpt["peak"])
         detail(f"budget mode, {' '.join(key)}, budget = hf_ckpt's peak: {line}")

@@ -4,6 +4,7 @@
                       [--precision bf16 | --bf16-autocast] [--device cpu|cuda] [--budget-gb 2]
                       [--task classification|regression|token_classification|question_answering] [--unpadded]
     ds-bertopt memory [--model DIR] --seq 128 --budget-gb 8 --compare [--max-batch 256] [--steps 2] [--exhaustive]
+                      [--tie-margin 0.3]
 
 Prints saved-for-backward bytes by category (one forward, counted through
 ``saved_tensors_hooks``), the whole-step peak of each setup measured in a fresh child process, their
@@ -15,10 +16,12 @@ budget of that many tokens holds at most (the longest sequences; size a budget o
 
 ``--compare`` sizes every setup (full, checkpointing, each preset, LoRA + preset balanced) to the budget instead:
 one fresh child per setup measures peak and step time at two small batches; their line gives the largest
-micro-batch under the budget; then, best estimate first, a setup's batch is verified (a secant search below it if
-over) and its median step time measured, unless its bound (``sizing.rate_bound``) cannot beat the best measured:
-sequences per second and the fastest that fits — what ``wtacrs.preset: "auto"`` does at start-up for the run's own
-micro-batch.
+micro-batch under the budget; then the simplest setup that fits (the reference), and after it, best estimate first,
+each setup whose bound (``sizing.rate_bound``) could change the choice (``sizing.could_change``), is measured at
+that batch in one child (peak verified, a secant search below it if over; then the shortest of ``--steps`` timed
+steps). The recommendation (``sizing.choose``, what ``wtacrs.preset: "auto"`` does at start-up for the run's own
+micro-batch): the simplest setup that fits whose throughput is within ``--tie-margin`` of the fastest that fits.
+Each line says the seconds it took.
 ``--exhaustive``: every setup searched (at most 6 children) and timed, as before. Children use every core given
 to this process unless ``--threads`` says otherwise. Peaks: CPU RSS of a fresh child above the bare interpreter
 (Linux), or on ``--device cuda`` what the process holds on the GPU: the caching allocator's reserved peak plus the
@@ -29,13 +32,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 from ..config import FINETUNE_TASKS
 from ..errors import BertOptError, ConfigError
 from ..model.families import family_of_type
 from ..model.local import check_model_dir, default_model_dir
 from ..train.finetune_memory import task_variant
-from ..wtacrs.sizing import GiB, choose, describe, fit_largest_batch, measure, recommendation, size_fast
+from ..wtacrs.sizing import (
+    TIE_MARGIN,
+    GiB,
+    choose,
+    describe,
+    fit_largest_batch,
+    measure,
+    recommendation,
+    size_fast,
+)
 from ..child import OutOfMemory
 from ..configlib import load_section
 from ..wtacrs.config import WtaCrsConfig
@@ -50,7 +63,8 @@ COMPARED = {
     "preset max_saving": variant(preset="max_saving"),
     "LoRA + preset balanced": variant(lora=True, preset="balanced"),
 }
-"""The setups ``--compare`` sizes to the budget (HF gradient checkpointing: transformers' own switch)."""
+"""The setups ``--compare`` sizes to the budget (HF gradient checkpointing: transformers' own switch), simplest first
+(the order ``sizing.choose`` prefers within its tie margin)."""
 
 KIT_CHOICES = (
     "none",
@@ -100,10 +114,17 @@ def main(argv: list[str]) -> int:
         "--compare",
         action="store_true",
         help="size every setup (full, checkpointing, each preset, LoRA + preset) to --budget-gb and recommend the "
-        "fastest that fits",
+        "fastest that fits (the simplest within --tie-margin of it)",
     )
     parser.add_argument("--max-batch", type=int, default=256, help="--compare: largest micro-batch tried")
-    parser.add_argument("--steps", type=int, default=2, help="--compare: timed steps per setup (median)")
+    parser.add_argument("--steps", type=int, default=2, help="--compare: timed steps per setup (the shortest counts)")
+    parser.add_argument(
+        "--tie-margin",
+        type=float,
+        default=TIE_MARGIN,
+        help="--compare: a more intrusive setup is recommended over a simpler one only when faster by more than "
+        f"this fraction (default {TIE_MARGIN}: the run-to-run spread measured on a 2-core CPU; less on a quiet GPU)",
+    )
     parser.add_argument(
         "--exhaustive",
         action="store_true",
@@ -132,6 +153,8 @@ def main(argv: list[str]) -> int:
         raise BertOptError(f"--budget-gb: must be a positive number of GiB, got {args.budget_gb}")
     if args.compare and args.budget_gb is None:
         raise BertOptError("--compare: needs --budget-gb (the budget every setup is sized to)")
+    if not 0.0 <= args.tie_margin < 1.0:
+        raise BertOptError(f"--tie-margin: must be in [0, 1), got {args.tie_margin}")
     if args.exhaustive and not args.compare:
         raise BertOptError("--exhaustive: only used with --compare")
     parts = [p.strip() for p in args.kit.split(",") if p.strip()]
@@ -267,13 +290,15 @@ def _device(choice: str) -> str:
 
 
 def _compare(base: dict, args) -> int:
-    """Every setup of :data:`COMPARED` at its largest fitting micro-batch; the fastest that fits."""
-    budget = args.budget_gb * GiB
+    """Every setup of :data:`COMPARED` at its largest fitting micro-batch; the simplest within the tie margin of the
+    fastest that fits."""
+    budget, margin, start = args.budget_gb * GiB, args.tie_margin, time.monotonic()
     print(
         f"model {base['model']}, seq {args.seq}{_task(args)}, {_precision(args)}, {base['device']}, "
         f"{args.threads} thread(s); "
-        f"budget {args.budget_gb} GiB; micro-batch up to {args.max_batch}; step time: median of {args.steps}; "
-        + ("every setup searched and timed" if args.exhaustive else "probed, only setups that can win timed")
+        f"budget {args.budget_gb} GiB; micro-batch up to {args.max_batch}; step time: shortest of {args.steps}; "
+        f"tie margin {margin:.0%}; "
+        + ("every setup searched and timed" if args.exhaustive else "probed, only setups that can change it timed")
     )
     specs = {name: {**base, "wtacrs": wtacrs} for name, wtacrs in COMPARED.items()}
     probe = min(args.batch, args.max_batch)
@@ -281,14 +306,19 @@ def _compare(base: dict, args) -> int:
         measured = []
         for index, (name, spec) in enumerate(specs.items(), 1):
             measured.append(measure(spec, name, budget, probe=probe, max_batch=args.max_batch, steps=args.steps))
-            print(f"  [{index}/{len(specs)}] {describe(measured[-1], budget)}", flush=True)
+            print(
+                f"  [{index}/{len(specs)}] {describe(measured[-1], budget)} ({time.monotonic() - start:.0f} s)",
+                flush=True,
+            )
     else:
-        measured = size_fast(specs, budget, probe, args.max_batch, args.steps, say=lambda line: print(line, flush=True))
+        say = lambda line: print(line, flush=True)  # noqa: E731
+        measured = size_fast(specs, budget, probe, args.max_batch, args.steps, say=say, tie_margin=margin)
         print("setups:")
         for m in measured:
             print(f"  {describe(m, budget)}")
-    chosen = choose(measured, budget)
-    print(f"recommended: {recommendation(chosen, measured, budget)}")
+    chosen = choose(measured, budget, margin)
+    print(f"recommended: {recommendation(chosen, measured, budget, margin)}")
     if chosen.batch == args.max_batch:
         print(f"  (at --max-batch {args.max_batch}: a larger micro-batch may fit too)")
+    print(f"answered in {time.monotonic() - start:.0f} s")
     return 0

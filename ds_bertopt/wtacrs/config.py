@@ -160,7 +160,9 @@ be worth its recomputation (MiniLM-L6 16 × 64: 1 % in bf16, 8 % in fp32 measure
 AUTO_CANDIDATES = ("none", "checkpointing", "exact", "balanced", "max_saving")
 """What ``preset: "auto"`` chooses among: the fields as given without a preset (``none``: full fine-tuning unless
 other fields say otherwise), the same with transformers' activation checkpointing of every layer
-(``checkpointing``), and each preset (:data:`PRESETS`)."""
+(``checkpointing``), and each preset (:data:`PRESETS`). Simplest first (how far each departs from full
+fine-tuning's math: recomputation in the model's own modules, the kit's exact swaps, sampled gradients): within
+``sizing.TIE_MARGIN`` of the fastest, the earlier is chosen (``sizing.choose``)."""
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,9 @@ class WtaCrsConfig:
     that field (``null`` or leaving it out takes the preset's); fields the preset does not set keep their built-in
     defaults. ``auto`` (needs ``memory_budget``): at start-up each of ``auto_candidates`` is measured at the run's
     micro-batch, sequence length and precision (peak memory and step time), and the fastest whose peak fits the
-    budget is used; the log says what each measured and why the choice. Empty: no preset."""
+    budget is used, or a simpler one (``auto_candidates``' order) whose rate is within the tie margin of it
+    (``ds_bertopt.wtacrs.sizing.TIE_MARGIN``, 30 %: the run-to-run spread of a measured rate); the log says what
+    each measured and why the choice. Empty: no preset."""
     memory_budget: Optional[float] = None
     """Peak memory per device, in GiB, that ``preset: "auto"`` must fit: a fresh process's RSS high-water mark
     above the bare interpreter on CPUs (Linux), ``torch.cuda.max_memory_allocated`` on GPUs; one device running the
@@ -188,8 +192,9 @@ class WtaCrsConfig:
     auto_candidates: tuple[str, ...] = AUTO_CANDIDATES
     """The setups ``preset: "auto"`` measures and chooses among: ``none`` (the fields as given, no preset),
     ``checkpointing`` (the same with activation checkpointing of every layer), ``exact``, ``balanced``,
-    ``max_saving``. Fields given next to ``auto`` apply to every candidate (e.g. ``lora.enabled``). Drop
-    ``balanced`` and ``max_saving`` to keep gradients exact."""
+    ``max_saving``, simplest first whatever order they are given in (within the tie margin the simplest wins).
+    Fields given next to ``auto`` apply to every candidate (e.g. ``lora.enabled``). Drop ``balanced`` and
+    ``max_saving`` to keep gradients exact."""
     fallback_min_saving: float = FALLBACK_MIN_SAVING
     """Presets ``exact``, ``balanced`` and ``auto`` fall back to full fine-tuning (the fields given next to them
     kept) where their estimated saving is below this fraction of full's estimated step peak: there activations are

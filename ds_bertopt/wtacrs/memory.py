@@ -317,7 +317,9 @@ def probe_steps(spec: dict) -> dict[str, Any]:
     """Child-process entry: the step peak at each of ``spec["batches"]`` (``spec`` as :func:`measure_step`), one after
     the other, then each one's step time under a warm default-like allocator (:func:`_malloc_for`; one untimed step at
     the largest first, then the shortest of ``spec["repeats"]``, default 1, at each): what the budget mode's fast
-    search fits its lines to (:mod:`.sizing`). Returns ``{"peaks": {batch: bytes}, "step_s": {batch: s}}``."""
+    search fits its lines to, and how it verifies and times a setup at its batch in one child (:mod:`.sizing`).
+    ``spec["time_under"]``: only batches whose peak is at most this many bytes are timed (the others' time is
+    ``inf``). Returns ``{"peaks": {batch: bytes}, "step_s": {batch: s}}``."""
     _malloc_for(peak=True)
     run = _warmed(spec)
     model, optimizer, dtype, device, _, _ = run
@@ -325,9 +327,14 @@ def probe_steps(spec: dict) -> dict[str, Any]:
     for sequences in spec["batches"]:
         made[sequences], peak = _peak_step(run, spec, sequences)
         peaks[sequences], times[sequences] = peak["step_peak"], peak["step_s"]
+    limit = spec.get("time_under")
+    made = {b: batch for b, batch in made.items() if limit is None or peaks[b] <= limit}
+    times = {b: times[b] if b in made else math.inf for b in times}
+    if not made:
+        return {"peaks": peaks, "step_s": times}
     if _malloc_for(peak=False):  # else: timed under the peak's setting
         train_step(model, optimizer, made[max(made)], dtype)
-        times = {b: math.inf for b in made}
+        times = {b: math.inf for b in times}
     for sequences, batch in made.items():
         for _ in range(int(spec.get("repeats", 1))):
             start = time.perf_counter()
@@ -430,23 +437,6 @@ def step_flops(model, optimizer, batch: dict, autocast_dtype: Optional[torch.dty
     return int(counter.get_total_flops())
 
 
-def time_steps(spec: dict) -> dict[str, Any]:
-    """Child-process entry: seconds per training step of a variant (``spec`` as :func:`measure_step`, plus
-    ``steps``: timed steps after ``warmup`` untimed ones, default 3 and 1). Run it with the default allocator
-    (:func:`time_steps_in_child`): the mmap threshold that makes RSS track live tensors also makes every large
-    allocation a fresh mapping, which would charge page faults to the variants that allocate more."""
-    torch.set_num_threads(int(spec.get("threads", 1)))
-    step = step_fn(spec)
-    for _ in range(int(spec.get("warmup", 1))):
-        step()
-    times = []
-    for _ in range(int(spec.get("steps", 3))):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return {"step_s": times, "pid": os.getpid()}
-
-
 def step_fn(spec: dict) -> Callable[[], None]:
     """One training step (forward, backward, optimizer) of ``spec``'s setup (as :func:`measure_step`; ``batch`` ×
     ``seq`` random tokens) as a function of nothing that returns nothing (so ``testing.measure.interleaved`` times
@@ -461,11 +451,6 @@ def step_fn(spec: dict) -> Callable[[], None]:
     return step
 
 
-def time_steps_in_child(spec: dict, timeout: float = 1800) -> dict[str, Any]:
-    """:func:`time_steps` in a fresh spawned process (default allocator)."""
-    return run_in_child(time_steps, spec, env={"OMP_NUM_THREADS": str(spec.get("threads", 1))}, timeout=timeout)
-
-
 def measure_step_in_child(spec: dict, timeout: float = 900) -> dict[str, Any]:
     """:func:`measure_step` in a fresh spawned process with the mmap-threshold malloc setting; on CUDA its
     ``step_peak`` is what the process held: the allocator's reserved peak plus :func:`device_overhead`. Raises
@@ -476,21 +461,31 @@ def measure_step_in_child(spec: dict, timeout: float = 900) -> dict[str, Any]:
     return result
 
 
+def probe_in_child(spec: dict, batches: list[int], budget: Optional[float] = None, timeout: float = 900) -> dict:
+    """:func:`probe_steps` of ``spec`` at ``batches`` in a fresh process (the peak's malloc setting; on CUDA each peak
+    plus :func:`device_overhead`); with ``budget`` (bytes, as the peaks count them) only batches that fit it are
+    timed. Raises :class:`OutOfMemory` when a step did not fit the device."""
+    overhead = device_overhead(spec.get("device", "cpu"))
+    child_spec = {**spec, "batches": list(batches)}
+    if budget is not None:
+        child_spec["time_under"] = budget - overhead
+    result = run_in_child(probe_steps, child_spec, env=_peak_env(spec), timeout=timeout)
+    result["peaks"] = {batch: peak + overhead for batch, peak in result["peaks"].items()}
+    return result
+
+
 def probe_setups_in_child(
     specs: list[dict], batches: list[int], on_setup: Callable[[int, Optional[dict]], None], timeout: float = 900
 ) -> None:
-    """:func:`probe_steps` of each of ``specs`` at ``batches``, each in a fresh process (the peak's malloc setting;
-    on CUDA each peak plus :func:`device_overhead`): ``on_setup(index, result)`` as each is done, ``None`` for one
-    that ran out of memory. One process per setup: probed one after another in one process, a setup's peaks came
-    out inflated or flat after the one before it (the heap that its warm timing steps grew)."""
-    overhead = device_overhead(specs[0].get("device", "cpu")) if specs else 0
+    """:func:`probe_in_child` of each of ``specs`` at ``batches``, each in a fresh process: ``on_setup(index,
+    result)`` as each is done, ``None`` for one that ran out of memory. One process per setup: probed one after
+    another in one process, a setup's peaks came out inflated or flat after the one before it (the heap that its
+    warm timing steps grew)."""
     for index, spec in enumerate(specs):
         try:
-            result = run_in_child(probe_steps, {**spec, "batches": list(batches)}, env=_peak_env(spec), timeout=timeout)
+            result = probe_in_child(spec, batches, timeout=timeout)
         except OutOfMemory:
             result = None
-        if result is not None:
-            result["peaks"] = {batch: peak + overhead for batch, peak in result["peaks"].items()}
         on_setup(index, result)
 
 

@@ -1,12 +1,15 @@
-"""Sizing fine-tuning to a memory budget: which setup, at which micro-batch, fits and runs fastest.
+"""Sizing fine-tuning to a memory budget: which setup, at which micro-batch, fits and runs fastest (or as fast,
+within timing noise, and simpler).
 
 Pure part (no measuring): :func:`fit_largest_batch` (a linear fit of peaks against the batch),
 :func:`largest_fitting_batch` (a secant search on measured peaks), :func:`probe_batches`, :func:`fitted_batch`,
 :func:`estimated_rate` and :func:`rate_bound` (the fast search's two small probes, the batch their line puts under
-the budget, and which setups can still win), :func:`choose` (the fastest setup whose measured peak fits),
-:func:`candidate_config` (a ``preset: "auto"`` config as one candidate sees it). Glue: :func:`measure` (peak and
-step time of one setup, in fresh children, through :mod:`ds_bertopt.wtacrs.memory`), :func:`size_fast` (every setup
-probed, only those that can win timed) and :func:`resolve_auto` (``wtacrs.preset: "auto"`` at start-up).
+the budget, and how fast a setup could be), :func:`choose` (the simplest setup whose measured peak fits and whose
+throughput is within :data:`TIE_MARGIN` of the fastest that fits), :func:`could_change` (whether an untimed setup
+could change that), :func:`candidate_config` (a ``preset: "auto"`` config as one candidate sees it). Glue:
+:func:`measure` (peak and step time of one setup, in fresh children, through :mod:`ds_bertopt.wtacrs.memory`),
+:func:`size_fast` (every setup probed, the simplest that fits timed first, then only those that could change the
+choice) and :func:`resolve_auto` (``wtacrs.preset: "auto"`` at start-up).
 
 "Fastest" is sequences per second at the setup's own batch; at one fixed micro-batch (the training run's) that
 is the shortest step. A peak *fits* when it is at most the budget; a step that ran out of memory has an infinite
@@ -16,7 +19,7 @@ peak (over every budget), and the search goes on below it.
 from __future__ import annotations
 
 import math
-import statistics
+import time
 from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
@@ -24,7 +27,7 @@ from ..configlib import load_section
 from ..errors import ConfigError
 from ..handoff import Work, job_store, wait_for
 from ..log import print_all
-from .config import KIT_DEFAULTS, WTACRS_DEFAULTS, KitConfig, WtaCrsConfig
+from .config import AUTO_CANDIDATES, KIT_DEFAULTS, WTACRS_DEFAULTS, KitConfig, WtaCrsConfig
 from .fallback import model_shape, preset_decision
 
 GiB = 1024**3
@@ -41,7 +44,8 @@ class Measured:
     peak: float
     """Whole-step peak in bytes (see :func:`ds_bertopt.wtacrs.memory.measure_step`); ``inf``: ran out of memory."""
     step_s: float
-    """Median seconds per training step at ``batch`` (``inf`` when not measured)."""
+    """Seconds per training step at ``batch``, the shortest of those timed (other load only adds time; ``inf`` when
+    not measured)."""
     bound: float = 0.0
     """Pruned by the fast search (:func:`size_fast`): not timed, its batch and peak from the probes' line, and the
     most sequences per second it could reach (:func:`rate_bound`); 0: measured."""
@@ -170,10 +174,30 @@ def rate_bound(estimate: float, timed: list[tuple[float, float]], margin: float 
     return estimate * max(1.0, *(measured / est for est, measured in timed)) * (1.0 + margin)
 
 
-def choose(measured: list[Measured], budget: float) -> Measured:
-    """The setup with the highest throughput among those whose peak fits ``budget`` (ties: the first listed);
-    a one-line :class:`~ds_bertopt.errors.ConfigError` naming the smallest peak when none fits."""
-    fitting = [m for m in measured if m.batch > 0 and m.peak <= budget]
+TIE_MARGIN = 0.30
+"""How much faster a more intrusive setup must measure than a simpler one to be recommended over it. Its size is the
+run-to-run spread of one setup's measured rate on a quiet 2-core CPU (``bench/wtacrs_budget.py``'s record of
+2026-12-06, the same command minutes apart, every core per child): full fine-tuning 20.5 and 27.0 sequences/s
+(1.32x), LoRA + ``balanced`` 24.5 and 31.3 (1.28x), ``balanced`` 20.7 and 24.7 (1.19x), while the fastest four
+setups of one run were within 2-4 % of each other. A gain inside that spread is noise: nobody is sent to
+recomputation, sampled gradients or LoRA for it, and the fast search and the exhaustive one answer the same."""
+
+
+def _fits(m: Measured, budget: float) -> bool:
+    return m.batch > 0 and m.peak <= budget
+
+
+def choose(measured: list[Measured], budget: float, margin: float = TIE_MARGIN) -> Measured:
+    """The setup to recommend among ``measured``, listed simplest first: the first (simplest) setup whose peak fits
+    ``budget`` and whose throughput is within ``margin`` (:data:`TIE_MARGIN`) of the fastest that fits, i.e. the
+    fastest unless a simpler one is at most ``1 + margin`` times slower. Simplest first is how far a setup departs
+    from full fine-tuning's math: full; transformers' activation checkpointing (the model's own modules, only
+    recomputed); preset ``exact`` (the kit's module swaps, exact gradients); ``balanced`` (sampled weight
+    gradients); ``max_saving`` (``balanced`` + checkpointing); and any of them with LoRA (it changes what is
+    trained) after all of those (:data:`~ds_bertopt.wtacrs.config.AUTO_CANDIDATES`, ``ds-bertopt memory``'s
+    ``COMPARED``). A fitting setup that was not timed (pruned, or its step not measured) counts only when none
+    was timed. A one-line :class:`~ds_bertopt.errors.ConfigError` naming the smallest peak when none fits."""
+    fitting = [m for m in measured if _fits(m, budget)]
     if not fitting:
         smallest = min(measured, key=lambda m: m.peak)
         found = (
@@ -185,7 +209,27 @@ def choose(measured: list[Measured], budget: float) -> Measured:
             f"memory budget {budget / GiB:.2f} GiB: no setup fits; {found} (raise the budget, shorten the "
             f"sequences or lower the micro-batch)"
         )
-    return max(fitting, key=lambda m: (m.rate, -measured.index(m)))
+    fastest = max(m.rate for m in fitting)
+    return next(m for m in fitting if m.rate * (1.0 + margin) >= fastest)
+
+
+def could_change(
+    measured: list[Measured], candidate: Measured, order: list[str], budget: float, margin: float = TIE_MARGIN
+) -> bool:
+    """Whether ``candidate`` (a setup not yet timed, at the most it could reach: its :func:`rate_bound`) could
+    change :func:`choose`'s answer among ``measured`` (those timed so far); ``order``: every setup's name, simplest
+    first. The rule is monotone in a setup's rate (a slower one changes no more than a faster one), so a setup
+    that would not change the answer at its bound is safely left untimed."""
+    timed = [m for m in measured if m.rate > 0]
+    if not any(_fits(m, budget) for m in timed):
+        return True
+
+    def rank(m: Measured) -> int:
+        return order.index(m.setup)
+
+    return choose(sorted(timed + [candidate], key=rank), budget, margin) is not choose(
+        sorted(timed, key=rank), budget, margin
+    )
 
 
 def describe(m: Measured, budget: float) -> str:
@@ -198,22 +242,28 @@ def describe(m: Measured, budget: float) -> str:
     return f"{m.setup}: batch {max(m.batch, 1)}, {peak} ({verdict} {budget / GiB:.2f}), {speed}"
 
 
-def recommendation(chosen: Measured, measured: list[Measured], budget: float) -> str:
-    """The one line saying what was chosen and why (against the runner-up that fits)."""
-    others = [m for m in measured if m is not chosen and m.batch > 0 and m.peak <= budget]
-    runner = max(others, key=lambda m: m.rate, default=None)
-    against = (
-        f"; next: {runner.setup} at {runner.rate:.1f} ({chosen.rate / runner.rate:.2f}x slower)"
-        if runner is not None and runner.rate > 0
-        else ""
-    )
+def recommendation(chosen: Measured, measured: list[Measured], budget: float, margin: float = TIE_MARGIN) -> str:
+    """The one line saying what was chosen and why: ``"<setup> (batch, peak, rate): the fastest that fits …; next:
+    …"``, or, where the tie margin decided, ``"…: fits … and is simpler than the fastest, <setup> at <rate>
+    (1.16x), within the 30% tie margin …"``; then the setups pruned untimed."""
+    others = [m for m in measured if m is not chosen and _fits(m, budget) and m.rate > 0]
+    fastest = max(others, key=lambda m: m.rate, default=None)
+    head = f"{chosen.setup} (batch {chosen.batch}, peak {chosen.peak / GiB:.2f} GiB, {chosen.rate:.1f} sequences/s)"
+    if fastest is not None and fastest.rate > chosen.rate:
+        why = (
+            f"fits {budget / GiB:.2f} GiB and is simpler than the fastest, {fastest.setup} at {fastest.rate:.1f} "
+            f"({fastest.rate / chosen.rate:.2f}x), within the {margin:.0%} tie margin (run-to-run spread)"
+        )
+    else:
+        why = f"the fastest that fits {budget / GiB:.2f} GiB" + (
+            f"; next: {fastest.setup} at {fastest.rate:.1f} ({chosen.rate / fastest.rate:.2f}x slower)"
+            if fastest is not None and fastest.rate > 0
+            else ""
+        )
     pruned = [m for m in measured if m.bound]
     if pruned:
-        against += f"; not timed, bound below it: {', '.join(m.setup for m in pruned)}"
-    return (
-        f"fastest that fits {budget / GiB:.2f} GiB: {chosen.setup} (batch {chosen.batch}, peak "
-        f"{chosen.peak / GiB:.2f} GiB, {chosen.rate:.1f} sequences/s{against})"
-    )
+        why += f"; not timed, could not change the choice: {', '.join(m.setup for m in pruned)}"
+    return f"{head}: {why}"
 
 
 # ---------------------------------------------------------------- preset "auto": the candidates as configs
@@ -263,13 +313,16 @@ def measure(
     steps: int = 2,
     probed: Optional[dict[int, float]] = None,
 ) -> Measured:
-    """``setup`` (``spec["wtacrs"]``) measured in fresh children: at ``batch`` when given (the run's micro-batch),
-    else at the largest batch ``≤ max_batch`` that fits (:func:`largest_fitting_batch` from ``probe``); then the
-    median of ``steps`` timed steps there (default allocator, one warm-up). Not timed when it does not fit; a batch
-    whose child runs out of memory is over the budget. ``probed``: peaks already measured (the fast search's); with
-    ``batch`` (its fitted batch), a ``batch`` over the budget goes on with the search from them."""
+    """``setup`` (``spec["wtacrs"]``) measured in fresh children: at ``batch`` when given (the run's micro-batch,
+    or the fast search's fitted batch), else at the largest batch ``≤ max_batch`` that fits
+    (:func:`largest_fitting_batch` from ``probe``, a child per peak). The batch's step time is the shortest of
+    ``steps`` timed steps, taken in the child that measures its peak (:func:`~.memory.probe_in_child`: the peak
+    step, the allocator switched to its warm default behaviour, one untimed step, then the timed ones); at a given
+    ``batch`` that one child both verifies and times it, and does not time a batch over the budget. Not timed when
+    it does not fit; a batch whose child runs out of memory is over the budget. ``probed``: peaks already measured
+    (the fast search's); with ``batch``, a ``batch`` over the budget goes on with the search from them."""
     from ..child import OutOfMemory
-    from .memory import measure_step_in_child, time_steps_in_child
+    from .memory import measure_step_in_child, probe_in_child
 
     known = dict(probed or {})
 
@@ -281,19 +334,24 @@ def measure(
                 known[b] = math.inf
         return known[b]
 
-    if batch is not None and (probed is None or peak_at(batch) <= budget):
-        found, peaks = batch, {batch: peak_at(batch)}
-    else:
-        found, peaks = largest_fitting_batch(peak_at, budget, probe, max_batch)
+    def timed_at(b: int, fitting_only: bool) -> tuple[float, float]:
+        try:
+            result = probe_in_child({**spec, "repeats": steps}, [b], budget if fitting_only else None)
+        except OutOfMemory:
+            return math.inf, math.inf
+        return result["peaks"][b], result["step_s"][b]
+
+    if batch is not None:
+        peak, seconds = timed_at(batch, fitting_only=True)
+        if peak <= budget or probed is None:
+            return Measured(setup, batch, peak, seconds if peak <= budget else math.inf)
+        known[batch] = peak
+    found, peaks = largest_fitting_batch(peak_at, budget, probe, max_batch)
     if found == 0:
         return Measured(setup, 0, min(peaks.values()), math.inf)
-    if peaks[found] > budget:
-        return Measured(setup, found, peaks[found], math.inf)
-    try:
-        times = time_steps_in_child({**spec, "batch": found, "steps": steps, "warmup": 1})["step_s"]
-    except OutOfMemory:  # the default allocator's layout did not fit where the measured one did
-        return Measured(setup, found, math.inf, math.inf)
-    return Measured(setup, found, peaks[found], statistics.median(times))
+    peak, seconds = timed_at(found, fitting_only=False)
+    # the default allocator's layout did not fit where the measured one did: over
+    return Measured(setup, found, peaks[found] if math.isfinite(peak) else math.inf, seconds)
 
 
 def size_fast(
@@ -304,18 +362,27 @@ def size_fast(
     steps: int = 2,
     margin: float = PRUNE_MARGIN,
     say: Callable[[str], None] = print,
+    tie_margin: float = TIE_MARGIN,
 ) -> list[Measured]:
-    """Every setup of ``specs`` (``{name: spec}``, as :func:`measure` takes them) sized to ``budget``, timing only
-    those that can still win. Each is probed in a fresh child
-    (:func:`~ds_bertopt.wtacrs.memory.probe_setups_in_child`: peaks and step times at the two :func:`probe_batches`,
-    each setup's line said as it arrives), its batch taken from the line through the peaks
-    (:func:`fitted_batch`) and its throughput there estimated (:func:`estimated_rate`). Then, best estimate first,
-    each is measured at its fitted batch (:func:`measure`: the peak there verified once, the search going on below
-    it if over, then ``steps`` timed steps), unless its :func:`rate_bound` is below the best measured so far: then it
-    is pruned, not timed. Says a line per setup as it goes. Returns :class:`Measured` in ``specs``' order."""
+    """Every setup of ``specs`` (``{name: spec}``, simplest first, as :func:`choose` takes them; each as
+    :func:`measure` takes it) sized to ``budget``, timing only those that can change the choice. Each is probed in a
+    fresh child (:func:`~ds_bertopt.wtacrs.memory.probe_setups_in_child`: peaks and step times at the two
+    :func:`probe_batches`, each setup's line said as it arrives), its batch taken from the line through the peaks
+    (:func:`fitted_batch`) and its throughput there estimated (:func:`estimated_rate`). Then the simplest setup
+    that fits is measured first (the reference every other must beat by ``tie_margin``), the others best estimate
+    first (:func:`measure` at the fitted batch: peak verified and steps timed in one child, the search going on
+    below it if over), each unless even at its :func:`rate_bound` it would not change :func:`choose`'s answer
+    (:func:`could_change`): then it is pruned, not timed. Says a line per setup as it goes, with the seconds each
+    phase took. Returns :class:`Measured` in ``specs``' order."""
     from .memory import probe_setups_in_child
 
     batches, found, names = probe_batches(probe, max_batch), {}, list(specs)
+    clock = [time.monotonic()]
+
+    def took() -> str:
+        now = time.monotonic()
+        seconds, clock[0] = now - clock[0], now
+        return f"{seconds:.0f} s"
 
     def probed(index: int, result: Optional[dict]) -> None:
         name = names[index]
@@ -330,29 +397,34 @@ def size_fast(
         say(
             f"  [{index + 1}/{len(specs)}] {name}: peaks {shown} GiB at batch {' and '.join(map(str, batches))}: "
             + (f"fits batch {batch} by their line, about {estimate:.1f} sequences/s" if batch else "nothing fits")
+            + f" ({took()})"
         )
 
+    start = time.monotonic()
     probe_setups_in_child([{**specs[name], "repeats": PROBE_REPEATS} for name in names], list(batches), probed)
+    say(f"  probed {len(names)} setups in {time.monotonic() - start:.0f} s")
     results: dict[str, Measured] = {}
     timed: list[tuple[float, float]] = []
-    best: Optional[Measured] = None
-    for name in sorted(found, key=lambda n: -found[n][2]):
+    fitting = [n for n in names if found[n][0] > 0]
+    order = fitting[:1] + sorted(fitting[1:], key=lambda n: -found[n][2])
+    for name in [n for n in names if found[n][0] == 0]:
+        results[name] = Measured(name, 0, found[name][1], math.inf)
+    for name in order:
         batch, peak, estimate, peaks, times = found[name]
         bound = rate_bound(estimate, timed, margin)
-        if batch == 0:
-            results[name] = Measured(name, 0, peak, math.inf)
-        elif best is not None and bound < best.rate:
+        so_far = [results[n] for n in names if n in results]
+        at_bound = Measured(name, batch, peak, batch / bound if 0 < bound < math.inf else math.inf)
+        if math.isfinite(bound) and not could_change(so_far, at_bound, names, budget, tie_margin):
             results[name] = Measured(name, batch, peak, math.inf, bound=bound)
-            say(f"  {name}: pruned at batch {batch}: at most {bound:.1f} sequences/s < {best.setup}'s {best.rate:.1f}")
-        else:
-            say(f"  {name}: verifying batch {batch} and timing {steps} step(s) there ...")
-            measured = measure(specs[name], name, budget, batch, batches[-1], max_batch, steps, probed=peaks)
-            results[name] = measured
-            say(f"  {describe(measured, budget)}")
-            if measured.rate > 0 and math.isfinite(estimate):
-                timed.append((estimated_rate(times, measured.batch), measured.rate))
-            if measured.rate > 0 and (best is None or measured.rate > best.rate):
-                best = measured
+            say(f"  {name}: pruned at batch {batch}: at most {bound:.1f} sequences/s would not change the choice")
+            continue
+        say(f"  {name}: verifying batch {batch} and timing {steps} step(s) there ...")
+        clock[0] = time.monotonic()
+        measured = measure(specs[name], name, budget, batch, batches[-1], max_batch, steps, probed=peaks)
+        results[name] = measured
+        say(f"  {describe(measured, budget)} ({took()})")
+        if measured.rate > 0 and math.isfinite(estimate):
+            timed.append((estimated_rate(times, measured.batch), measured.rate))
     return [results[name] for name in specs]
 
 
@@ -445,10 +517,8 @@ def _measure_candidates(
         **task,
     }
     results = []
-    order = list(cfg.auto_candidates)
-    if full_first:  # the fallback: full first, and alone if it fits the run's micro-batch
-        order.remove("none")
-        order.insert(0, "none")
+    # simplest first, as choose() prefers them; the fallback (full_first): full alone if it fits the run's batch
+    order = sorted(cfg.auto_candidates, key=AUTO_CANDIDATES.index)
     if progress is not None:
         progress.stage("measuring the candidates", total=len(order), unit="candidates")
     for name in order:
@@ -472,7 +542,7 @@ def _measure_candidates(
         lines.append(f"wtacrs: preset auto: not measured (recomputation does not pay here): {', '.join(order[1:])}")
     chosen = choose(results, budget)
     name = order[results.index(chosen)]
-    lines.append(f"wtacrs: preset auto chose {chosen.setup}: {recommendation(chosen, results, budget)}")
+    lines.append(f"wtacrs: preset auto chose {recommendation(chosen, results, budget)}")
     return name, chosen.batch, lines
 
 
