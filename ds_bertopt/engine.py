@@ -79,7 +79,9 @@ def check_combinations(bertopt: BertOptConfig, ds: dict, our_optimizer: bool = T
         refuse_bucket_clip_under_zero3(stage)
     precision = next((p for p in ("fp16", "bf16") if (ds.get(p) or {}).get("enabled") is True), "fp32")
     accumulation = ds.get("gradient_accumulation_steps")
-    shape = dict(stage=stage, precision=precision, bucket_clip=bertopt.bucket_clip.enabled, lamb=lamb)
+    shape = dict(
+        stage=stage, precision=precision, bucket_clip=bertopt.bucket_clip.enabled, lamb=lamb, offload=offload == "cpu"
+    )
     for note in check_release(needed_hooks(**shape, accumulation=accumulation if isinstance(accumulation, int) else 1)):
         print0(note)
 

@@ -147,3 +147,11 @@ def test_docs_compat_is_rendered_from_the_recorded_runs():
     assert record.RAW.is_dir() and list(record.RAW.glob("*.json")), "no recorded make test-compat run"
     text = (REPO / "docs" / "compat.md").read_text(encoding="utf-8")
     assert text == record.render(), "docs/compat.md differs from its records: python tests/compat/record.py"
+
+
+def test_only_zero3_with_the_optimizer_offloaded_needs_the_zero3_offload_hook():
+    def needs(stage, offload):
+        shape = dict(stage=stage, precision="bf16", bucket_clip=False, lamb=False, offload=offload)
+        return "zero3.offload" in ds_compat.needed_hooks(**shape)
+
+    assert needs(3, True) and not needs(3, False) and not needs(2, True)

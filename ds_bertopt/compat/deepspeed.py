@@ -244,6 +244,19 @@ def _check_zero2_accumulation() -> Optional[str]:
     return None
 
 
+def _check_zero3_offload() -> Optional[str]:
+    # Measured, not read: tests/test_gpu_conformance.py's bf16 ZeRO 3 + offload_optimizer row (2 gloo ranks) on
+    # 0.17.6 fails now and then, each time on another check: resume off by 1.02 at step 2, the ranks gathering
+    # different weights after step 2, no recovery after a skipped non-finite step (counts in docs/compat.md);
+    # without offload, and on 0.16.9 / 0.18.9 / 0.19.8, it passes every run. Not pinned in DeepSpeed's source:
+    # DeepSpeedZeroOptimizer_Stage3's step, overflow check, state_dict and load_state_dict read the same in
+    # 0.17.6 and 0.18.9 (0.18 rewrote the parameter fetch, partition_parameters.all_gather_coalesced), so the
+    # run shape is refused, not patched.
+    if version_at_least("0.17") and not version_at_least("0.18"):
+        return "trains ZeRO 3 with offload_optimizer nondeterministically (0.17 only)"
+    return None
+
+
 def _check_step_overflow() -> Optional[str]:
     from deepspeed import DeepSpeedEngine
 
@@ -370,6 +383,15 @@ HOOKS: tuple[Hook, ...] = (
         checked=("0.16.9", "0.18.9", "0.19.8"),
     ),
     Hook(
+        "zero3.offload",
+        "DeepSpeedZeroOptimizer_Stage3 with offload_optimizer: its step, checkpoint and resume (DeepSpeed's own)",
+        "the same steps, checkpoint and resume at ZeRO 3 with the optimizer offloaded as without",
+        "ZeRO 3 with offload_optimizer",
+        (),
+        _check_zero3_offload,
+        checked=("0.16.9", "0.18.9", "0.19.8"),
+    ),
+    Hook(
         "engine.step_overflow",
         "DeepSpeedEngine._take_model_step reads optimizer.overflow",
         "telling DeepSpeed that a ZeRO 0 fp32 step was skipped (no LR-scheduler step, counted as skipped)",
@@ -492,10 +514,13 @@ def _problems_cached() -> dict[str, str]:
 
 
 def needed_hooks(
-    *, stage: int, precision: str, bucket_clip: bool, lamb: bool, accumulation: int = 1
+    *, stage: int, precision: str, bucket_clip: bool, lamb: bool, accumulation: int = 1, offload: bool = False
 ) -> tuple[str, ...]:
-    """The hooks a run of this shape goes through (``precision``: fp32, bf16 or fp16)."""
+    """The hooks a run of this shape goes through (``precision``: fp32, bf16 or fp16; ``offload``: the optimizer
+    offloaded, ``zero_optimization.offload_optimizer``)."""
     names = ["runtime.config", "engine.checkpoint_engine"]
+    if stage == 3 and offload:
+        names.append("zero3.offload")
     if stage == 2 and accumulation > 1:
         names.append("zero.accumulation")
     if stage in (1, 2) and precision != "fp16":
@@ -798,6 +823,7 @@ def settle_engine(engine) -> list[str]:
             bucket_clip=False,
             lamb=False,
             accumulation=engine.gradient_accumulation_steps(),
+            offload=engine.zero_cpu_offload(),
         )
     )
     done = []
