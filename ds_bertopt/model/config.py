@@ -58,7 +58,8 @@ class ModelConfig:
     attention as one op and the packed length a dynamic dimension: two compiles for a whole epoch, no padding, the
     same result as eager (``ds_bertopt.model.compiled``). On the CPU the attention's backward runs from what its
     forward kept, as eager's does (CUDA: recomputed). The first steps take longer (compiling); parameters and
-    checkpoints are unchanged."""
+    checkpoints are unchanged. Pair it with ``fused_dropout``: its bits are drawn by one op that Inductor fuses
+    around, where Inductor's own dropout draws each element in a scalar loop (slower than eager on a CPU)."""
     init_checkpoint: Optional[str] = None
     """Directory of a Hugging Face checkpoint to start from instead of random init (``--model_name_or_path``): its
     own architecture (BERT, RoBERTa, XLM-R, CamemBERT, DistilBERT, ELECTRA, ModernBERT, DeBERTa; the size keys

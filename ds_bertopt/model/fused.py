@@ -21,8 +21,9 @@ item, then LayerNorm, GELU, adds and copies.
   parameters, state dict, ZeRO-3's per-module gathering and any replaced linear (LoRA) work as before.
   In eval mode (or ``p = 0``) a fused block computes exactly what the stock one does.
 
-Attention dropout (inside SDPA) keeps torch's own draw; bias + GELU stay in ``addmm`` + GELU (fusing them needs a
-compiler: ``model.compile`` is not in this module).
+Under ``model.compile`` the mask is one custom op (:func:`packed_keep_mask_op`, the same draws as eager) and Inductor
+fuses the ``where``, add and LayerNorm around it. Attention dropout (inside SDPA) keeps torch's own draw; bias + GELU
+stay in ``addmm`` + GELU unless compiled.
 """
 
 from __future__ import annotations
@@ -62,11 +63,25 @@ def keep_mask(shape, p: float, device=None, generator: Optional[torch.Generator]
     levels = keep_levels(p)
     if levels == KEEP_LEVELS:  # the threshold 2¹⁵ would wrap to -2¹⁵ as an int16 scalar: nothing is dropped
         return torch.ones(shape, dtype=torch.bool, device=device)
-    if torch.compiler.is_compiling():  # model.compile: in-place random_ breaks the graph; Inductor fuses rand into
-        # the consumer (no mask in memory). fp32 uniforms are multiples of 2⁻²⁴, so P(u < k/2¹⁶) is k/2¹⁶ exactly
-        return torch.rand(shape, device=device) < levels / KEEP_LEVELS  # (the graph's generator, as all its draws)
+    if torch.compiler.is_compiling():  # model.compile: in-place random_ breaks the graph; one opaque op instead
+        return packed_keep_mask_op(torch.empty(shape, dtype=torch.bool, device=device), p)
     threshold = levels - KEEP_LEVELS // 2  # int16 values below it: k of the 2¹⁶
     return packed_bits(math.prod(shape), device, generator).view(shape) < threshold
+
+
+@torch.library.custom_op("ds_bertopt::packed_keep_mask_v1", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def packed_keep_mask_op(like: torch.Tensor, p: float) -> torch.Tensor:
+    """:func:`keep_mask` for ``like``'s shape and device as one graph node (``model.compile``): the packed bits are
+    drawn eagerly from the default generator, the same draws as eager, while Inductor fuses the ``where``, add and
+    LayerNorm around the mask. Inductor's own lowering of a random draw is a scalar ``normalized_rand_cpu`` per
+    element on a CPU: a dropout + add + LayerNorm block of [1567, 768] took 22.7 ms forward with it, against
+    eager's 15.6 ms (2 threads, fp32). ``nondeterministic_seeded``: never reordered or deduplicated."""
+    return keep_mask(like.shape, p, like.device)  # run eagerly: not compiling here
+
+
+@packed_keep_mask_op.register_fake
+def _(like: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.empty_like(like)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
@@ -125,5 +140,6 @@ __all__ = [
     "keep_levels",
     "keep_mask",
     "keep_scale",
+    "packed_keep_mask_op",
     "packed_bits",
 ]
