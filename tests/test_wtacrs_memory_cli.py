@@ -78,6 +78,8 @@ def saved_tiny(tmp_path_factory):
         ("no such targets", ["--targets", "nonexistent", "--batch", "2", "--seq", "8"], "--targets: 'nonexistent'"),
         ("compare without a budget", ["--compare"], "--compare: needs --budget-gb"),
         ("exhaustive without compare", ["--exhaustive"], "--exhaustive: only used with --compare"),
+        ("tie margin without compare", ["--tie-margin", "0.2"], "--tie-margin: only used with --compare"),
+        ("negative tie margin", ["--compare", "--budget-gb", "2", "--tie-margin", "-1"], "--tie-margin: must be in"),
     ],
 )
 @pytest.mark.timeout(120)

@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--tie-margin",
         type=float,
-        default=TIE_MARGIN,
+        default=None,
         help="--compare: a more intrusive setup is recommended over a simpler one only when faster by more than "
         f"this fraction (default {TIE_MARGIN}: the run-to-run spread measured on a 2-core CPU; less on a quiet GPU)",
     )
@@ -153,6 +153,9 @@ def main(argv: list[str]) -> int:
         raise BertOptError(f"--budget-gb: must be a positive number of GiB, got {args.budget_gb}")
     if args.compare and args.budget_gb is None:
         raise BertOptError("--compare: needs --budget-gb (the budget every setup is sized to)")
+    if args.tie_margin is not None and not args.compare:
+        raise BertOptError("--tie-margin: only used with --compare")
+    args.tie_margin = TIE_MARGIN if args.tie_margin is None else args.tie_margin
     if not 0.0 <= args.tie_margin < 1.0:
         raise BertOptError(f"--tie-margin: must be in [0, 1), got {args.tie_margin}")
     if args.exhaustive and not args.compare:
