@@ -7,9 +7,9 @@ attention (``|i - j| <= window``), -1 global.
 * :func:`flash_forward` / :func:`flash_backward` — eager's own no-dropout CPU kernel per sequence
   (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, torch 2.13), keeping the per-row logsumexp.
 * :func:`math_forward` / :func:`math_backward` — with dropout: SDPA's CPU math path (scores, softmax, dropout on the
-  probabilities, ``@ v``), keeping the probabilities (fp32 for fp32/bf16) and the keep-mask (bool) flat, 5 bytes a score where
-  eager's autograd through ``F.scaled_dot_product_attention`` keeps 12 (softmax output, the float noise, the dropped
-  probabilities). The mask is drawn one of two ways:
+  probabilities, ``@ v``), keeping the probabilities (fp32 for fp32/bf16) and the keep-mask (bool) flat, 5 bytes a
+  score where eager's autograd through ``F.scaled_dot_product_attention`` keeps 12 (softmax output, the float noise,
+  the dropped probabilities). The mask is drawn one of two ways:
 
   - ``packed_bits=False``: SDPA's own draws, one ``bernoulli_`` of ``[1, heads, n, n]`` a sequence, in order (the
     compiled op then equals eager SDPA under one seed). On a bool tensor that draw runs one element at a time.
