@@ -206,3 +206,12 @@ def cpu_kind() -> str:
     except AttributeError:
         cores = os.cpu_count() or 1
     return f"CPU: {name}, {cores} cores available, {isa}"
+
+
+# --- shared by time_to_train_runs.py (finetune_tasks.py writes the same config) ---
+def trainer_ds_config(stage: int, **extra) -> dict:
+    """A DeepSpeed config for Hugging Face ``Trainer``: the batch sizes and clipping ``"auto"`` (``Trainer`` fills them
+    from its arguments), fp32, ZeRO ``stage``, no step prints; ``extra`` keys after them."""
+    auto = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "gradient_clipping")
+    fixed = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": False}, "steps_per_print": 1_000_000}
+    return {**dict.fromkeys(auto, "auto"), **fixed, **extra}
