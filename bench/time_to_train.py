@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import time_to_train_runs as ttt
 from bench._common import TABLES, environment_line, figure, interleaved, median, ratio_line, record, say, status
-from bench.time_to_train_runs import Run
 
 
 def med(values: list[float]) -> float:
@@ -62,7 +61,7 @@ def run_scenario(scenario: ttt.Scenario, args, work: Path, baseline_hint: Option
         f"line {stats['line_by_line']['mean_length']:.1f} ({stats['line_by_line']['examples']} lines)",
         flush=True,
     )
-    runs: dict[str, list[Run]] = {}
+    runs: dict[str, list[ttt.Run]] = {}
     with contextlib.ExitStack() as stack:
         net = None
         if scenario.nodes > 1:
@@ -93,7 +92,7 @@ def run_scenario(scenario: ttt.Scenario, args, work: Path, baseline_hint: Option
     return summarise(scenario, prep, runs, baseline, hf_names, aliases)
 
 
-def summarise(scenario: ttt.Scenario, prep, runs: dict[str, list[Run]], baseline: str, hf_names, aliases) -> dict:
+def summarise(scenario: ttt.Scenario, prep, runs: dict[str, list[ttt.Run]], baseline: str, hf_names, aliases) -> dict:
     name = scenario.name
     ours_names = [contender for contender in runs if contender not in hf_names]
     target = min(run.final for run in runs[baseline])
@@ -234,14 +233,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     quick_help = f"wiki128 only, 1 seed, {ttt.QUICK_STEPS} steps, 10 snapshots, hf_group_texts, no ablations (~7 min)"
     p.add_argument("--quick", action="store_true", help=quick_help)
-    scenarios = sorted(ttt.SCENARIOS)
-    p.add_argument("--scenarios", nargs="+", choices=scenarios, help="default: all but continued* (quick: wiki128)")
+    p.add_argument(
+        "--scenarios", nargs="+", choices=sorted(ttt.SCENARIOS), help="default: all but continued* (quick: wiki128)"
+    )
     p.add_argument("--seeds", nargs="+", type=int, help="default 1 2 (quick: 1)")
     p.add_argument("--steps", type=int, help="steps per run, every scenario (default: the scenario's)")
     p.add_argument("--points", type=int, help="snapshots per run (default 15, quick 10)")
-    p.add_argument(
-        "--masks", type=int, help="at most this many fixed mask sets per held-out sequence (default 4, quick 2)"
-    )
+    p.add_argument("--masks", type=int, help="most fixed mask sets per held-out sequence (default 4, quick 2)")
     p.add_argument("--yardstick-tokens", type=int, default=10000, help="add mask sets until this many masked tokens")
     hf = sorted(ttt.HF_CONTENDERS)
     p.add_argument("--hf", nargs="+", choices=hf, help="Hugging Face contenders (default: all; quick: hf_group_texts)")
@@ -261,9 +259,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error("--resume needs --work-dir (the runs of the interrupted invocation are kept there)")
     quick = args.quick
     # the continued scenarios run when named (their own report section: --record-as time_to_train_continued)
-    args.scenarios = args.scenarios or (
-        ["wiki128"] if quick else [n for n, s in ttt.SCENARIOS.items() if not s.continued]
-    )
+    pretraining = [name for name, scenario in ttt.SCENARIOS.items() if not scenario.continued]
+    args.scenarios = args.scenarios or (["wiki128"] if quick else pretraining)
     args.seeds = args.seeds or ([1] if quick else [1, 2])
     args.points = args.points or (10 if quick else 15)
     args.masks = args.masks or (2 if quick else 4)

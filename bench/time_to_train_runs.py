@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import argv, bert_overrides, checkpoint_weights, cpu_env, deepspeed_launcher, maybe_lock
-from bench._common import run_checked, run_streamed, trainer_ds_config
+from bench._common import first_crossing, run_checked, run_streamed, trainer_ds_config
 from ds_bertopt.testing.distributed import free_port
 
 SHARED = ROOT.parent / "shared" / "data"
@@ -277,17 +277,7 @@ class Run:
 
     def crossing(self, target: float) -> Optional[tuple[float, float]]:
         """(seconds, step) where accuracy first reaches ``target``, linearly interpolated; None if never."""
-        for i, acc in enumerate(self.accuracy):
-            if acc >= target:
-                if i == 0:
-                    return self.times[0], float(self.steps[0])
-                a0, a1 = self.accuracy[i - 1], acc
-                w = (target - a0) / (a1 - a0) if a1 > a0 else 1.0
-                return (
-                    self.times[i - 1] + w * (self.times[i] - self.times[i - 1]),
-                    self.steps[i - 1] + w * (self.steps[i] - self.steps[i - 1]),
-                )
-        return None
+        return first_crossing(self.accuracy, target, self.times, self.steps)
 
 
 class OursWatcher(threading.Thread):
