@@ -3,13 +3,12 @@
     flock /tmp/ds_heavy.lock .venv/bin/python bench/preprocess.py            # linux_docs (3.0M words), ~2 min
     .venv/bin/python bench/preprocess.py --corpus ../shared/data/wiki_sample.jsonl --repeats 1
 
-What ``data.num_proc`` parallelises (``ds_bertopt.data.pipeline.build_sequences``): tokenizing every document into
-sentences (MiniLM-L6's WordPiece tokenizer: no vocabulary is trained) and building BERT sequences of 128 tokens, each
-build in a fresh cache. Reading the corpus is outside the timing. Each process tokenizes on one core
-(``TOKENIZERS_PARALLELISM=false``). Both builds must give identical sequences. Target (issue 28): 2 processes ≥ 1.8×
-the words/s of 1. The figure is each process count's best of ``--repeats`` interleaved builds: another job's CPU only
-ever slows a build down; each line says how many CPU-seconds other processes took during the best build
-(``/proc/stat`` busy time minus ours), so a contaminated figure shows.
+What ``data.num_proc`` parallelises (``ds_bertopt.data.pipeline.build_sequences``): tokenizing every document
+(MiniLM-L6's WordPiece tokenizer) and building sequences of 128 tokens, each build in a fresh cache, one core per
+process (``TOKENIZERS_PARALLELISM=false``); reading the corpus is outside the timing. Both builds must give identical
+sequences. Target (issue 28): 2 processes ≥ 1.8× the words/s of 1. The figure is each count's best of ``--repeats``
+interleaved builds (another job's CPU only ever slows a build down); each line says how many CPU-seconds other
+processes took during the best build (``/proc/stat`` busy time minus ours), so a contaminated figure shows.
 """
 
 from __future__ import annotations

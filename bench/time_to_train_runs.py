@@ -507,7 +507,6 @@ def scoring_model(prep: Prepared):
     import torch
     from transformers import BertConfig, BertForMaskedLM
 
-    from ds_bertopt.config import load_config
     from ds_bertopt.data.tokenizer import load_tokenizer
     from ds_bertopt.model.bert import build_pretraining_model
     from ds_bertopt.model.local import default_model_dir
@@ -515,9 +514,8 @@ def scoring_model(prep: Prepared):
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     if prep.scenario.continued:
         return BertForMaskedLM(BertConfig.from_pretrained(default_model_dir())).eval()
-    cfg = load_config(str(prep.scenario.config), prep.scenario.data_overrides()).bertopt
-    tokenizer = load_tokenizer(str(prep.tokenizer_dir))
-    return build_pretraining_model(cfg.model, tokenizer, cfg.data.max_seq_length).eval()
+    cfg = prep.cfg.bertopt
+    return build_pretraining_model(cfg.model, load_tokenizer(str(prep.tokenizer_dir)), cfg.data.max_seq_length).eval()
 
 
 TIED = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
