@@ -320,24 +320,15 @@ class OursWatcher(threading.Thread):
 
 def ours_args(scenario: Scenario, overrides: list[str], seed: int, out: Path, every: int, steps: int) -> list[str]:
     fixed = ["train.keep_last=1000000", "train.save_model=false", "deepspeed.csv_monitor.enabled=false"]
-    return argv(
-        ROOT / "launch" / "pretrain.py",
-        deepspeed_config=scenario.config,
-        max_steps=steps,
-        output_dir=out,
-        overwrite_output_dir=True,
-        eval_every=0,
-        log_every=every,
-        save_every=every,
-        seed=seed,
-        overrides=[*scenario.data_overrides(), *fixed, *overrides],
-    )
+    script = argv(ROOT / "launch" / "pretrain.py", deepspeed_config=scenario.config, max_steps=steps, output_dir=out)
+    schedule = argv(overwrite_output_dir=True, eval_every=0, log_every=every, save_every=every, seed=seed)
+    return [*script, *schedule, *argv(overrides=[*scenario.data_overrides(), *fixed, *overrides])]
 
 
 def hf_args(scenario: Scenario, prep: Prepared, contender: str, seed: int, out: Path, every: int, steps: int) -> list:
     """A ``Trainer`` run: the HF contenders (transformers' ``Trainer``, :data:`HF_DS_CONFIG`), and in the continued
     scenarios ours through ``BertOptTrainer`` (the scenario's DeepSpeed JSON, whose ``"bertopt"`` section applies).
-    The optimizer and schedule are the baseline's budget: the scenario's config."""
+    The batch, optimizer and schedule are the scenario config's (the baseline's budget)."""
     line_by_line, sampler = TRAINER_DATA[contender]
     b, ds = prep.cfg.bertopt, prep.cfg.deepspeed
     opt = b.optimizer
@@ -362,13 +353,13 @@ def hf_args(scenario: Scenario, prep: Prepared, contender: str, seed: int, out: 
         per_device_train_batch_size=ds["train_micro_batch_size_per_gpu"],
         gradient_accumulation_steps=ds.get("gradient_accumulation_steps", 1),
         max_steps=steps,
-        learning_rate=repr(opt.lr),
-        weight_decay=repr(opt.weight_decay),
-        adam_beta1=repr(opt.betas[0]),
-        adam_beta2=repr(opt.betas[1]),
-        adam_epsilon=repr(opt.eps),
-        max_grad_norm=repr(float(ds.get("gradient_clipping", 0.0))),
-        warmup_steps=repr(b.schedule.warmup_fraction),
+        learning_rate=opt.lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.betas[0],
+        adam_beta2=opt.betas[1],
+        adam_epsilon=opt.eps,
+        max_grad_norm=float(ds.get("gradient_clipping", 0.0)),
+        warmup_steps=b.schedule.warmup_fraction,
         logging_steps=every,
         seed=seed,
         train_sampling_strategy=sampler,
