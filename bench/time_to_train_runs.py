@@ -374,11 +374,10 @@ def launch(scenario: Scenario, script_args: list[str], out: Path, timeout: float
     log = out / "launcher.log"
     if scenario.nodes == 1:
         port = free_port()
+        cmd = [*deepspeed_launcher(scenario.ranks_per_node, port), *script_args]
         with open(log, "w") as fh:
             try:
-                code = run_streamed(
-                    [*deepspeed_launcher(scenario.ranks_per_node, port), *script_args], fh.write, timeout
-                )
+                code = run_streamed(cmd, fh.write, timeout)
             finally:
                 remove_deepspeed_shm_buffers("127.0.0.1", port)  # scripts that never unlink DeepSpeed's shm
         return code, log.read_text(errors="replace")
