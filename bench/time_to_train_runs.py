@@ -210,9 +210,8 @@ def prepare(scenario: Scenario, work: Path, masks: int, min_tokens: int) -> Prep
     tokenizer_dir = shared / "tokenizer"
     if not (tokenizer_dir / "tokenizer.json").exists():
         data.tokenizer.save_pretrained(str(tokenizer_dir))
-    (work / HF_DS_CONFIG).write_text(
-        json.dumps(trainer_ds_config(0, fp16={"enabled": False}, wall_clock_breakdown=False))
-    )
+    hf_ds_config = trainer_ds_config(0, fp16={"enabled": False}, wall_clock_breakdown=False)
+    (work / HF_DS_CONFIG).write_text(json.dumps(hf_ds_config))
     hf_stats = {}
     for line_by_line in (False, True):
         stats = work / f"hf_stats_{scenario.name}_{int(line_by_line)}.json"
