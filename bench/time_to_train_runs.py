@@ -7,7 +7,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 import threading
@@ -283,8 +282,6 @@ class OursWatcher(threading.Thread):
     """Polls a run's metrics.jsonl and checkpoints/ every 50 ms: when each train line and each complete checkpoint
     first appears (``time.time()``). A train line is written right after its step, before that step's save."""
 
-    CHECKPOINT = re.compile(r"^step(\d{8})$")
-
     def __init__(self, out: Path):
         super().__init__(daemon=True)
         self.out, self.stop = out, threading.Event()
@@ -305,10 +302,8 @@ class OursWatcher(threading.Thread):
                 record = json.loads(line)
                 if "tokens_per_s" in record:
                     self.line_seen.setdefault(record["step"], now)
-        root = self.out / "checkpoints"
-        for match in map(self.CHECKPOINT.match, os.listdir(root) if root.is_dir() else []):
-            if match:
-                self.checkpoint_seen.setdefault(int(match.group(1)), now)
+        for checkpoint in (self.out / "checkpoints").glob("step" + "[0-9]" * 8):
+            self.checkpoint_seen.setdefault(int(checkpoint.name[4:]), now)
 
     def run(self) -> None:
         while not self.stop.is_set():
