@@ -27,10 +27,6 @@ from bench import time_to_train_runs as ttt
 from bench._common import TABLES, environment_line, figure, interleaved, median, ratio_line, record, say, status
 
 
-def med(values: list[float]) -> float:
-    return median(values) if values else math.nan
-
-
 def fmt(values: list[float], unit: str = "", digits: int = 0) -> str:
     return " / ".join("not reached" if math.isinf(v) else f"{v:,.{digits}f}{unit}" for v in values)
 
@@ -150,9 +146,9 @@ def summarise(scenario: ttt.Scenario, prep, runs: dict[str, list[ttt.Run]], base
             ratios[key] = math.inf
             return
         say(ratio_line(f"[{name}] time to target {contender}", ours_s, ref_s, reference))
-        ratios[key] = med(ours_s) / med(ref_s)
+        ratios[key] = median(ours_s) / median(ref_s)
         # what the start-up hides, and what the samples say (printed, not judged)
-        startup = {c: med([r.startup_s for r in runs[c]]) for c in (contender, reference)}
+        startup = {c: median([r.startup_s for r in runs[c]]) for c in (contender, reference)}
         training = [[v - startup[c] for v in per[c][0]] for c in (contender, reference)]
         what = f"[{name}] training time to target (extrapolated start-up taken out) {contender}"
         print(ratio_line(what, *training, reference))
@@ -178,7 +174,11 @@ def summarise(scenario: ttt.Scenario, prep, runs: dict[str, list[ttt.Run]], base
         "bars",
         f"{name}_time_to_target",
         f"{name}: wall time to accuracy {target:.4f}",
-        [{"label": c, "time_to_target_s": med(v[0])} for c, v in per.items() if not any(math.isinf(x) for x in v[0])],
+        [
+            {"label": c, "time_to_target_s": median(v[0])}
+            for c, v in per.items()
+            if not any(math.isinf(x) for x in v[0])
+        ],
         stack=["time_to_target_s"],
         unit="seconds to target (median of seeds)",
         note="contenders that did not reach the target in every run are left out",
