@@ -174,11 +174,7 @@ def summarise(scenario: ttt.Scenario, prep, runs: dict[str, list[ttt.Run]], base
         "bars",
         f"{name}_time_to_target",
         f"{name}: wall time to accuracy {target:.4f}",
-        [
-            {"label": c, "time_to_target_s": median(v[0])}
-            for c, v in per.items()
-            if not any(math.isinf(x) for x in v[0])
-        ],
+        [{"label": c, "time_to_target_s": median(v[0])} for c, v in per.items() if math.inf not in v[0]],
         stack=["time_to_target_s"],
         unit="seconds to target (median of seeds)",
         note="contenders that did not reach the target in every run are left out",
