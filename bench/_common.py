@@ -208,8 +208,8 @@ def cpu_kind() -> str:
     return f"CPU: {name}, {cores} cores available, {isa}"
 
 
-# --- shared by time_to_train.py, time_to_train_runs.py, preprocess.py (finetune_tasks.py and optim_parts.py repeat
-# trainer_ds_config and first_crossing) ---
+# --- shared by time_to_train_runs.py (finetune_tasks.py writes the same Trainer config, optim_parts.py interpolates
+# the same crossing) ---
 def trainer_ds_config(stage: int, **extra) -> dict:
     """A DeepSpeed config for Hugging Face ``Trainer``: the batch sizes and clipping ``"auto"`` (``Trainer`` fills them
     from its arguments), fp32, ZeRO ``stage``, no step prints; ``extra`` keys after them."""
