@@ -132,10 +132,12 @@ def test_compiled_fused_dropout_draws_what_eager_draws(dynamo_counters):
     assert not graphs_and_breaks(dynamo_counters)[1]
 
 
-def test_the_attention_op_backward_replays_its_dropout():
+@pytest.mark.parametrize("packed_bits", [False, True])
+def test_the_attention_op_backward_replays_its_dropout(packed_bits):
     """The op's forward and gradients (from the probabilities and keep-mask its forward kept) equal autograd through
-    the eager SDPA loop run from the same seed (its attention-dropout mask), compiled too (Inductor, the kept size
-    dynamic over two length mixes); a different seed drops differently."""
+    the eager SDPA loop run from the same seed (its attention-dropout mask: SDPA's ``bernoulli_`` draws, or the packed
+    bits of ``model.fused_dropout``), compiled too (Inductor, the kept size dynamic over two length mixes); a different
+    seed drops differently."""
     torch.manual_seed(0)
     grad = torch.randn(26, 2, 8)
     compiled_op = torch.compile(compiled.packed_attention_op, backend="inductor", fullgraph=True)
@@ -144,13 +146,15 @@ def test_the_attention_op_backward_replays_its_dropout():
         cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
         scores = torch.empty(()).expand(sum(n * n for n in lengths))
         qkv = (x[: sum(lengths)] for x in (q, k, v))
-        return call(*qkv, cu, torch.tensor(seed), scores, 0, 0.3, None, -1, "sdpa_loop")
+        return call(*qkv, cu, torch.tensor(seed), scores, 0, 0.3, None, -1, "sdpa_loop", packed_bits)
 
     q, k, v = (torch.randn(26, 2, 8, requires_grad=True) for _ in range(3))
     for lengths in ([5, 7, 3], [9, 2, 15]):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(7)
-            ref = sdpa_loop_attention(*(x[: sum(lengths)] for x in (q, k, v)), lengths, dropout_p=0.3)
+            ref = sdpa_loop_attention(
+                *(x[: sum(lengths)] for x in (q, k, v)), lengths, dropout_p=0.3, packed_bits=packed_bits
+            )
         want = torch.autograd.grad(ref, (q, k, v), grad[: sum(lengths)])
         for call in (compiled.packed_attention_op, compiled_op):
             out = op(lengths, 7, call)[0]
