@@ -206,3 +206,24 @@ def cpu_kind() -> str:
     except AttributeError:
         cores = os.cpu_count() or 1
     return f"CPU: {name}, {cores} cores available, {isa}"
+
+
+# --- shared by time_to_train_runs.py (finetune_tasks.py writes the same Trainer config, optim_parts.py interpolates
+# the same crossing) ---
+def trainer_ds_config(stage: int, **extra) -> dict:
+    """A DeepSpeed config for Hugging Face ``Trainer``: the batch sizes and clipping ``"auto"`` (``Trainer`` fills them
+    from its arguments), fp32, ZeRO ``stage``, no step prints; ``extra`` keys after them."""
+    auto = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "gradient_clipping")
+    fixed = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": False}, "steps_per_print": 1_000_000}
+    return {**dict.fromkeys(auto, "auto"), **fixed, **extra}
+
+
+def first_crossing(values: list[float], target: float, *axes: list[float]) -> Optional[tuple[float, ...]]:
+    """Each of ``axes`` (steps, seconds, samples) where ``values`` first reach ``target``, linearly interpolated
+    between that point and the one before; None if they never do."""
+    for i, value in enumerate(values):
+        if value >= target:
+            before = i - 1 if i else 0
+            w = (target - values[before]) / (value - values[before]) if i else 1.0
+            return tuple(float(axis[before] + w * (axis[i] - axis[before])) for axis in axes)
+    return None

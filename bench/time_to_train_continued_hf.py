@@ -1,8 +1,7 @@
-"""The ``Trainer`` runs of ``bench/time_to_train.py``'s continued scenarios: ``tests/scripts/hf_mlm_train.py``'s
-data, snapshots and timing, from a released checkpoint (``AutoModelForMaskedLM.from_pretrained``) instead of a random
-model, under transformers' ``Trainer`` (``--trainer hf``: the baselines) or ``BertOptTrainer`` (``--trainer bertopt``:
-ours, with the ``"bertopt"`` section of the DeepSpeed JSON, e.g. ``ds_configs/continued_mlm.json``). Run it under the
-``deepspeed`` launcher, as the bench does."""
+"""The ``Trainer`` runs of ``bench/time_to_train.py``'s continued scenarios, under the ``deepspeed`` launcher:
+``tests/scripts/hf_mlm_train.py``'s data, snapshots and timing, from a released checkpoint instead of a random model,
+under transformers' ``Trainer`` (``--trainer hf``: the baselines) or ``BertOptTrainer`` (``--trainer bertopt``: ours,
+with the ``"bertopt"`` section of the DeepSpeed JSON, e.g. ``ds_configs/continued_mlm.json``)."""
 
 from __future__ import annotations
 
@@ -14,35 +13,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
-from hf_mlm_train import ScriptArguments, SnapshotCallback, build_dataset, is_main  # noqa: E402
-
-TRAINERS = ("hf", "bertopt")
+from hf_mlm_train import ScriptArguments, SnapshotCallback, build_dataset, is_main
 
 
 @dataclass
 class ContinuedArguments:
     model_name_or_path: str = field(metadata={"help": "the checkpoint directory training continues from"})
-    trainer: str = field(default="hf", metadata={"help": "hf: transformers' Trainer; bertopt: BertOptTrainer"})
+    trainer: str = field(default="hf", metadata={"choices": ("hf", "bertopt"), "help": "hf: Trainer; bertopt: ours"})
 
 
 def main(argv: list[str]) -> int:
-    from transformers import (
-        AutoModelForMaskedLM,
-        AutoTokenizer,
-        DataCollatorForLanguageModeling,
-        HfArgumentParser,
-        Trainer,
-        TrainingArguments,
-        set_seed,
-    )
+    from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling, HfArgumentParser
+    from transformers import Trainer, TrainingArguments, set_seed
 
     from ds_bertopt.integrations.hf import BertOptTrainer, cpu_deepspeed_argv
 
-    argv = cpu_deepspeed_argv(argv)
     parser = HfArgumentParser((ScriptArguments, ContinuedArguments, TrainingArguments))
-    script, continued, training_args = parser.parse_args_into_dataclasses(argv)
-    if continued.trainer not in TRAINERS:
-        parser.error(f"--trainer {continued.trainer!r}: one of {', '.join(TRAINERS)}")
+    script, continued, training_args = parser.parse_args_into_dataclasses(cpu_deepspeed_argv(argv))
     tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name)
     dataset = build_dataset(script, tokenizer, training_args)
     set_seed(training_args.seed)  # the new MLM head's initialisation, as run_mlm.py seeds before building the model
