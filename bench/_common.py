@@ -206,3 +206,14 @@ def cpu_kind() -> str:
     except AttributeError:
         cores = os.cpu_count() or 1
     return f"CPU: {name}, {cores} cores available, {isa}"
+
+
+# --- shared by wtacrs.py, wtacrs_frontier.py, finetune_tasks.py ---
+def md_row(cells: Iterable) -> str:
+    """One markdown table row."""
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+
+def md_table(columns: list[str], rows: Iterable[str]) -> list[str]:
+    """A markdown table's lines: the header of ``columns``, its rule, then ``rows`` (each from :func:`md_row`)."""
+    return [md_row(columns), "|" + "---|" * len(columns), *rows]
