@@ -208,7 +208,7 @@ def cpu_kind() -> str:
     return f"CPU: {name}, {cores} cores available, {isa}"
 
 
-# --- shared by wtacrs.py, wtacrs_frontier.py, finetune_tasks.py ---
+# --- shared by wtacrs.py, wtacrs_frontier.py ---
 def md_row(cells: Iterable) -> str:
     """One markdown table row."""
     return "| " + " | ".join(str(cell) for cell in cells) + " |"

@@ -202,10 +202,8 @@ STEP_SETUPS = {  # the one-step peak at the same batch: (packed, wtacrs)
 
 
 def step_peaks(lengths: list[int], batches: int) -> dict[str, list[float]]:
-    """The peak of one training step (weights, gradients, AdamW state, activations; a fresh child each, RSS above the
-    bare interpreter with the mmap-threshold allocator: ``ds-bertopt memory``'s measure) of each setup on the same
-    ``batches`` random batches of 16 BoolQ training examples (their real lengths: padded to the longest, or packed),
-    interleaved."""
+    """One training step's peak (``ds-bertopt memory``'s measure, a fresh child each) of each setup on the same
+    ``batches`` random batches of 16 BoolQ training examples, interleaved."""
     import random
 
     from ds_bertopt.model.local import default_model_dir

@@ -350,7 +350,10 @@ def main() -> int:
     parser.add_argument("--frontier-repeats", type=int, help="frontier: timed rounds (default 3, full mode 5)")
     parser.add_argument("--frontier-bf16-repeats", type=int, help="frontier: bf16 rounds (emulated bf16: 2)")
     parser.add_argument(
-        "--frontier-bf16-tokens", type=int, default=EMULATED_BF16_TOKENS, help="frontier: emulated bf16 cells' limit"
+        "--frontier-bf16-tokens",
+        type=int,
+        default=EMULATED_BF16_TOKENS,
+        help="frontier: on a CPU that emulates bf16, skip bf16 cells of more tokens (batch x seq)",
     )
     parser.add_argument("--frontier-setups", help="frontier: comma-separated setups (default: per mode)")
     parser.add_argument("--frontier-no-budget", action="store_true", help="frontier: without the budget check")

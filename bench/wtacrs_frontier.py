@@ -74,15 +74,7 @@ def pareto_front(points: dict[str, tuple[float, float]]) -> set[str]:
 
 
 def frontier_section(
-    model_dir: str | None,
-    label: str,
-    batch: int,
-    seq: int,
-    threads: int,
-    repeats: int,
-    names,
-    model_config: dict | None = None,
-    precision: str = "fp32",
+    model_dir, label: str, batch: int, seq: int, threads: int, repeats: int, names, model_config=None, precision="fp32"
 ) -> None:
     """Step peak (fresh child each) and step time (interleaved, in process) per setup; the Pareto front; how each
     setup sits against HF gradient checkpointing. ``precision``: the weights' dtype (bf16: as DeepSpeed's bf16 mode
@@ -92,8 +84,8 @@ def frontier_section(
     specs.update({name: spec for name, (spec, _) in resolved.items()})
     names = list(specs)
     base = {"model": model_dir, "model_config": model_config, "batch": batch, "seq": seq, "threads": threads}
-    peaks = {n: locked(measure_step_in_child, {**base, "wtacrs": specs[n], "precision": precision}) for n in names}
-    peaks = {n: r["step_peak"] for n, r in peaks.items()}
+    base["precision"] = precision
+    peaks = {n: locked(measure_step_in_child, {**base, "wtacrs": specs[n]})["step_peak"] for n in names}
     times = timed(model_dir, specs, dict.fromkeys(names, batch), seq, repeats, model_config, precision)
     full_peak, full_time = peaks["full"], median(times["full"])
     points = {name: (peaks[name] / full_peak, median(times[name]) / full_time) for name in names}
@@ -205,10 +197,8 @@ def fallback_targets(cell: str, cpu: str, resolved: dict, points: dict, shape: t
 
 
 def budget_section(model_dir: str, seq: int, threads: int, budget_gb: float, max_batch: int, repeats: int) -> None:
-    """``ds-bertopt memory --compare``'s own code (per setup the largest micro-batch whose measured peak fits, its
-    step time, ``sizing.choose``'s rule), then every setup that fits re-timed at its batch, interleaved in one process:
-    the choice fits and the same rule on the re-timed rates chooses it again (the simplest within the tie margin of
-    the fastest)."""
+    """``ds-bertopt memory --compare``'s own code (``sizing.measure``, ``sizing.choose``), then every setup that fits
+    re-timed at its batch, interleaved in one process: the same rule on the re-timed rates must choose it again."""
     from ds_bertopt.cli.memory import COMPARED
     from ds_bertopt.wtacrs.sizing import TIE_MARGIN, GiB, Measured, choose, describe, measure
 
