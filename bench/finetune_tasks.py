@@ -136,21 +136,17 @@ def real_lengths(task: str, script_args: list[str]) -> list[int]:
     sys.path.insert(0, str(ROOT / "examples"))
     import importlib
 
-    from transformers import HfArgumentParser, TrainingArguments
+    from transformers import AutoTokenizer, HfArgumentParser, TrainingArguments
 
     script = importlib.import_module({"glue": "run_glue", "ner": "run_ner", "qa": "run_qa"}[task])
     parser = HfArgumentParser((script.ModelArguments, script.DataArguments, TrainingArguments))
     model_args, data, _ = parser.parse_args_into_dataclasses([*script_args, "--output_dir", tempfile.mkdtemp()])
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
-    raw = script.load_raw(data)["train"]
+    raw, truncated = script.load_raw(data)["train"], {"truncation": True, "max_length": data.max_seq_length}
     if task == "glue":
-        encoded = tokenizer(
-            list(raw[data.sentence1_key]), list(raw[data.sentence2_key]), truncation=True, max_length=256
-        )
+        encoded = tokenizer(list(raw[data.sentence1_key]), list(raw[data.sentence2_key]), **truncated)
     elif task == "ner":
-        encoded = tokenizer(list(raw["tokens"]), is_split_into_words=True, truncation=True, max_length=128)
+        encoded = tokenizer(list(raw["tokens"]), is_split_into_words=True, **truncated)
     else:
         data.pad_to_max_length = False
         encoded = script.windows(tokenizer, data, raw[:])
