@@ -227,3 +227,14 @@ def first_crossing(values: list[float], target: float, *axes: list[float]) -> Op
             w = (target - values[before]) / (value - values[before]) if i else 1.0
             return tuple(float(axis[before] + w * (axis[i] - axis[before])) for axis in axes)
     return None
+
+
+# --- shared by wtacrs.py, wtacrs_frontier.py ---
+def md_row(cells: Iterable) -> str:
+    """One markdown table row."""
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+
+def md_table(columns: list[str], rows: Iterable[str]) -> list[str]:
+    """A markdown table's lines: the header of ``columns``, its rule, then ``rows`` (each from :func:`md_row`)."""
+    return [md_row(columns), "|" + "---|" * len(columns), *rows]

@@ -5,28 +5,22 @@ SQuAD-style QA. MiniLM-L6, 2 ranks (the ``deepspeed`` launcher, one thread each)
     .venv/bin/python bench/finetune_tasks.py --quick                              # subsets: about 10 minutes
 
 Every contender is ``examples/run_glue.py`` / ``run_ner.py`` / ``run_qa.py`` run by ``bench/finetune_tasks_run.py``:
-**ours** is the script as written (``BertOptTrainer``, ``"bertopt": {"model": {"unpadded": true}, "sampler":
-{"strategy": "packed_node_balance"}}``: packed rows, micro-batches of equal cost), **HF** the same script with
-``Trainer`` (the stock script: dynamic padding for BoolQ and NER, ``run_qa``'s ``pad_to_max_length`` for QA; ``HF
-group_by_length`` adds ``train_sampling_strategy="group_by_length"``). Same data, hyper-parameters, seed and
-micro-batch (16 examples per rank; NER 32: tweets are short, and at 16 the step's fixed costs, the optimizer and the
-gradient all-reduce of 22.7M parameters, hide what padding costs). The contenders of a task run one after another,
-alternating ours and theirs; NER runs ``--ner-seeds`` (two) and averages its scores.
+**ours** the script as written (``BertOptTrainer``, ``"bertopt": {"model": {"unpadded": true}, "sampler":
+{"strategy": "packed_node_balance"}}``), **HF** the same script with ``Trainer`` (dynamic padding for BoolQ and NER,
+``pad_to_max_length`` for QA; ``HF group_by_length``: ``train_sampling_strategy="group_by_length"``). Same data,
+hyper-parameters, seed and micro-batch (16 examples per rank; NER 32: at 16 the step's fixed costs hide what padding
+costs); a task's contenders run one after another; NER averages ``--ner-seeds``.
 
-* **speed**: examples (NER: real tokens) per second of training, from the wall time of every optimizer step
-  (loading and collating included); the run after its first step is cut into 10 consecutive windows and the figure is
-  the median of the windows' rates (the ratio lines: the ratio of the medians). MFU = model FLOPs on the real tokens
-  / time / the GEMM peak (``bench/mfu.py``'s, one thread, times 2 ranks) measured in the same run.
-* **peak** (the targets): one training step on the same random batches of 16 BoolQ training examples (5; their real
-  lengths, padded to the longest or packed), each setup in a fresh child as ``ds-bertopt memory`` measures it: RSS
-  above the bare interpreter with the mmap-threshold allocator (weights, gradients, AdamW state, activations); the
-  median of the per-batch ratios. Also printed, without a target: each training process's RSS high-water mark during
-  the epoch above its RSS after its imports, the larger rank (it also holds what loading the data and model left in
-  the allocator, the same for every contender).
-* **scores**: after training, on the dev files (BoolQ accuracy, entity F1 with seqeval semantics) or on the questions
-  held out of ``disfl_qa.jsonl`` (20 %, fixed split; EM and F1 by the SQuAD v2 rules). BoolQ runs one seed: accuracy
-  on 1,640 dev questions has a standard error near 1.2 points, more than the 0.5-point target resolves; NER's F1 on
-  300 dev tweets moves by points from seed to seed.
+* **speed**: examples (NER: real tokens) per second from every optimizer step's wall time (loading and collating
+  included), the run after its first step cut into 10 windows: the median of their rates. MFU = model FLOPs on the
+  real tokens / time / the GEMM peak (``bench/mfu.py``'s, one thread, times 2 ranks) measured in the same run.
+* **peak** (the targets): one training step on the same random batches of 16 BoolQ training examples (their real
+  lengths, padded to the longest or packed), a fresh child per setup as ``ds-bertopt memory`` measures it; the median
+  of the per-batch ratios. Printed without a target: each training process's RSS high-water mark during the epoch
+  above its RSS after its imports, the larger rank.
+* **scores**: on the dev files (BoolQ accuracy, entity F1 with seqeval semantics) or on the 20 % of ``disfl_qa.jsonl``
+  held out (EM and F1 by the SQuAD v2 rules). BoolQ runs one seed: its accuracy on 1,640 dev questions has a standard
+  error near 1.2 points, more than the 0.5-point target resolves.
 
 ``--boolq-train N`` trains BoolQ on the first N training examples (the same for every contender; the output says so).
 """
@@ -41,7 +35,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._common import figure, ROOT, cpu_kind, deepspeed_launcher, environment_line, record, run_checked, say, status
+from bench._common import figure, ROOT, cpu_kind, deepspeed_launcher, environment_line, median, record, run_checked
+from bench._common import say, status
 
 SHARED = ROOT.parent / "shared" / "data"
 OURS = {"model": {"unpadded": True}, "sampler": {"strategy": "packed_node_balance"}}
@@ -119,8 +114,7 @@ def run(task: str, name: str, work: Path, script_args: list[str], seed: int, sta
         "exact_peak": all(r["exact_peak"] for r in ranks),
         "eval": ranks[0]["eval"],
     }
-    rate = statistics.median(result["rates"])
-    print(f"[{task}] {name}: {rate:.2f} examples/s, peak {result['peak'] / 2**30:.2f} GiB, {result['eval']}")
+    print(f"[{task}] {name}: {speed(result):.2f} examples/s, peak {result['peak'] / 2**30:.2f} GiB, {result['eval']}")
     return result
 
 
@@ -142,23 +136,21 @@ def real_lengths(task: str, script_args: list[str]) -> list[int]:
     sys.path.insert(0, str(ROOT / "examples"))
     import importlib
 
-    from transformers import HfArgumentParser, TrainingArguments
+    from transformers import AutoTokenizer, HfArgumentParser, TrainingArguments
 
     script = importlib.import_module({"glue": "run_glue", "ner": "run_ner", "qa": "run_qa"}[task])
     parser = HfArgumentParser((script.ModelArguments, script.DataArguments, TrainingArguments))
     model_args, data, _ = parser.parse_args_into_dataclasses([*script_args, "--output_dir", tempfile.mkdtemp()])
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
-    raw = script.load_raw(data)["train"]
+    raw, truncated = script.load_raw(data)["train"], {"truncation": True, "max_length": data.max_seq_length}
     if task == "glue":
-        pairs = tokenizer(list(raw[data.sentence1_key]), list(raw[data.sentence2_key]), truncation=True, max_length=256)
-        return [len(ids) for ids in pairs["input_ids"]]
-    if task == "ner":
-        words = tokenizer(list(raw["tokens"]), is_split_into_words=True, truncation=True, max_length=128)
-        return [len(ids) for ids in words["input_ids"]]
-    data.pad_to_max_length = False
-    return [len(ids) for ids in script.windows(tokenizer, data, raw[:])["input_ids"]]
+        encoded = tokenizer(list(raw[data.sentence1_key]), list(raw[data.sentence2_key]), **truncated)
+    elif task == "ner":
+        encoded = tokenizer(list(raw["tokens"]), is_split_into_words=True, **truncated)
+    else:
+        data.pad_to_max_length = False
+        encoded = script.windows(tokenizer, data, raw[:])
+    return [len(ids) for ids in encoded["input_ids"]]
 
 
 def flops_per_token(lengths: list[int]) -> float:
@@ -169,7 +161,12 @@ def flops_per_token(lengths: list[int]) -> float:
 
 
 def speed(result: dict) -> float:
-    return statistics.median(result["rates"])
+    return median(result["rates"])
+
+
+def bars(file: str, title: str, values: dict[str, float], unit: str) -> None:
+    """A figure of one bar per label, in ``unit``."""
+    figure("bars", file, title, [{"label": k, unit: v} for k, v in values.items()], unit=unit, stack=[unit])
 
 
 def ratio_line(what: str, ours: str, theirs: str, results: dict, target: float, unit: str, scale: float = 1.0):
@@ -179,7 +176,6 @@ def ratio_line(what: str, ours: str, theirs: str, results: dict, target: float, 
         f"{what}, {ours} vs {theirs}: {ratio:.2f}x (median of {len(results[ours]['rates'])}); {a:.1f} vs {b:.1f} "
         f"{unit}; target >= {target}x: {status(ratio >= target)}"
     )
-    return ratio
 
 
 def score_line(what: str, key: str, ours: str, theirs: str, results: dict, within: float) -> None:
@@ -202,10 +198,8 @@ STEP_SETUPS = {  # the one-step peak at the same batch: (packed, wtacrs)
 
 
 def step_peaks(lengths: list[int], batches: int) -> dict[str, list[float]]:
-    """The peak of one training step (weights, gradients, AdamW state, activations; a fresh child each, RSS above the
-    bare interpreter with the mmap-threshold allocator: ``ds-bertopt memory``'s measure) of each setup on the same
-    ``batches`` random batches of 16 BoolQ training examples (their real lengths: padded to the longest, or packed),
-    interleaved."""
+    """One training step's peak (``ds-bertopt memory``'s measure, a fresh child each) of each setup on the same
+    ``batches`` random batches of 16 BoolQ training examples, interleaved."""
     import random
 
     from ds_bertopt.model.local import default_model_dir
@@ -225,16 +219,15 @@ def step_peaks(lengths: list[int], batches: int) -> dict[str, list[float]]:
     return peaks
 
 
-def peak_line(what: str, ours: str, theirs: str, peaks: dict, target: float) -> float:
+def peak_line(what: str, ours: str, theirs: str, peaks: dict, target: float) -> None:
     ratios = [b / a for a, b in zip(peaks[ours], peaks[theirs])]
-    ratio = statistics.median(ratios)
-    a, b = (statistics.median(peaks[n]) / 2**20 for n in (ours, theirs))
+    ratio = median(ratios)
+    a, b = (median(peaks[n]) / 2**20 for n in (ours, theirs))
     say(
         f"{what}: {theirs} / {ours} = {ratio:.2f}x (median of {len(ratios)}) lower one-step peak ({a:.0f} vs {b:.0f} "
         f"MiB: weights, gradients, AdamW state, activations; the same random batches of 16); target >= {target}x: "
         f"{status(ratio >= target)}"
     )
-    return ratio
 
 
 def run_peak_line(ours: str, theirs: str, results: dict) -> None:
@@ -272,19 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     print(environment_line(), flush=True)
     work = Path(tempfile.mkdtemp(prefix="finetune_tasks_"))
     results: dict[str, dict] = {}
-    names = {
-        "ner": ("ours unpadded", "HF padded"),
-        "qa": ("ours unpadded", "HF padded"),
-        "glue": ("HF padded", "ours unpadded", "HF group_by_length", "ours + preset balanced"),
-    }
     for task in args.tasks:
+        names = tuple(CONTENDERS) if task == "glue" else ("ours unpadded", "HF padded")  # the order they run in
         script_args = task_arguments(task, args.quick, args.boolq_train) + COMMON
         lengths = real_lengths(task, script_args)
         seeds = args.ner_seeds if task == "ner" else [42]
-        runs = [{name: run(task, name, work, script_args, seed, args.zero) for name in names[task]} for seed in seeds]
-        results[task] = {name: merged([r[name] for r in runs]) for name in names[task]}
-        results[task]["_tokens_per_example"] = sum(lengths) / len(lengths)
-        results[task]["_flops_per_token"] = flops_per_token(lengths)
+        runs = [{name: run(task, name, work, script_args, seed, args.zero) for name in names} for seed in seeds]
+        results[task] = {name: merged([r[name] for r in runs]) for name in names}
+        results[task].update(_tokens_per_example=sum(lengths) / len(lengths), _flops_per_token=flops_per_token(lengths))
         results[task]["_examples"] = len(lengths)
         if task == "glue":
             results[task]["_step_peaks"] = step_peaks(lengths, 2 if args.quick else 5)
@@ -300,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(results: dict, args, peak: float) -> None:
-    bars, memory = [], []
+    rates, memory = {}, {}
     for task, per in results.items():
         tokens, flops = per["_tokens_per_example"], per["_flops_per_token"]
         for name, result in per.items():
@@ -310,11 +298,10 @@ def report(results: dict, args, peak: float) -> None:
             scores = {k: round(v, 4) for k, v in result["eval"].items() if isinstance(v, float)}
             say(
                 f"{task} {name}: {speed(result):.2f} examples/s ({speed(result) * tokens:.0f} real tokens/s, MFU "
-                f"{mfu:.3f}), {statistics.median(result['step_s']):.3f} s/step, peak {result['peak'] / 2**30:.2f} "
+                f"{mfu:.3f}), {median(result['step_s']):.3f} s/step, peak {result['peak'] / 2**30:.2f} "
                 f"GiB, {result['steps']} steps, scores {json.dumps(scores)}"
             )
-            bars.append({"label": f"{task}: {name}", "examples/s": speed(result)})
-            memory.append({"label": f"{task}: {name}", "GiB": result["peak"] / 2**30})
+            rates[f"{task}: {name}"], memory[f"{task}: {name}"] = speed(result), result["peak"] / 2**30
     if "glue" in results:
         r = results["glue"]
         subset = f"first {args.boolq_train} of 9,427 training examples" if args.boolq_train else "all 9,427 training"
@@ -329,7 +316,7 @@ def report(results: dict, args, peak: float) -> None:
         for name in ("ours unpadded", "ours + preset balanced"):
             run_peak_line(name, "HF padded", r)
         score_line("BoolQ preset balanced, dev accuracy", "accuracy", "ours + preset balanced", "HF padded", r, 1.0)
-        a, b = (statistics.median(r[n]["step_s"]) for n in ("ours + preset balanced", "HF padded"))
+        a, b = (median(r[n]["step_s"]) for n in ("ours + preset balanced", "HF padded"))
         say(
             f"BoolQ preset balanced, step time vs HF padded: {a / b:.2f}x (median of {WINDOWS}); {a:.3f} vs {b:.3f} "
             f"s/step; target <= 1.0x: {status(a / b <= 1.0)}"
@@ -349,20 +336,11 @@ def report(results: dict, args, peak: float) -> None:
             f"{100 * theirs['exact_match']:.2f} F1 {100 * theirs['f1']:.2f}; whole path runs: {status(ran)}"
         )
         ratio_line("QA training examples/s", "ours unpadded", "HF padded", r, 1.3, "windows/s")
-    figure("bars", "speed", "Training examples/s (median of windows)", bars, unit="examples/s", stack=["examples/s"])
+    bars("speed", "Training examples/s (median of windows)", rates, "examples/s")
     if "glue" in results:
-        steps = [{"label": n, "MiB": statistics.median(p) / 2**20} for n, p in results["glue"]["_step_peaks"].items()]
-        figure(
-            "bars",
-            "step_peak",
-            "BoolQ one-step peak at the same batches of 16 (median)",
-            steps,
-            unit="MiB",
-            stack=["MiB"],
-        )
-    figure(
-        "bars", "peak", "Training process peak memory (RSS above the bare process)", memory, unit="GiB", stack=["GiB"]
-    )
+        steps = {n: median(p) / 2**20 for n, p in results["glue"]["_step_peaks"].items()}
+        bars("step_peak", "BoolQ one-step peak at the same batches of 16 (median)", steps, "MiB")
+    bars("peak", "Training process peak memory (RSS above the bare process)", memory, "GiB")
 
 
 if __name__ == "__main__":

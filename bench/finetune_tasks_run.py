@@ -1,14 +1,10 @@
 """One contender of ``bench/finetune_tasks.py``: ``examples/run_glue.py``, ``run_ner.py`` or ``run_qa.py`` as written
-(``BertOptTrainer``: ours) or with transformers' ``Trainer`` in its place (the stock script), trained and evaluated
-under the ``deepspeed`` launcher, measured by a callback. Each rank writes ``<out>/rank<N>.json``:
-
-* ``step_s``: the wall time of every optimizer step, ``on_step_end`` to ``on_step_end`` (loading and collating the
-  batches included; the first from ``on_train_begin``, the warm-up);
-* ``train_s``: ``on_train_begin`` → ``on_train_end``; ``steps``; ``batch``: examples per optimizer step (all ranks);
-* ``peak``: the training's resident-memory high-water mark above the process's RSS right after its imports (before
-  data, model and engine: weights, gradients, optimizer state, activations, transients), read once training ends,
-  the mark reset when training begins (``/proc/self/clear_refs``);
-* ``eval``: the script's scores after training (accuracy, entity F1, SQuAD EM/F1).
+(``BertOptTrainer``: ours) or with transformers' ``Trainer`` (the stock script), trained and evaluated under the
+``deepspeed`` launcher, measured by a callback. Each rank writes ``<out>/rank<N>.json``: ``step_s``, every optimizer
+step's wall time (``on_step_end`` to ``on_step_end``, loading and collating included; the first from
+``on_train_begin``); ``train_s``; ``steps``; ``batch`` (examples per optimizer step, all ranks); ``peak``, the RSS
+high-water mark of training (reset as it begins: ``/proc/self/clear_refs``) above the RSS after the imports;
+``eval``, the script's scores after training.
 
     deepspeed --num_gpus 2 bench/finetune_tasks_run.py --task glue --trainer hf --out DIR -- <script arguments>
 """
@@ -73,21 +69,13 @@ def main(argv: list[str]) -> int:
         scores = script.evaluate(trainer, evaluation)
     else:
         scores = {k.removeprefix("eval_"): v for k, v in trainer.evaluate().items()}
-    world = trainer.args.world_size
-    batch = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps * world
-    result = {
-        "step_s": meter.step_s,
-        "train_s": meter.train_s,
-        "steps": trainer.state.global_step,
-        "batch": batch,
-        "peak": meter.peak,
-        "exact_peak": meter.exact_peak,
-        "eval": scores,
-        "threads": torch.get_num_threads(),
-    }
+    training = trainer.args
+    result = {"step_s": meter.step_s, "train_s": meter.train_s, "steps": trainer.state.global_step}
+    result["batch"] = training.per_device_train_batch_size * training.gradient_accumulation_steps * training.world_size
+    result.update(peak=meter.peak, exact_peak=meter.exact_peak, eval=scores, threads=torch.get_num_threads())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{trainer.args.process_index}.json").write_text(json.dumps(result))
+    (out / f"rank{training.process_index}.json").write_text(json.dumps(result))
     if torch.distributed.is_initialized():  # a clean exit: gloo's threads torn down before the interpreter's
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -6,36 +6,28 @@
     python bench/wtacrs.py --sections families [--family-batch 16 --family-seq 128] [--record-as wtacrs_families]
     python bench/wtacrs.py --sections families --family-tiny  # the code path on tiny models (~2 min, a child per cell)
 
-Sections (``--sections memory,frontier,budget,time,accuracy,families``; ``families`` runs in full mode or
-when named; ``--quick`` with the default sections runs the frontier at fp32 64 × 128 only and no ``budget``, named
-or in full mode ``frontier`` runs every ``--frontier-cells`` and ``budget`` unless ``--frontier-no-budget``):
+Sections (``--sections``; ``families`` runs in full mode or when named; ``--quick`` with the default sections runs
+the frontier at fp32 64 × 128 only and no ``budget``; named or in full mode, ``frontier`` runs every
+``--frontier-cells`` and ``budget`` unless ``--frontier-no-budget``). A peak is the whole step's peak RSS above the
+bare interpreter in a fresh child per setup (``MALLOC_MMAP_THRESHOLD_=65536``); a time is the median of interleaved
+rounds. Each figure is printed as one line, its target next to it, met or not.
 
-* memory — saved-for-backward bytes by category and the whole-step peak (fresh child per variant,
-  ``MALLOC_MMAP_THRESHOLD_=65536``; peak RSS above the bare interpreter) at batch 64 × seq 128, fp32
-  and bf16 autocast, for: full fine-tuning, WTA@0.3 on the linears only, each kit part alone, the
-  exact kit + WTA@0.3, plus bf16 GELU, LoRA, LoRA + kit.
-* frontier — the memory–time frontier against what a fine-tuner picks first: full, HF gradient checkpointing
-  (``activation_checkpointing_enable``), the shipped kit + WTA@0.3 (with and without checkpointing), the presets
-  ``exact`` / ``balanced`` / ``max_saving``, LoRA (with checkpointing, with ``balanced``): the step peak (fresh
-  child each) against the step time (interleaved, median), the Pareto front marked, one line per setup against
-  checkpointing and the targets (checkpointing's saving at <= 1.10x full step time; ``exact`` <= 1.10x saving as
-  much, ``balanced`` <= 1.15x; ``max_saving``), each line naming the cell and the CPU's bf16 support. MiniLM-L6 at
-  every ``--frontier-cells`` (bf16 / fp32 × 16 × 64 / 64 × 128; bf16 weights as DeepSpeed's bf16 mode holds them);
-  full mode adds a BERT-base-shaped random-init model at 16 × 128 and 4 × 512. ``exact``/``balanced`` are also run
-  as a run resolves them (``…, as run``: ``wtacrs.fallback_min_saving``), with issue 40's lines (16 × 64: <= 1.05x
-  full step time; 64 × 128: >= 3.1x lower peak at <= 0.80x). ``--frontier-setups`` picks the setups.
-* time — step time (forward, backward, AdamW) at equal batch, variants interleaved, median.
-* budget — ``ds-bertopt memory --compare``'s choice under ``--budget-gb`` at seq 128, checked: every setup that fits
-  re-timed at its own batch (interleaved); the choice fits and runs within 5 % of the fastest.
-* accuracy — ``launch/finetune.py`` on ``../shared/data/rt_polarity`` (train → dev accuracy), one
-  process per run, each run under the shared CPU lock on its own, with ``ds_configs/finetune_zero0.json`` as shipped
-  (unpadded, ``packed_node_balance`` since issue 39; records before it ran padded): every variant on the same path.
-* families — the whole-step peak of full fine-tuning vs exact kit + WTA@0.3 vs LoRA (r=8 on the family's
-  q/v) + exact kit, at equal batch, for BERT-base-, RoBERTa-base-, DeBERTa-v3-base- and
-  ModernBERT-base-shaped random-init models (transformers config classes, no download) and MiniLM-L6
-  (real weights): one table, one line per family and variant.
-
-Each figure is printed as one line; targets are printed next to them, met or not.
+* memory — saved-for-backward bytes by category and the step peak at batch 64 × seq 128, fp32 and bf16 autocast:
+  full fine-tuning, WTA@0.3 on the linears only, each kit part alone, kit + WTA, bf16 GELU, LoRA, LoRA + kit.
+* frontier — step peak against step time of what a fine-tuner picks first (full, HF gradient checkpointing, the kit
+  + WTA@0.3 with and without it, presets ``exact`` / ``balanced`` / ``max_saving``, LoRA with checkpointing or
+  ``balanced``), the Pareto front marked, at every ``--frontier-cells`` (bf16 weights as DeepSpeed's bf16 mode holds
+  them; full mode adds BERT-base-shaped random init at 16 × 128 and 4 × 512). Targets: checkpointing's saving at
+  <= 1.10x full step time; ``exact`` <= 1.10x saving as much, ``balanced`` <= 1.15x; ``max_saving``; issue 40's for
+  the presets as a run resolves them (``…, as run``: 16 × 64 <= 1.05x; 64 × 128 >= 3.1x lower at <= 0.80x).
+* time — step time (forward, backward, AdamW) at equal batch.
+* budget — ``ds-bertopt memory --compare``'s choice under ``--budget-gb`` at seq 128; every setup that fits re-timed
+  at its own batch: the same rule on the re-timed rates must choose it again.
+* accuracy — ``launch/finetune.py`` on ``../shared/data/rt_polarity`` (train → dev accuracy), one process per run
+  under the shared CPU lock, ``ds_configs/finetune_zero0.json`` as shipped (unpadded, ``packed_node_balance`` since
+  issue 39; records before it ran padded).
+* families — full vs kit + WTA@0.3 vs LoRA (r=8 on the family's q/v) + kit at equal batch for BERT-, RoBERTa-,
+  DeBERTa-v3- and ModernBERT-base-shaped random-init models (transformers config classes) and MiniLM-L6: one table.
 """
 
 from __future__ import annotations
@@ -50,10 +42,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import figure, ROOT, TABLES, argv, cpu_env, cpu_kind, environment_line, interleaved, median
-from bench._common import ratio_line, record, run_checked, say
+from bench._common import figure, ROOT, TABLES, argv, bert_sizes, cpu_env, cpu_kind, environment_line, md_row, median
+from bench._common import md_table, ratio_line, record, run_checked, say, status
 from bench.wtacrs_frontier import EMULATED_BF16_TOKENS, FRONTIER_CELLS, FRONTIER_QUICK, QUICK_CELLS, budget_section
-from bench.wtacrs_frontier import frontier_section, locked, minilm_cells, setup_step
+from bench.wtacrs_frontier import frontier_section, locked, minilm_cells, timed
 from ds_bertopt.model.local import default_model_dir
 from ds_bertopt.wtacrs.memory import CATEGORIES, MiB, measure_step_in_child, variant
 
@@ -76,23 +68,16 @@ MEMORY_VARIANTS = {
     "LoRA + exact kit + WTA@0.3": variant(0.3, lora=True, kit=["exact"]),
     "LoRA + kit (no recompute) + bf16 GELU": variant(0.3, lora=True, kit=["sdpa", "dropout", "layernorm", "bf16gelu"]),
 }
-BF16_VARIANTS = ("full", "WTA@0.3 linears only", "exact kit + WTA@0.3", "LoRA", "LoRA + exact kit + WTA@0.3")
+CORE_VARIANTS = ("full", "WTA@0.3 linears only", "exact kit + WTA@0.3", "LoRA", "LoRA + exact kit + WTA@0.3")
+"""The variants of bf16 memory and of step time."""
+QUICK_MEMORY = [name for name in MEMORY_VARIANTS if name in CORE_VARIANTS or name == "exact kit + WTA@0.1"]
 TARGETS = {"exact kit + WTA@0.3": 2.0, "LoRA + exact kit + WTA@0.3": 2.7}
 
 
-def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, names) -> dict:
+def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, names) -> None:
     dtype = "bf16 autocast" if bf16 else "fp32"
-    results = {}
-    for name in names:
-        spec = {
-            "model": model,
-            "wtacrs": MEMORY_VARIANTS[name],
-            "batch": batch,
-            "seq": seq,
-            "threads": threads,
-            "bf16_autocast": bf16,
-        }
-        results[name] = locked(measure_step_in_child, spec)
+    base = {"model": model, "batch": batch, "seq": seq, "threads": threads, "bf16_autocast": bf16}
+    results = {name: locked(measure_step_in_child, {**base, "wtacrs": MEMORY_VARIANTS[name]}) for name in names}
     full = results["full"]
     header = " ".join(f"{c[:10]:>10s}" for c in CATEGORIES)
     print(f"\n== memory, batch {batch} × seq {seq}, {dtype} (MiB saved for backward by category; whole-step peak) ==")
@@ -103,19 +88,12 @@ def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, n
             f"{name:48s} {cats} {r['saved']['total'] / MiB:8.0f} {r['step_peak'] / MiB:8.0f} "
             f"{full['step_peak'] / r['step_peak']:6.2f}x {full['saved']['total'] / r['saved']['total']:6.2f}x"
         )
-    for name, r in results.items():
-        if name == "full":
-            continue
-        target = TARGETS.get(name)
-        verdict = (
-            f" (target >= {target:.1f}x: {'met' if full['step_peak'] / r['step_peak'] >= target else 'NOT met'})"
-            if target
-            else ""
-        )
+    for name in [n for n in names if n != "full"]:
+        lower, target = full["step_peak"] / results[name]["step_peak"], TARGETS.get(name)
+        verdict = f" (target >= {target:.1f}x: {status(lower >= target)})" if target else ""
         say(
-            f"whole-step peak, {name} vs full fine-tuning ({dtype}): "
-            f"{full['step_peak'] / r['step_peak']:.2f}x lower{verdict}; saved-for-backward "
-            f"{full['saved']['total'] / r['saved']['total']:.2f}x lower"
+            f"whole-step peak, {name} vs full fine-tuning ({dtype}): {lower:.2f}x lower{verdict}; saved-for-backward "
+            f"{full['saved']['total'] / results[name]['saved']['total']:.2f}x lower"
         )
     figure(
         "bars",
@@ -133,7 +111,6 @@ def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, n
         stack=["saved for backward", "rest of the step's peak"],
         note="whole-step peak RSS above the bare interpreter, one fresh child process per variant",
     )
-    return results
 
 
 # random-init, base-sized configs (``transformers.AutoConfig.for_model``): the shapes of the public checkpoints
@@ -147,10 +124,7 @@ FAMILY_MODELS = {
     },
     "DeBERTa-v3-base": {
         "model_type": "deberta-v2",
-        "hidden_size": 768,
-        "num_hidden_layers": 12,
-        "num_attention_heads": 12,
-        "intermediate_size": 3072,
+        **bert_sizes(768, 12, 12, 3072),
         "relative_attention": True,
         "position_buckets": 256,
         "pos_att_type": ["p2c", "c2p"],
@@ -170,31 +144,16 @@ FAMILY_VARIANTS = {
 
 def _tiny(config: dict) -> dict:
     """The same family at a few-kilobyte size (``--family-tiny``: checks the code path in seconds)."""
-    out = {
-        **config,
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "intermediate_size": 64,
-        "vocab_size": 3000,
-    }
+    out = {**config, **bert_sizes(32, 2, 4, 64, vocab_size=3000)}
     if config["model_type"] == "deberta-v2":
         out.update(pooler_hidden_size=32, position_buckets=8)
     if config["model_type"] == "modernbert":
-        out.update(
-            num_hidden_layers=3,
-            intermediate_size=48,
-            local_attention=8,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-            cls_token_id=1,
-            sep_token_id=2,
-        )
+        out.update(num_hidden_layers=3, intermediate_size=48, local_attention=8)
+        out.update(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
     return out
 
 
-def families_section(minilm: str | None, batch: int, seq: int, threads: int, tiny: bool) -> dict:
+def families_section(minilm: str | None, batch: int, seq: int, threads: int, tiny: bool) -> None:
     """Whole-step peak per family and variant at equal batch; a markdown table for the report."""
     models: dict[str, dict] = {
         f"{name} (tiny)" if tiny else name: {"model_config": _tiny(cfg) if tiny else cfg}
@@ -204,24 +163,20 @@ def families_section(minilm: str | None, batch: int, seq: int, threads: int, tin
         models["MiniLM-L6 (real weights)"] = {"model": minilm}
     results: dict[str, dict[str, dict]] = {}
     for model_name, source in models.items():
-        results[model_name] = {}
-        for name, wtacrs in FAMILY_VARIANTS.items():
-            spec = {**source, "wtacrs": wtacrs, "batch": batch, "seq": seq, "threads": threads}
-            results[model_name][name] = locked(measure_step_in_child, spec)
+        spec = {**source, "batch": batch, "seq": seq, "threads": threads}
+        results[model_name] = {
+            n: locked(measure_step_in_child, {**spec, "wtacrs": w}) for n, w in FAMILY_VARIANTS.items()
+        }
     shape = "tiny" if tiny else "base"
     print(
         f"\n== whole-step peak by family ({shape}-shaped random init unless noted), batch {batch} × seq {seq}, "
         f"fp32 (MiB; x = full / variant) =="
     )
-    header = (
-        "| model | "
-        + " | ".join(f"{name} peak" for name in FAMILY_VARIANTS)
-        + " | saved for backward full → kit + WTA@0.3 | sampled / trainable (kit + WTA@0.3) |"
-    )
-    rows = [header, "|" + "---|" * (len(FAMILY_VARIANTS) + 3)]
+    columns = ["model", *(f"{name} peak" for name in FAMILY_VARIANTS), "saved for backward full → kit + WTA@0.3"]
+    columns.append("sampled / trainable (kit + WTA@0.3)")
+    rows = []
     for model_name, by_variant in results.items():
-        full = by_variant["full"]
-        cells = []
+        full, kit, cells = by_variant["full"], by_variant["kit + WTA@0.3"], [model_name]
         for name, r in by_variant.items():
             ratio = full["step_peak"] / r["step_peak"]
             cells.append(f"{r['step_peak'] / MiB:.0f}" + ("" if name == "full" else f" ({ratio:.2f}x)"))
@@ -230,10 +185,9 @@ def families_section(minilm: str | None, batch: int, seq: int, threads: int, tin
                     f"whole-step peak, {model_name}-shaped, {name} vs full fine-tuning (fp32, batch {batch} × {seq}): "
                     f"{ratio:.2f}x lower"
                 )
-        kit = by_variant["kit + WTA@0.3"]
         cells.append(f"{full['saved']['total'] / MiB:.1f} → {kit['saved']['total'] / MiB:.1f} MiB")
         cells.append(f"{kit['sampled']} / {kit['trainable'] / 1e6:.1f}M")
-        rows.append(f"| {model_name} | " + " | ".join(cells) + " |")
+        rows.append(md_row(cells))
         print(rows[-1])
     note = (
         f"Whole-step peak (forward, backward, AdamW step; fresh child per cell, peak RSS above the bare "
@@ -241,7 +195,7 @@ def families_section(minilm: str | None, batch: int, seq: int, threads: int, tin
         f"{shape.capitalize()}-shaped random-init models from transformers' config classes; MiniLM-L6 has "
         f"real weights. LoRA r=8 on each family's query/value projections (ModernBERT: the fused Wqkv)."
     )
-    TABLES.append("\n".join([f"**Memory by model family.** {note}", ""] + rows))
+    TABLES.append("\n".join([f"**Memory by model family.** {note}", "", *md_table(columns, rows)]))
     figure(
         "bars",
         "families",
@@ -257,22 +211,16 @@ def families_section(minilm: str | None, batch: int, seq: int, threads: int, tin
         reference=1.0,
         note=note,
     )
-    return results
 
 
 def time_section(model_dir: str, batch: int, seq: int, repeats: int) -> None:
     import torch
 
-    names = ["full", "WTA@0.3 linears only", "exact kit + WTA@0.3", "LoRA", "LoRA + exact kit + WTA@0.3"]
-
-    def measure():
-        torch.manual_seed(0)
-        fns = {name: setup_step(model_dir, MEMORY_VARIANTS[name], batch, seq) for name in names}
-        return interleaved(fns, repeats=repeats, warmup=1)
-
-    times = locked(measure)
+    torch.manual_seed(0)
+    specs = {name: MEMORY_VARIANTS[name] for name in CORE_VARIANTS}
+    times = timed(model_dir, specs, dict.fromkeys(CORE_VARIANTS, batch), seq, repeats)
     print(f"\n== step time, batch {batch} × seq {seq}, fp32, {torch.get_num_threads()} threads ==")
-    for name in names:
+    for name in CORE_VARIANTS:
         print(f"{name:30s} median {median(times[name]) * 1e3:8.0f} ms")
     for name, base in (
         ("WTA@0.3 linears only", "full"),
@@ -281,8 +229,7 @@ def time_section(model_dir: str, batch: int, seq: int, repeats: int) -> None:
         ("LoRA + exact kit + WTA@0.3", "full"),
     ):
         line = ratio_line(f"step time {name}", times[name], times[base], base)
-        ok = median(times[name]) <= 1.10 * median(times[base])
-        say(f"{line} (target <= 1.10x: {'met' if ok else 'NOT met'})")
+        say(f"{line} (target <= 1.10x: {status(median(times[name]) <= 1.10 * median(times[base]))})")
 
 
 # the kit's parts off: the plain step that WTA-CRS or LoRA alone is compared on
@@ -312,12 +259,10 @@ ACCURACY_PAIRS = (
 )
 
 
-def _finetune_run(
-    name: str, seed: int, epochs: int, max_train: int | None, threads: int, max_eval: int | None = None
-) -> float:
+def _finetune_run(name: str, seed: int, epochs: int, threads: int, limits: dict) -> float:
+    """Dev accuracy (%) of one ``launch/finetune.py`` run; ``limits``: ``finetune.max_*_samples`` (None: all)."""
     out = Path(tempfile.mkdtemp(prefix="wtacrs_acc_"))
-    subset = [f"finetune.max_train_samples={max_train}"] if max_train else []
-    subset += [f"finetune.max_eval_samples={max_eval}"] if max_eval else []
+    subset = [f"finetune.{key}={value}" for key, value in limits.items() if value]
     cmd = argv(
         sys.executable,
         ROOT / "launch" / "finetune.py",
@@ -336,16 +281,15 @@ def _finetune_run(
     return 100.0 * evals[-1]["eval_accuracy"]
 
 
-def accuracy_section(
-    seeds: list[int], epochs: int, max_train: int | None, threads: int, names, max_eval: int | None = None
-) -> None:
+def accuracy_section(seeds: list[int], epochs: int, threads: int, names, max_train=None, max_eval=None) -> None:
     if not DATA.is_dir():
         print(f"accuracy: skipped, {DATA} is absent")
         return
+    limits = {"max_train_samples": max_train, "max_eval_samples": max_eval}
     scores: dict[str, list[float]] = {name: [] for name in names}
     for seed in seeds:  # seeds outermost: a partial series still compares like with like
         for name in names:
-            scores[name].append(_finetune_run(name, seed, epochs, max_train, threads, max_eval))
+            scores[name].append(_finetune_run(name, seed, epochs, threads, limits))
             print(f"accuracy run: {name}, seed {seed}: {scores[name][-1]:.2f}", flush=True)
     subset = f"{max_train} training examples" if max_train else "all 10,451 training examples"
     subset += f", first {max_eval} dev examples" if max_eval else ""
@@ -413,18 +357,20 @@ def main() -> int:
     )
     parser.add_argument("--frontier-setups", help="frontier: comma-separated setups (default: per mode)")
     parser.add_argument("--frontier-no-budget", action="store_true", help="frontier: without the budget check")
+    parser.add_argument("--frontier-bert-base", action="store_true", help="frontier, quick: add BERT-base 16 × 128")
     parser.add_argument("--family-batch", type=int, default=16, help="families: batch (equal for every variant)")
     parser.add_argument("--family-seq", type=int, default=128, help="families: sequence length")
     parser.add_argument("--family-tiny", action="store_true", help="families: tiny models (checks the code path)")
-    parser.add_argument(
-        "--frontier-bert-base", action="store_true", help="frontier, quick mode: add BERT-base (random init) 16 × 128"
-    )
     parser.add_argument("--accuracy-variants", help="accuracy: comma-separated names (default: all)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="accuracy: seeds")
     parser.add_argument("--epochs", type=int, default=2, help="accuracy: epochs")
     parser.add_argument("--max-train", type=int, default=None, help="accuracy: first N training examples (default all)")
     parser.add_argument("--record-as", default="wtacrs", help="name of the recorded results (bench/run_all.py)")
     args = parser.parse_args()
+    accuracy_names = args.accuracy_variants.split(",") if args.accuracy_variants else list(ACCURACY_VARIANTS)
+    unknown = [n for n in accuracy_names if n not in ACCURACY_VARIANTS]
+    if unknown:
+        parser.error(f"--accuracy-variants: unknown {unknown[0]!r}; choose from {', '.join(ACCURACY_VARIANTS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
@@ -436,63 +382,32 @@ def main() -> int:
     sections = set(args.sections.split(","))
     named = args.sections != parser.get_default("sections")
     everything = named or not args.quick  # the default --quick run stays within bench/run_all.py's time limit
-    if not args.quick and args.sections == parser.get_default("sections"):
+    if not args.quick and not named:
         sections.add("families")
     print(environment_line())
     print(f"model: {model}; {'quick' if args.quick else 'full'} mode")
     if "memory" in sections:
-        names = (
-            list(MEMORY_VARIANTS)
-            if not args.quick
-            else [
-                "full",
-                "WTA@0.3 linears only",
-                "exact kit + WTA@0.3",
-                "exact kit + WTA@0.1",
-                "LoRA",
-                "LoRA + exact kit + WTA@0.3",
-            ]
-        )
-        memory_section(model, 64, 128, args.threads, False, names)
+        memory_section(model, 64, 128, args.threads, False, QUICK_MEMORY if args.quick else list(MEMORY_VARIANTS))
         if not args.quick:
-            memory_section(model, 64, 128, args.threads, True, BF16_VARIANTS)
+            memory_section(model, 64, 128, args.threads, True, CORE_VARIANTS)
     if "frontier" in sections:
+        cells = args.frontier_cells or (FRONTIER_CELLS if everything else QUICK_CELLS)
         repeats = args.frontier_repeats or (3 if args.quick else 5)
         bf16 = (args.frontier_bf16_repeats, args.frontier_bf16_tokens)
-        minilm_cells(
-            model,
-            args.frontier_cells or (FRONTIER_CELLS if everything else QUICK_CELLS),
-            args.threads,
-            args.quick,
-            repeats,
-            *bf16,
-            setups=args.frontier_setups.split(",") if args.frontier_setups else None,
-        )
+        setups = args.frontier_setups.split(",") if args.frontier_setups else None
+        minilm_cells(model, cells, args.threads, args.quick, repeats, *bf16, setups=setups)
         if not args.quick or args.frontier_bert_base:
-            for batch, seq in ((16, 128), (4, 512)) if not args.quick else ((16, 128),):
-                frontier_section(
-                    None,
-                    "BERT-base (random init)",
-                    batch,
-                    seq,
-                    args.threads,
-                    3,
-                    FRONTIER_QUICK,
-                    model_config=FAMILY_MODELS["BERT-base"],
-                )
+            bert, label = FAMILY_MODELS["BERT-base"], "BERT-base (random init)"
+            for batch, seq in ((16, 128),) if args.quick else ((16, 128), (4, 512)):
+                frontier_section(None, label, batch, seq, args.threads, 3, FRONTIER_QUICK, model_config=bert)
     if "time" in sections:
         time_section(model, 16 if args.quick else 32, 128, 3 if args.quick else 7)
     if "budget" in sections or ("frontier" in sections and everything and not args.frontier_no_budget):
         budget_section(model, 128, args.threads, args.budget_gb, args.budget_max_batch, 3)
-    if "accuracy" in sections:
-        if args.quick:
-            accuracy_section([0], 1, 600, args.threads, ["full", "exact kit + WTA@0.3"], max_eval=512)
-        else:
-            names = args.accuracy_variants.split(",") if args.accuracy_variants else list(ACCURACY_VARIANTS)
-            unknown = [n for n in names if n not in ACCURACY_VARIANTS]
-            if unknown:
-                parser.error(f"--accuracy-variants: unknown {unknown[0]!r}; choose from {', '.join(ACCURACY_VARIANTS)}")
-            accuracy_section(args.seeds, args.epochs, args.max_train, args.threads, names)
+    if "accuracy" in sections and args.quick:
+        accuracy_section([0], 1, args.threads, ["full", "exact kit + WTA@0.3"], max_train=600, max_eval=512)
+    elif "accuracy" in sections:
+        accuracy_section(args.seeds, args.epochs, args.threads, accuracy_names, max_train=args.max_train)
     if "families" in sections:
         families_section(model, args.family_batch, args.family_seq, args.threads, args.family_tiny)
     emulated = "frontier" in sections and "emulated" in cpu_kind()

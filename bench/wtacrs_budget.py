@@ -3,10 +3,9 @@ whether it answers what measuring every setup (``--exhaustive``) does.
 
     python bench/wtacrs_budget.py [--repeats 2] [--exhaustive] [--lock /tmp/ds_heavy.lock]
 
-Each run is the real command in a fresh process (the default model, every core), timed from start to its
-``recommended:`` line; with ``--exhaustive`` the reference runs once after them (about 9 minutes on 2 cores). Both
-choose by the same rule (``sizing.choose``: the simplest setup within the tie margin of the fastest); the record
-keeps every run's output, with the seconds each phase took.
+Each run is the real command in a fresh process (the default model, every core), timed to its ``recommended:`` line;
+``--exhaustive`` runs the reference once after them (about 9 minutes on 2 cores). Both choose by ``sizing.choose``'s
+rule; the record keeps every run's output.
 """
 
 from __future__ import annotations
@@ -59,14 +58,10 @@ def main() -> int:
         f"[target] {' '.join(COMMAND)} on {cpu}: <= {TARGET_S:.0f} s with the exhaustive recommendation: "
         f"{status(slowest <= TARGET_S)} ({slowest:.0f} s, slowest of {len(runs)}; same recommendation: {same})"
     )
-    record(
-        "wtacrs_budget",
-        f"{cpu}; every core per child",
-        runs=[{"seconds": s, "recommended": c, "output": out} for s, c, out in runs],
-        exhaustive=None
-        if reference is None
-        else {"seconds": reference[0], "recommended": reference[1], "output": reference[2]},
-    )
+    keys = ("seconds", "recommended", "output")
+    exhaustive = None if reference is None else dict(zip(keys, reference))
+    recorded = [dict(zip(keys, run)) for run in runs]
+    record("wtacrs_budget", f"{cpu}; every core per child", runs=recorded, exhaustive=exhaustive)
     return 0
 
 

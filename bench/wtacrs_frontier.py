@@ -3,12 +3,7 @@ and the budget mode's choice checked against re-timed throughput (see bench/wtac
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench._common import figure, TABLES, cpu_kind, interleaved, maybe_lock, median, say
+from bench._common import figure, TABLES, cpu_kind, interleaved, maybe_lock, md_row, md_table, median, say, status
 from ds_bertopt.wtacrs.memory import MiB, measure_step_in_child, step_fn, variant
 
 LOCK = "/tmp/ds_bertopt_cpu.lock"
@@ -26,16 +21,11 @@ FRONTIER_VARIANTS = {
     "LoRA + checkpointing": variant(lora=True, kit=["checkpoint"]),
     "LoRA + preset balanced": variant(lora=True, preset="balanced"),
 }
+# quick mode: without the kit and LoRA under checkpointing
 FRONTIER_QUICK = [
-    "full",
-    "HF gradient checkpointing",
-    "shipped kit + WTA@0.3",
-    "preset exact",
-    "preset balanced",
-    "preset max_saving",
-    "LoRA",
-    "LoRA + preset balanced",
+    n for n in FRONTIER_VARIANTS if n not in ("shipped kit + WTA@0.3 + checkpointing", "LoRA + checkpointing")
 ]
+BASELINES = ("full", "HF gradient checkpointing")
 MAX_SAVING_TARGET = (3.5, 1.35)  # the issue's max-saving preset: peak reduction, step time vs full
 FRONTIER_TIME_LIMIT = 1.10  # the issue's "no step-time cost": at most 1.10× full fine-tuning
 PRESET_TIME_LIMITS = {"preset exact": 1.10, "preset balanced": 1.15}  # issue 31, at every cell (bf16 16 × 64 first)
@@ -43,6 +33,7 @@ PRESET_FALLBACK_TARGETS = {(16, 64): (None, 1.05), (64, 128): (3.1, 0.80)}
 """Issue 40, presets as a run resolves them (the fallback): (lowest peak saving or None, highest step time vs full)."""
 FRONTIER_CELLS = "bf16:16x64,fp32:16x64,bf16:64x128,fp32:64x128"  # precision:batch x seq, the order they run in
 QUICK_CELLS = "fp32:64x128"  # bench/wtacrs.py --quick with the default sections
+EMULATED_BF16_TOKENS = 1024  # a bf16 cell larger than 16 × 64 on a CPU that emulates bf16 runs ~15x an fp32 step
 
 
 def locked(fn, *args, **kwargs):
@@ -51,10 +42,26 @@ def locked(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
+def isa(precision: str) -> str:
+    """The CPU's instruction set as a target line names it; "(bf16 emulated)" is said only of bf16 cells."""
+    kind = cpu_kind().rsplit(", ", 1)[-1]
+    return kind if precision != "fp32" else kind.split(" (")[0]
+
+
 def setup_step(model_dir, spec: dict, batch: int, seq: int, model_config=None, precision: str = "fp32"):
     """One training step of setup ``spec`` (``ds_bertopt.wtacrs.memory.step_fn``), built once, to time."""
     setup = {"model": model_dir, "model_config": model_config, "wtacrs": spec, "batch": batch, "seq": seq}
     return step_fn({**setup, "precision": precision})
+
+
+def timed(model_dir, specs: dict, batches: dict, seq: int, repeats: int, model_config=None, precision="fp32"):
+    """Each setup's step times at its batch, interleaved in this process under the lock."""
+
+    def measure():
+        fns = {n: setup_step(model_dir, spec, batches[n], seq, model_config, precision) for n, spec in specs.items()}
+        return interleaved(fns, repeats=repeats, warmup=1)
+
+    return locked(measure)
 
 
 def pareto_front(points: dict[str, tuple[float, float]]) -> set[str]:
@@ -67,15 +74,7 @@ def pareto_front(points: dict[str, tuple[float, float]]) -> set[str]:
 
 
 def frontier_section(
-    model_dir: str | None,
-    label: str,
-    batch: int,
-    seq: int,
-    threads: int,
-    repeats: int,
-    names,
-    model_config: dict | None = None,
-    precision: str = "fp32",
+    model_dir, label: str, batch: int, seq: int, threads: int, repeats: int, names, model_config=None, precision="fp32"
 ) -> None:
     """Step peak (fresh child each) and step time (interleaved, in process) per setup; the Pareto front; how each
     setup sits against HF gradient checkpointing. ``precision``: the weights' dtype (bf16: as DeepSpeed's bf16 mode
@@ -84,24 +83,15 @@ def frontier_section(
     resolved = resolved_presets(model_dir, model_config, names, batch, seq, precision)
     specs.update({name: spec for name, (spec, _) in resolved.items()})
     names = list(specs)
-    peaks = {}
-    for name in names:
-        spec = {"model": model_dir, "model_config": model_config, "wtacrs": specs[name], "batch": batch}
-        spec.update(seq=seq, threads=threads, precision=precision)
-        peaks[name] = locked(measure_step_in_child, spec)["step_peak"]
-
-    def measure():
-        fns = {n: setup_step(model_dir, specs[n], batch, seq, model_config, precision) for n in names}
-        return interleaved(fns, repeats=repeats, warmup=1)
-
-    times = locked(measure)
+    base = {"model": model_dir, "model_config": model_config, "batch": batch, "seq": seq, "threads": threads}
+    base["precision"] = precision
+    peaks = {n: locked(measure_step_in_child, {**base, "wtacrs": specs[n]})["step_peak"] for n in names}
+    times = timed(model_dir, specs, dict.fromkeys(names, batch), seq, repeats, model_config, precision)
     full_peak, full_time = peaks["full"], median(times["full"])
     points = {name: (peaks[name] / full_peak, median(times[name]) / full_time) for name in names}
     front = pareto_front(points)
-    cell = f"{label} {batch}x{seq} {precision}"
+    cell, cpu = f"{label} {batch}x{seq} {precision}", isa(precision)
     gc_memory, gc_time = points["HF gradient checkpointing"]
-    isa = cpu_kind().rsplit(", ", 1)[-1]
-    isa = isa if precision != "fp32" else isa.split(" (")[0]  # "(bf16 emulated)" is about the bf16 cells
     print(
         f"\n== memory–time frontier, {label}, batch {batch} × seq {seq}, {precision}, {threads} threads "
         f"(peak: fresh child; time: median of {repeats}, interleaved); {cpu_kind()} =="
@@ -110,42 +100,35 @@ def frontier_section(
     for name in names:
         memory, step = points[name]
         print(f"{name:40s} {peaks[name] / MiB:9.0f} {1 / memory:6.2f}x {step:5.2f}x  {'*' if name in front else ''}")
-    dominating = [
-        n
-        for n in names
-        if n not in ("full", "HF gradient checkpointing")
-        and points[n][0] <= gc_memory
-        and points[n][1] <= FRONTIER_TIME_LIMIT
-    ]
-    for name in names:
-        if name in ("full", "HF gradient checkpointing"):
-            continue
+    ours = [n for n in names if n not in BASELINES]
+    dominating = [n for n in ours if points[n][0] <= gc_memory and points[n][1] <= FRONTIER_TIME_LIMIT]
+    for name in ours:
         memory, step = points[name]
         say(
             f"{cell}: {name}: peak {1 / memory:.2f}x lower than full (HF gradient checkpointing "
             f"{1 / gc_memory:.2f}x), step time {step:.2f}x full (checkpointing {gc_time:.2f}x; median of {repeats})"
         )
     say(
-        f"[target] {cell} on {isa}: a setup saving at least HF gradient checkpointing's memory "
+        f"[target] {cell} on {cpu}: a setup saving at least HF gradient checkpointing's memory "
         f"({1 / gc_memory:.2f}x) at <= {FRONTIER_TIME_LIMIT:.2f}x full step time: "
         f"{'met by ' + ', '.join(dominating) if dominating else 'NOT met'}"
     )
     for name, limit in PRESET_TIME_LIMITS.items():
         if name in points:
             (memory, step), also = points[name], name == "preset exact"  # exact must also save what checkpointing saves
-            ok = step <= limit and (not also or memory <= gc_memory)
             say(
-                f"[target] {cell} on {isa}: {name} <= {limit:.2f}x full step time"
-                f"{' saving at least checkpointing' if also else ''}: {'met' if ok else 'NOT met'} "
+                f"[target] {cell} on {cpu}: {name} <= {limit:.2f}x full step time"
+                f"{' saving at least checkpointing' if also else ''}: "
+                f"{status(step <= limit and (not also or memory <= gc_memory))} "
                 f"({step:.2f}x, peak {1 / memory:.2f}x lower vs checkpointing's {1 / gc_memory:.2f}x at {gc_time:.2f}x)"
             )
-    fallback_targets(cell, isa, resolved, points, (batch, seq), repeats)
+    fallback_targets(cell, cpu, resolved, points, (batch, seq), repeats)
     if "preset max_saving" in points:
         memory, step = points["preset max_saving"]
         ok = 1 / memory >= MAX_SAVING_TARGET[0] and step <= MAX_SAVING_TARGET[1]
         say(
-            f"[target] {cell} on {isa}: preset max_saving >= {MAX_SAVING_TARGET[0]}x lower peak than full at "
-            f"<= {MAX_SAVING_TARGET[1]}x step time: {'met' if ok else 'NOT met'} ({1 / memory:.2f}x at {step:.2f}x)"
+            f"[target] {cell} on {cpu}: preset max_saving >= {MAX_SAVING_TARGET[0]}x lower peak than full at "
+            f"<= {MAX_SAVING_TARGET[1]}x step time: {status(ok)} ({1 / memory:.2f}x at {step:.2f}x)"
         )
     figure(
         "scatter",
@@ -157,21 +140,13 @@ def frontier_section(
         note="one point per setup; ringed: the Pareto front; dashed: 1.10x full step time",
         reference=FRONTIER_TIME_LIMIT,
     )
-    TABLES.append(
-        "\n".join(
-            [
-                f"**{label}, batch {batch} × seq {seq}** ({precision}; * = on the Pareto front)",
-                "",
-                "| setup | step peak (MiB) | saving vs full | step time vs full |",
-                "|---|---|---|---|",
-                *(
-                    f"| {n}{' *' if n in front else ''} | {peaks[n] / MiB:.0f} | {1 / points[n][0]:.2f}x"
-                    f" | {points[n][1]:.2f}x |"
-                    for n in names
-                ),
-            ]
-        )
-    )
+    rows = [
+        md_row([f"{n}{' *' if n in front else ''}", f"{peaks[n] / MiB:.0f}", f"{1 / x:.2f}x", f"{y:.2f}x"])
+        for n, (x, y) in points.items()
+    ]
+    columns = ["setup", "step peak (MiB)", "saving vs full", "step time vs full"]
+    heading = f"**{label}, batch {batch} × seq {seq}** ({precision}; * = on the Pareto front)"
+    TABLES.append("\n".join([heading, "", *md_table(columns, rows)]))
 
 
 def resolved_presets(model_dir, model_config, names, batch: int, seq: int, precision: str) -> dict:
@@ -193,16 +168,15 @@ def resolved_presets(model_dir, model_config, names, batch: int, seq: int, preci
         shape = model_shape(AutoModel.from_config(config))
     out = {}
     for name in names:
-        preset = FRONTIER_VARIANTS[name].get("preset")
-        if preset in FALLBACK_PRESETS and not FRONTIER_VARIANTS[name].get("lora"):
-            keep, line = preset_decision(load_section(WtaCrsConfig, FRONTIER_VARIANTS[name], "wtacrs"), shape, batch,
-                                         seq, precision)  # fmt: skip
+        spec = FRONTIER_VARIANTS[name]
+        if spec.get("preset") in FALLBACK_PRESETS and not spec.get("lora"):
+            keep, line = preset_decision(load_section(WtaCrsConfig, spec, "wtacrs"), shape, batch, seq, precision)
             print(line)
-            out[f"{name}, as run"] = (FRONTIER_VARIANTS[name] if keep else variant(), line)
+            out[f"{name}, as run"] = (spec if keep else variant(), line)
     return out
 
 
-def fallback_targets(cell: str, isa: str, resolved: dict, points: dict, shape: tuple[int, int], repeats: int) -> None:
+def fallback_targets(cell: str, cpu: str, resolved: dict, points: dict, shape: tuple[int, int], repeats: int) -> None:
     """Issue 40's lines for the presets as a run resolves them: never slower than full where they cannot save
     (16 × 64), the savings kept where they matter (64 × 128)."""
     if shape not in PRESET_FALLBACK_TARGETS or not resolved:
@@ -217,16 +191,14 @@ def fallback_targets(cell: str, isa: str, resolved: dict, points: dict, shape: t
         for name, (memory, step) in got.items()
     )
     say(
-        f"[target] {cell} on {isa}: presets as a run resolves them (fallback_min_saving), {what}<= {limit:.2f}x full "
-        f"step time: {'met' if ok else 'NOT met'} ({shown}; median of {repeats}; preset auto not measured here)"
+        f"[target] {cell} on {cpu}: presets as a run resolves them (fallback_min_saving), {what}<= {limit:.2f}x full "
+        f"step time: {status(ok)} ({shown}; median of {repeats}; preset auto not measured here)"
     )
 
 
 def budget_section(model_dir: str, seq: int, threads: int, budget_gb: float, max_batch: int, repeats: int) -> None:
-    """``ds-bertopt memory --compare``'s own code (per setup the largest micro-batch whose measured peak fits, its
-    step time, ``sizing.choose``'s rule), then every setup that fits re-timed at its batch, interleaved in one process:
-    the choice fits and the same rule on the re-timed rates chooses it again (the simplest within the tie margin of
-    the fastest)."""
+    """``ds-bertopt memory --compare``'s own code (``sizing.measure``, ``sizing.choose``), then every setup that fits
+    re-timed at its batch, interleaved in one process: the same rule on the re-timed rates must choose it again."""
     from ds_bertopt.cli.memory import COMPARED
     from ds_bertopt.wtacrs.sizing import TIE_MARGIN, GiB, Measured, choose, describe, measure
 
@@ -236,29 +208,20 @@ def budget_section(model_dir: str, seq: int, threads: int, budget_gb: float, max
     for name, spec in COMPARED.items():
         found.append(locked(measure, {**base, "wtacrs": spec}, name, budget, max_batch=max_batch))
         print(f"  {describe(found[-1], budget)}", flush=True)
-    chosen, fitting = choose(found, budget), [m for m in found if m.batch > 0 and m.peak <= budget]
-
-    def again():
-        fns = {m.setup: setup_step(model_dir, COMPARED[m.setup], m.batch, seq) for m in fitting}
-        return interleaved(fns, repeats=repeats, warmup=1)
-
-    times = locked(again)
-    rate = {m.setup: m.batch / median(times[m.setup]) for m in fitting}
-    for m in fitting:
-        print(f"  re-timed {m.setup}: batch {m.batch}, {rate[m.setup]:.1f} sequences/s (median of {repeats})")
+    chosen, fitting = choose(found, budget), {m.setup: m for m in found if m.batch > 0 and m.peak <= budget}
+    times = timed(model_dir, {n: COMPARED[n] for n in fitting}, {n: m.batch for n, m in fitting.items()}, seq, repeats)
+    rate = {n: m.batch / median(times[n]) for n, m in fitting.items()}
+    for n, m in fitting.items():
+        print(f"  re-timed {n}: batch {m.batch}, {rate[n]:.1f} sequences/s (median of {repeats})")
     best, ratio = max(rate, key=rate.get), rate[chosen.setup] / max(rate.values())
-    again = choose([Measured(m.setup, m.batch, m.peak, m.batch / rate[m.setup]) for m in fitting], budget)
-    isa = cpu_kind().rsplit(", ", 1)[-1].split(" (")[0]  # fp32: the CPU's bf16 support does not matter
+    again = choose([Measured(n, m.batch, m.peak, m.batch / rate[n]) for n, m in fitting.items()], budget)
     say(
-        f"[target] budget mode {budget_gb} GiB, seq {seq}, fp32 on {isa}: chose "
+        f"[target] budget mode {budget_gb} GiB, seq {seq}, fp32 on {isa('fp32')}: chose "
         f"{chosen.setup} (batch {chosen.batch}, measured peak {chosen.peak / GiB:.2f} GiB fits), re-timed "
         f"{rate[chosen.setup]:.1f} sequences/s = {ratio:.2f}x the fastest that fits ({best}, {rate[best]:.1f}); "
         f"the rule (simplest within {TIE_MARGIN:.0%} of the fastest) on the re-timed rates chooses {again.setup}; "
-        f"target: the same choice: {'met' if again.setup == chosen.setup and chosen.peak <= budget else 'NOT met'}"
+        f"target: the same choice: {status(again.setup == chosen.setup and chosen.peak <= budget)}"
     )
-
-
-EMULATED_BF16_TOKENS = 1024  # a bf16 cell larger than 16 × 64 on a CPU that emulates bf16 runs ~15x an fp32 step
 
 
 def minilm_cells(
@@ -274,7 +237,7 @@ def minilm_cells(
         low = precision != "fp32"
         if low and emulated and batch * seq > bf16_tokens:
             say(
-                f"[target] MiniLM-L6 {batch}x{seq} {precision} on {cpu_kind().rsplit(', ', 1)[-1]}: not measured "
+                f"[target] MiniLM-L6 {batch}x{seq} {precision} on {isa(precision)}: not measured "
                 f"(emulated bf16: a step here is ~15x fp32's; cells above {bf16_tokens} tokens need "
                 "--frontier-bf16-tokens, or a CPU/GPU with native bf16)"
             )
