@@ -238,3 +238,50 @@ def md_row(cells: Iterable) -> str:
 def md_table(columns: list[str], rows: Iterable[str]) -> list[str]:
     """A markdown table's lines: the header of ``columns``, its rule, then ``rows`` (each from :func:`md_row`)."""
     return [md_row(columns), "|" + "---|" * len(columns), *rows]
+
+
+# --- shared by bench/mfu.py (gemm_peak also by bench/finetune_tasks.py), bench/unpadded_attention.py ---
+def padded_batch(samples: list[dict], device="cpu") -> dict:
+    """``input_ids``, ``labels`` and ``attention_mask`` of ``samples`` (``input_ids`` and ``labels`` lists each)
+    padded to the longest, as the stock padded model takes them."""
+    import torch
+
+    longest = max(len(s["input_ids"]) for s in samples)
+    padded = {k: torch.full((len(samples), longest), -100 if k == "labels" else 0) for k in ("input_ids", "labels")}
+    padded["attention_mask"] = torch.zeros(len(samples), longest, dtype=torch.long)
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        padded["input_ids"][row, :n] = torch.tensor(s["input_ids"])
+        padded["labels"][row, :n] = torch.tensor(s["labels"])
+        padded["attention_mask"][row, :n] = 1
+    return {k: v.to(device) for k, v in padded.items()}
+
+
+def sync(device) -> None:
+    """Wait for ``device`` (a CUDA device; a no-op on a CPU)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def gemm_peak(device, dtype, repeats: int) -> float:
+    """The best FLOP/s of ``torch.mm`` and ``F.linear`` (the op the model's layers run) on square matrices of 512 to
+    4096 in ``dtype``: on CPUs without native bf16 the two take different kernels (``mm`` a slow one)."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    best = 0.0
+    for n in (512, 1024, 2048, 4096) if device.type == "cuda" else (512, 1024, 2048):
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        for op in (torch.mm, F.linear):
+            op(a, b)
+            for _ in range(repeats):
+                sync(device)
+                start = time.perf_counter()
+                op(a, b)
+                sync(device)
+                best = max(best, 2.0 * n**3 / (time.perf_counter() - start))
+    return best

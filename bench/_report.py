@@ -1,18 +1,17 @@
-"""Render ``bench/report/REPORT.md`` and its PNGs from the benchmarks' recorded results.
+"""Render ``bench/report/REPORT.md`` with its PNGs, and ``docs/benchmarks.md`` with its pages, from the benchmarks'
+recorded results (``bench/report/raw/<name>.json``, written by ``bench/_common.py``'s ``record``).
 
-Every benchmark records, through ``ds_bertopt.testing.measure.record_results``, a JSON object with
-``summary`` (the lines it printed that matter), ``note`` (seeds, repeats, settings) and the series for
-its figures. The schema per figure kind:
+A record holds ``summary`` (the lines it printed that matter), ``note`` (seeds, repeats, settings), optional
+``tables`` (markdown) and ``figures``: ``[{"kind", "title", "file", "series", ...}]``, optionally with ``reference``
+(a dashed line) and ``note``, by kind:
 
-* ``bars``: ``[{"label", <value keys>...}]`` plus ``stack``: the value keys stacked in one bar, ``unit``.
-* ``curves``: ``[{"label", "x": [...], "y": [...]}]`` plus ``xlabel``, ``ylabel``.
+* ``bars``: ``[{"label", <value keys>...}]`` plus ``stack`` (the value keys stacked in one bar) and ``unit``;
+* ``curves``: ``[{"label", "x": [...], "y": [...]}]`` plus ``xlabel``, ``ylabel``;
+* ``scatter``: ``[{"label", "x", "y", "front"}]`` plus ``xlabel``, ``ylabel`` (the front's points drawn larger);
 * ``errorbars``: ``[{"label", "mean", "std", "runs": [...]}]`` plus ``ylabel``.
 
-A benchmark lists its figures under ``figures``: ``[{"kind", "title", "file", ...schema}]``.
-
-``docs/benchmarks.md`` (every verdict) and ``docs/benchmarks/<capability>.md`` (every recorded run) are rendered from
-the same files by :func:`benchmarks_docs`: ``python bench/_report.py`` rewrites them, ``bench/run_all.py`` too after a
-run.
+``python bench/_report.py`` rewrites the docs pages (:func:`benchmarks_docs`); ``bench/run_all.py`` writes the report,
+and the docs too after a run of the project's own results.
 """
 
 from __future__ import annotations
@@ -46,6 +45,42 @@ def _environment_caption(env: dict) -> str:
     return ", ".join(f"{key} {env[key]}" for key in keys if key in env)
 
 
+def _bars(ax, series: list, figure: dict) -> None:
+    labels, bottom = [item["label"] for item in series], [0.0] * len(series)
+    for key in figure["stack"]:
+        values = [float(item.get(key, 0.0)) for item in series]
+        ax.bar(labels, values, bottom=bottom, label=key.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for x, total in enumerate(bottom):
+        ax.annotate(f"{total:.3g}", (x, total), ha="center", va="bottom", fontsize=8)
+    if len(figure["stack"]) > 1:
+        ax.legend()
+
+
+def _curves(ax, series: list, figure: dict) -> None:
+    for item in series:
+        ax.plot(item["x"], item["y"], marker="." if len(item["x"]) <= 100 else None, label=item["label"])
+
+
+def _scatter(ax, series: list, figure: dict) -> None:
+    for item in series:
+        style = {"s": 60, "edgecolors": "black"} if item.get("front") else {"s": 25, "edgecolors": "none"}
+        ax.scatter([item["x"]], [item["y"]], zorder=3, label=item["label"], **style)
+
+
+def _errorbars(ax, series: list, figure: dict) -> None:
+    means, stds = [item["mean"] for item in series], [item.get("std", 0.0) for item in series]
+    ax.bar([item["label"] for item in series], means, yerr=stds, capsize=5, color="tab:blue", alpha=0.7)
+    for x, item in enumerate(series):
+        ax.scatter([x] * len(item.get("runs") or []), item.get("runs") or [], color="black", s=10, zorder=3)
+    low = min(min(item.get("runs") or [item["mean"]]) for item in series)
+    ax.set_ylim(bottom=max(0.0, low - 0.1 * abs(low) - 0.02))
+
+
+DRAW = {"bars": _bars, "curves": _curves, "scatter": _scatter, "errorbars": _errorbars}
+"""Each figure kind's drawing; labels, the reference line, legend and grid are common (:func:`_plot`)."""
+
+
 def _plot(figure: dict, caption: str, path: Path) -> None:
     import matplotlib
 
@@ -53,68 +88,19 @@ def _plot(figure: dict, caption: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     kind = figure["kind"]
+    if kind not in DRAW:
+        raise ValueError(f"unknown figure kind {kind!r}")
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    if kind == "bars":
-        series = figure["series"]
-        labels = [item["label"] for item in series]
-        bottom = [0.0] * len(series)
-        for key in figure["stack"]:
-            values = [float(item.get(key, 0.0)) for item in series]
-            ax.bar(labels, values, bottom=bottom, label=key.replace("_", " "))
-            bottom = [b + v for b, v in zip(bottom, values)]
-        for x, total in enumerate(bottom):
-            ax.annotate(f"{total:.3g}", (x, total), ha="center", va="bottom", fontsize=8)
-        ax.set_ylabel(figure.get("unit", ""))
-        if len(figure["stack"]) > 1:
-            ax.legend()
-        if figure.get("reference") is not None:
-            ax.axhline(figure["reference"], color="gray", linestyle="--", linewidth=1)
-        plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=8)
-    elif kind == "curves":
-        for item in figure["series"]:
-            ax.plot(item["x"], item["y"], marker="." if len(item["x"]) <= 100 else None, label=item["label"])
-        ax.set_xlabel(figure.get("xlabel", ""))
-        ax.set_ylabel(figure.get("ylabel", ""))
-        if figure.get("reference") is not None:
-            ax.axhline(figure["reference"], color="gray", linestyle="--", linewidth=1)
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    elif kind == "scatter":
-        for item in figure["series"]:
-            ax.scatter(
-                [item["x"]],
-                [item["y"]],
-                s=60 if item.get("front") else 25,
-                zorder=3,
-                edgecolors="black" if item.get("front") else "none",
-                label=item["label"],
-            )
-        ax.set_xlabel(figure.get("xlabel", ""))
-        ax.set_ylabel(figure.get("ylabel", ""))
-        if figure.get("reference") is not None:
-            ax.axhline(figure["reference"], color="gray", linestyle="--", linewidth=1)
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    elif kind == "errorbars":
-        series = figure["series"]
-        labels = [item["label"] for item in series]
-        ax.bar(
-            labels,
-            [item["mean"] for item in series],
-            yerr=[item.get("std", 0.0) for item in series],
-            capsize=5,
-            color="tab:blue",
-            alpha=0.7,
-        )
-        for x, item in enumerate(series):
-            runs = item.get("runs") or []
-            ax.scatter([x] * len(runs), runs, color="black", s=10, zorder=3)
-        ax.set_ylabel(figure.get("ylabel", ""))
-        low = min(min(item.get("runs") or [item["mean"]]) for item in series)
-        ax.set_ylim(bottom=max(0.0, low - 0.1 * abs(low) - 0.02))
+    DRAW[kind](ax, figure["series"], figure)
+    ax.set_xlabel(figure.get("xlabel", ""))
+    ax.set_ylabel(figure.get("ylabel", figure.get("unit", "")))
+    if figure.get("reference") is not None:
+        ax.axhline(figure["reference"], color="gray", linestyle="--", linewidth=1)
+    if kind in ("bars", "errorbars"):  # category labels
         plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=8)
     else:
-        raise ValueError(f"unknown figure kind {kind!r}")
+        ax.legend(fontsize=7 if kind == "scatter" else 8)
+        ax.grid(alpha=0.3)
     ax.set_title(figure["title"], fontsize=11)
     fig.text(0.01, 0.005, caption, fontsize=6, color="dimgray", wrap=True)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
@@ -133,9 +119,9 @@ def write_report(out: Path, runs: dict) -> Path:
         path = raw / f"{name}.json"
         record = json.loads(path.read_text()) if path.exists() and (run is None or run["status"] == "ok") else None
         headline = (record or {}).get("summary") or (run or {}).get("ratio_lines") or []
-        timing = "direct | ok | –"
-        if run is not None:
-            timing = f"{run.get('mode', '?')} | {run['status']} | {run['seconds']:.0f} s"
+        timing = (
+            "direct | ok | –" if run is None else f"{run.get('mode', '?')} | {run['status']} | {run['seconds']:.0f} s"
+        )
         table.append(f"| {name} | {timing} | " + "<br>".join(line.replace("|", "/") for line in headline) + " |")
         if run is None:
             how = f"Recorded {record.get('time', '?')} by a direct run of its benchmark (not through `run_all.py`)."
@@ -144,11 +130,8 @@ def write_report(out: Path, runs: dict) -> Path:
             how = f"`python {command}` — {run['status']} in {run['seconds']:.0f} s (log: `logs/{name}.log`)."
         lines = [f"## {name}", "", how, ""]
         if record is None:
-            lines += [
-                "No recorded results from this run" + (": the printed ratio lines follow." if headline else "."),
-                "",
-            ]
-            lines += [f"    {line}" for line in headline] + [""]
+            follow = ": the printed ratio lines follow." if headline else "."
+            lines += [f"No recorded results from this run{follow}", "", *(f"    {line}" for line in headline), ""]
             sections.append("\n".join(lines))
             continue
         env = record.get("environment", {})
@@ -161,16 +144,9 @@ def write_report(out: Path, runs: dict) -> Path:
         for extra in record.get("tables", []):
             lines += [extra, ""]
         sections.append("\n".join(lines))
-    header = [
-        "# ds_bertopt benchmark report",
-        "",
-        "Generated by `bench/run_all.py` from the benchmarks' recorded results; do not edit by hand.",
-        "",
-        *table,
-        "",
-    ]
+    generated = "Generated by `bench/run_all.py` from the benchmarks' recorded results; do not edit by hand."
     report = out / "REPORT.md"
-    report.write_text("\n".join(header + sections) + "\n")
+    report.write_text("\n".join(["# ds_bertopt benchmark report", "", generated, "", *table, "", *sections]) + "\n")
     return report
 
 

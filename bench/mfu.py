@@ -4,45 +4,30 @@ the step's time goes (GEMMs, attention, the rest), in fp32 and, on a CPU with na
     flock /tmp/ds_heavy.lock .venv/bin/python bench/mfu.py        # ~6 min on 2 AVX2 cores
     .venv/bin/python bench/mfu.py --sequences 8 --layers 2 --epoch-batches 20   # a quick look
 
-One process, every available core as torch threads (on CUDA: the GPU). The batch is 16 sequences drawn (seed 0)
-from the seq-128 mix of ``../shared/data/wiki_sample.jsonl`` built as pretraining builds it (MiniLM-L6's WordPiece
-vocabulary; a uniform 20–128 mix when the shared data is absent), 15 % of the tokens masked. The step is forward +
-backward of a randomly initialised ``BertForMaskedLM`` of BERT-base's shape (hidden 768, 12 heads, FFN 3072,
-vocabulary 30,522; dropout 0.1, training mode), with
+One process, every core as torch threads (or the GPU). The batch: 16 sequences drawn (seed 0) from the seq-128 mix of
+``../shared/data/wiki_sample.jsonl`` built as pretraining builds it (MiniLM-L6's vocabulary; a uniform 20–128 mix
+without the shared data), 15 % of the tokens masked. The step: forward + backward of a random-init ``BertForMaskedLM``
+of BERT-base's shape (dropout 0.1, training mode) as **HF padded** (the stock model, SDPA, on the batch padded to its
+longest, the MLM head on every position: what ``Trainer`` runs), **ours unpadded** (``UnpaddedMLM`` on the samples
+packed into one row: attention per sequence, the MLM head on the masked positions only), **ours unpadded, fused
+dropout** (``model.fused_dropout``: dropout from packed random bits, fused with the residual add) and **ours unpadded,
+compiled** (``model.compile`` too, where this checkout has it; compared round by round with the fused eager one).
 
-* **HF padded**: the stock model on the batch padded to its longest sequence (SDPA attention, the MLM head on
-  every position, the loss over the masked ones), what ``Trainer`` runs;
-* **ours unpadded**: ``ds_bertopt.model.unpadded.UnpaddedMLM`` on the same samples packed into one row (attention
-  per sequence, the MLM head on the masked positions only), eager;
-* **ours unpadded, fused dropout**: the same with ``model.fused_dropout`` (``ds_bertopt.model.fused``: dropout from
-  packed random bits, fused with the residual add);
-* **ours unpadded, compiled**: the same with ``model.compile`` and ``model.fused_dropout`` (where this checkout has
-  them; the dropout's packed bits drawn by one op, Inductor fusing the rest), against the fused-dropout eager one.
+bf16 is ``torch.autocast`` on all; without native bf16 (emulated: minutes per step) only fp32 is measured. **Model
+FLOPs** (the same for every contender): ``3 × [layers × (2·T·(4h² + 2h·ffn) + 4h·ΣL²) + M·(2h² + 2h·vocab)]`` (T real
+tokens, L the sequence lengths, M masked tokens). **MFU** = model FLOPs / step time / the GEMM peak measured in the
+same run and precision (``bench._common.gemm_peak``). Medians of ``--repeats`` interleaved steps after a warm-up step
+(where the compiled contender compiles).
 
-bf16 is ``torch.autocast`` (fp32 weights) on all. **Model FLOPs** are what the batch needs on its real tokens,
-the same figure for every contender: ``3 × [layers × (2·T·(4h² + 2h·ffn) + 4h·ΣL²) + M·(2h² + 2h·vocab)]`` (forward
-+ backward; T real tokens, L the sequence lengths, M masked tokens: the MLM objective needs the head there only).
-**MFU** = model FLOPs / step time / the GEMM peak, the best ``torch.mm`` or ``F.linear`` rate of square matrices
-(512–2048; to 4096 on CUDA) measured in the same run in the same precision. Medians of ``--repeats`` steps after a
-warm-up step (the compiled contender's warm-up compiles), the contenders interleaved. On a CPU without native bf16
-(AVX2, AVX512 without BF16) bf16 is emulated (minutes per step): only fp32 is measured, and the bf16 lines say so.
+**The split** (``ds_bertopt.testing.step_split``): ``--repeats`` more steps of each under ``torch.profiler``, each
+op's self time in GEMMs (outside attention), attention (inside an attention call and its backward) or the rest
+(dropout, LayerNorm, GELU, adds, copies, the loss, and host time: the wall time minus the other two; Inductor's fused
+kernels are no profiler events, so the compiled step's are there). **Non-GEMM time per real token** is attention +
+the rest over the real tokens; ``--baseline NAME`` compares it with the recorded run ``bench/report/raw/NAME.json``
+(``mfu_baseline``: main before issue 40, on this CPU).
 
-**The split** (``ds_bertopt.testing.step_split``): ``--repeats`` more steps of each contender under ``torch.profiler``
-(interleaved; each part the median over them); every
-op's self time goes to GEMMs (matrix multiplies outside attention), attention (everything inside an attention call
-and its backward) or the rest (dropout, LayerNorm, GELU, adds, copies, casts, embeddings, the loss, and the host
-time no op accounts for: the profiled step's wall time minus the other two). In the compiled contender the GEMMs stay
-aten ``mm`` / ``addmm`` calls (Inductor's extern kernels), the attention and dropout's mask are our ops by name, while
-Inductor's fused kernels (``cpp_fused_…``: the mask applied, residual add and LayerNorm in one pass; GELU and the
-backward's fused counterparts) are no profiler events: their time is in the rest, through that remainder.
-**Non-GEMM time per real token** is
-attention + the rest, over the real tokens; ``--baseline NAME`` compares it with the recorded
-run ``bench/report/raw/NAME.json`` (``mfu_baseline``: main before issue 40's changes, on this CPU), one target line
-per contender (fused dropout, compiled).
-
-**Recompiles over an epoch**: the compiled unpadded model (tiny width, the same code) runs forward + backward on every
-micro-batch of one epoch of the seq-128 mix (all its sequences, shuffled, ``--sequences`` per micro-batch, so every
-packed length the real mix makes); the line counts the graphs compiled and the padding the packed length costs.
+**Recompiles over an epoch**: the compiled model (tiny width, the same code) trains on every micro-batch of one
+shuffled epoch of the seq-128 mix; the line counts the graphs compiled and the padding the packed length costs.
 """
 
 from __future__ import annotations
@@ -60,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench._common import cpu_kind, interleaved, record, say, status
+from bench._common import cpu_kind, figure, gemm_peak, interleaved, padded_batch, record, say, status, sync
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 RAW = Path(__file__).resolve().parent / "report" / "raw"
@@ -69,10 +54,6 @@ HF, OURS, FUSED = "HF padded", "ours unpadded", "ours unpadded, fused dropout"
 COMPILED = "ours unpadded, compiled"
 TARGETS = {"mfu_fp32": 0.85, "non_gemm_vs_baseline": 0.5, "recompiles": 8, "compiled_bf16": 1.15}
 BF16_MFU_TARGETS = {"AVX512-BF16": 0.80, "AMX": 0.45}
-
-
-def native_bf16(device: torch.device) -> bool:
-    return device.type == "cuda" or "(native bf16)" in cpu_kind()
 
 
 def seq128_sequences(seed: int = 0) -> list[list[int]]:
@@ -122,30 +103,6 @@ def model_flops(lengths: list[int], masked: int, layers: int) -> float:
     return 3.0 * (encoder + masked * (2 * h * h + 2 * h * vocab))
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def gemm_peak(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
-    """The best FLOP/s of ``torch.mm`` and ``F.linear`` (the op the model's layers run) on square matrices of 512 to
-    4096 in ``dtype``: on CPUs without native bf16 the two take different kernels (``mm`` a slow one)."""
-    import torch.nn.functional as F
-
-    best = 0.0
-    for n in (512, 1024, 2048, 4096) if device.type == "cuda" else (512, 1024, 2048):
-        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-        for op in (torch.mm, F.linear):
-            op(a, b)
-            for _ in range(repeats):
-                sync(device)
-                start = time.perf_counter()
-                op(a, b)
-                sync(device)
-                best = max(best, 2.0 * n**3 / (time.perf_counter() - start))
-    return best
-
-
 def compile_supported() -> bool:
     from ds_bertopt.model.unpadded import UnpaddedMLM
 
@@ -161,18 +118,6 @@ def bert(layers: int, device: torch.device, width: dict = BASE):
         num_attention_heads=width["heads"], intermediate_size=width["ffn"], attn_implementation="sdpa",
     )  # fmt: skip
     return BertForMaskedLM(config).to(device).train()
-
-
-def padded_batch(samples: list[dict], device: torch.device) -> dict:
-    longest = max(len(s["input_ids"]) for s in samples)
-    padded = {k: torch.full((len(samples), longest), -100 if k == "labels" else 0) for k in ("input_ids", "labels")}
-    padded["attention_mask"] = torch.zeros(len(samples), longest, dtype=torch.long)
-    for row, s in enumerate(samples):
-        n = len(s["input_ids"])
-        padded["input_ids"][row, :n] = torch.tensor(s["input_ids"])
-        padded["labels"][row, :n] = torch.tensor(s["labels"])
-        padded["attention_mask"][row, :n] = 1
-    return {k: v.to(device) for k, v in padded.items()}
 
 
 def contenders(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -194,32 +139,35 @@ def contenders(samples: list[dict], layers: int, dtype: torch.dtype, device: tor
         return step
 
     steps = {HF: step_of(bert(layers, device), padded)}
-    ours = UnpaddedMLM(bert(layers, device))
-    ours.choose_attention(device, dtype)
-    steps[OURS] = step_of(ours, packed)
-    fused = UnpaddedMLM(bert(layers, device), fused_dropout=True)
-    fused.choose_attention(device, dtype)
-    steps[FUSED] = step_of(fused, packed)
+    options = {OURS: {}, FUSED: {"fused_dropout": True}}
     if compile_supported():
-        compiled = UnpaddedMLM(bert(layers, device), fused_dropout=True, compile=True)
-        compiled.choose_attention(device, dtype)
-        steps[COMPILED] = step_of(compiled, packed)
+        options[COMPILED] = {"fused_dropout": True, "compile": True}
+    for name, kwargs in options.items():
+        model = UnpaddedMLM(bert(layers, device), **kwargs)
+        model.choose_attention(device, dtype)
+        steps[name] = step_of(model, packed)
     return steps
 
 
-def profiled_split(step, device: torch.device) -> dict:
+def median_splits(steps: dict, device: torch.device, repeats: int) -> dict:
+    """Each contender's split (``split_step`` of a profiled step), part by part the median of ``repeats`` profiled
+    steps (interleaved rounds)."""
     from torch.profiler import ProfilerActivity, profile
 
     from ds_bertopt.testing.step_split import split_step
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        sync(device)
-        start = time.perf_counter()
-        step()
-        sync(device)
-        wall = time.perf_counter() - start
-    return split_step(prof.events(), wall_s=wall, device=device.type == "cuda")
+    splits: dict[str, list[dict]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            with profile(activities=activities) as prof:
+                sync(device)
+                start = time.perf_counter()
+                step()
+                sync(device)
+                wall = time.perf_counter() - start
+            splits[name].append(split_step(prof.events(), wall_s=wall, device=device.type == "cuda"))
+    return {name: {part: statistics.median(s[part] for s in runs) for part in runs[0]} for name, runs in splits.items()}
 
 
 def measure(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.device, repeats: int) -> dict:
@@ -250,15 +198,6 @@ def measure(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.
         "first_step_s": warm,
         "split": median_splits(steps, device, repeats),
     }
-
-
-def median_splits(steps: dict, device: torch.device, repeats: int) -> dict:
-    """Each contender's split, part by part the median of ``repeats`` profiled steps (interleaved rounds)."""
-    splits: dict[str, list[dict]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            splits[name].append(profiled_split(step, device))
-    return {name: {part: statistics.median(s[part] for s in runs) for part in runs[0]} for name, runs in splits.items()}
 
 
 def epoch_recompiles(sequences: list[list[int]], per_batch: int, limit: int) -> dict:
@@ -296,9 +235,8 @@ def epoch_recompiles(sequences: list[list[int]], per_batch: int, limit: int) -> 
     }
 
 
-def baseline_non_gemm(name: str, where: str):
-    """(µs per real token, its CPU, its layer count) of the recorded run ``name``'s eager unpadded fp32 step, or
-    None."""
+def baseline_non_gemm(name: str):
+    """(µs per real token, its CPU, its layers) of the recorded run ``name``'s eager unpadded fp32 step, or None."""
     path = RAW / f"{name}.json"
     if not path.is_file():
         return None
@@ -333,6 +271,13 @@ def report_precision(name: str, run: dict, peak: float, repeats: int, note: str,
     say(f"  {name} tokens/s, fused dropout vs ours unpadded: {rates[FUSED] / rates[OURS]:.2f}x (median of {repeats})")
 
 
+def compiled_line(precision: str, ratio: float, repeats: int, target: float, why: str = "") -> str:
+    return (
+        f"{precision} tokens/s, compiled vs eager (both fused dropout): {ratio:.3f}x (median of {repeats} paired "
+        f"rounds) (target >= {target:.2f}x{why}: {status(ratio >= target)})"
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=16)
@@ -351,7 +296,8 @@ def main(argv=None) -> int:
     sequences = seq128_sequences()
     samples = mask([sequences[i] for i in random.Random(0).sample(range(len(sequences)), args.sequences)])
     say(f"{where}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    precisions = [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if native_bf16(device) else [])
+    native_bf16 = device.type == "cuda" or "(native bf16)" in where
+    precisions = [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if native_bf16 else [])
     results, bars = {}, []
     for name, dtype in precisions:
         peak = gemm_peak(device, dtype, repeats=3)
@@ -369,7 +315,7 @@ def main(argv=None) -> int:
         f"non-GEMM time per real token, fp32, this run: {FUSED} {non_gemm[FUSED]:.0f} vs {OURS} {non_gemm[OURS]:.0f} "
         f"us = {non_gemm[FUSED] / non_gemm[OURS]:.2f}x (median of {args.repeats})"
     )
-    recorded = baseline_non_gemm(args.baseline, where) if args.baseline != args.record_as else None
+    recorded = baseline_non_gemm(args.baseline) if args.baseline != args.record_as else None
     if recorded is None:
         say(f"non-GEMM time per real token, fp32, {OURS} (eager): {fp32['non_gemm_us_per_token'][OURS]:.0f} us "
             f"(no recorded baseline {args.baseline!r}: this run is one)")  # fmt: skip
@@ -387,9 +333,7 @@ def main(argv=None) -> int:
                 f"{args.repeats}) (target <= {TARGETS['non_gemm_vs_baseline']}x: {verdict})"
             )
     if COMPILED in fp32["seconds"]:
-        ratio = fp32["compiled_speedup"]
-        say(f"fp32 tokens/s, compiled vs eager (both fused dropout): {ratio:.3f}x (median of {args.repeats} paired "
-            f"rounds) (target >= 1.00x, never slower: {status(ratio >= 1.0)})")  # fmt: skip
+        say(compiled_line("fp32", fp32["compiled_speedup"], args.repeats, 1.0, ", never slower"))
         epoch = epoch_recompiles(sequences, args.sequences, args.epoch_batches)
         results["epoch"] = epoch
         say(
@@ -411,15 +355,18 @@ def main(argv=None) -> int:
         else:
             say(f"bf16 MFU, {best}: {mfu:.2f} (targets are for AVX512-BF16 / AMX CPUs: not judged here)")
         if COMPILED in bf16["seconds"]:
-            ratio = bf16["compiled_speedup"]
-            target = TARGETS["compiled_bf16"]
-            say(f"bf16 tokens/s, compiled vs eager (both fused dropout): {ratio:.3f}x (median of {args.repeats} "
-                f"paired rounds) (target >= {target}x: {status(ratio >= target)})")  # fmt: skip
+            say(compiled_line("bf16", bf16["compiled_speedup"], args.repeats, TARGETS["compiled_bf16"]))
     else:
         say(
             "bf16: not measured on this CPU (no native bf16: emulated, minutes per step); its targets, MFU >= 0.80 "
             "on AVX512-BF16 and >= 0.45 on AMX, compiled >= 1.15x eager: not measured"
         )
+    title = "MFU, HF padded vs ours unpadded (BERT-base shape, seq-128 mix)"
+    figure("bars", "mfu", title, bars, unit="model FLOPs / GEMM peak", stack=["MFU"])
+    parts = {"GEMMs": "gemm", "attention": "attention", "rest": "rest"}
+    split = [{"label": c, **{key: s[part] for key, part in parts.items()}} for c, s in fp32["split"].items()]
+    title = "Where a step's time goes, fp32 (profiled steps, medians, seconds)"
+    figure("bars", "split", title, split, unit="seconds", stack=list(parts))
     record(
         args.record_as,
         f"{args.sequences} sequences of the seq-128 mix, BERT-base shape, forward + backward, one process; "
@@ -427,27 +374,6 @@ def main(argv=None) -> int:
         "split: the medians of profiled steps per contender (torch.profiler op self times)",
         device=where,
         results=results,
-        figures=[
-            {
-                "kind": "bars",
-                "title": "MFU, HF padded vs ours unpadded (BERT-base shape, seq-128 mix)",
-                "file": "mfu",
-                "unit": "model FLOPs / GEMM peak",
-                "stack": ["MFU"],
-                "series": bars,
-            },
-            {
-                "kind": "bars",
-                "title": "Where a step's time goes, fp32 (profiled steps, medians, seconds)",
-                "file": "split",
-                "unit": "seconds",
-                "stack": ["GEMMs", "attention", "rest"],
-                "series": [
-                    {"label": c, "GEMMs": s["gemm"], "attention": s["attention"], "rest": s["rest"]}
-                    for c, s in fp32["split"].items()
-                ],
-            },
-        ],
     )
     return 0
 

@@ -1,26 +1,27 @@
-"""CPU forward+backward time of exact attention forms for a packed micro-batch.
+"""CPU forward + backward time of exact attention forms for a packed micro-batch: the design choice in
+ds_bertopt/model/unpadded.py.
 
-The design choice in ds_bertopt/model/unpadded.py.
+Candidates, all exact: (a) length-bucketed SDPA (sequences sorted by length, contiguous groups chosen by a dynamic
+programme minimising ``groups × overhead + Σ n·L_max²``, each group padded to its own longest with a key mask), (b) one
+SDPA call with a block-diagonal boolean mask over the whole packed row, (c) the per-sequence SDPA loop
+(``unpadded.sdpa_loop_attention``), and for reference (d) everything padded to the longest sequence (what the padded
+model does). Medians of a few interleaved repeats; the CPU may be shared, so the numbers are indicative.
 
-Candidates, all exact: (a) length-bucketed SDPA (sequences sorted by length, contiguous groups chosen by a
-dynamic programme minimising ``groups × overhead + Σ n·L_max²``, each group padded to its own longest with
-a key mask), (b) one SDPA call with a block-diagonal boolean mask over the whole packed row, (c) the
-per-sequence SDPA loop (``unpadded.sdpa_loop_attention``), and for reference (d) everything padded to the
-longest sequence (what the padded model does). Medians of a few repeats; the CPU may be shared, so the
-numbers are indicative. ``OMP_NUM_THREADS=1 python bench_attention.py`` (``--model``: the whole
-model, UnpaddedBert vs the stock padded BertForMaskedLM, 16 sequences of 20..512 tokens).
+    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/unpadded_attention.py [--model]
+
+``--model``: the whole model, UnpaddedBert vs the stock padded BertForMaskedLM, 16 sequences of 20..512 tokens.
 """
 
 from __future__ import annotations
 
-import statistics
+import sys
 import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench._common import bert_sizes
+from bench._common import bert_sizes, interleaved, median, padded_batch
 from ds_bertopt.model.unpadded import sdpa_loop_attention, token_counts
 
 
@@ -77,6 +78,21 @@ def block_diagonal(lengths):
     return attend
 
 
+def timed(loss, *inputs, model=None):
+    """A variant for :func:`interleaved`: ``loss(*inputs)`` and its backward, from fresh leaves (and ``model``'s
+    gradients dropped), timed without those copies."""
+
+    def run() -> float:
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        if model is not None:
+            model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss(*leaves).backward()
+        return time.perf_counter() - start
+
+    return run
+
+
 def main(reps: int = 5) -> None:
     torch.manual_seed(0)
     heads, dim = 4, 64  # hidden 256
@@ -85,11 +101,10 @@ def main(reps: int = 5) -> None:
         total = sum(lengths)
         q0, k0, v0, weight = (torch.randn(total, heads, dim) for _ in range(4))
         reference = sdpa_loop_attention(q0, k0, v0, lengths)
-        padded_groups = [(0, count)]
-        counts = token_counts(lengths)
+        padded = token_counts(lengths)["padded_tokens"]
         print(
             f"{count} sequences, lengths {low}..{high}: {total} real tokens; padded to the longest "
-            f"{counts['padded_tokens']} ({1 - total / counts['padded_tokens']:.0%} of them padding)"
+            f"{padded} ({1 - total / padded:.0%} of them padding)"
         )
         candidates = {
             "(c) per-sequence SDPA loop": lambda q, k, v, p, lengths=lengths: sdpa_loop_attention(
@@ -101,27 +116,24 @@ def main(reps: int = 5) -> None:
             pad = sum((b - a) * lengths[a] for a, b in groups) / total - 1
             candidates[f"(a) bucketed, {len(groups)} groups, {pad:.1%} pad"] = bucketed(lengths, groups)
         candidates["(b) block-diagonal mask, 1 call"] = block_diagonal(lengths)
-        candidates["(d) padded to longest, 1 call"] = bucketed(lengths, padded_groups)
+        candidates["(d) padded to longest, 1 call"] = bucketed(lengths, [(0, count)])
+        variants = {
+            (name, p): timed(lambda q, k, v, f=attend, p=p, w=weight: (f(q, k, v, p) * w).sum(), q0, k0, v0)
+            for name, attend in candidates.items()
+            for p in (0.0, 0.1)
+        }
+        times = interleaved(variants, repeats=reps, warmup=1)
         for name, attend in candidates.items():
             error = (attend(q0, k0, v0, 0.0) - reference).abs().max().item()
-            times = []
-            for p in (0.0, 0.1):
-                runs = []
-                for _ in range(reps + 1):
-                    q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
-                    start = time.perf_counter()
-                    (attend(q, k, v, p) * weight).sum().backward()
-                    runs.append(time.perf_counter() - start)
-                times.append(statistics.median(runs[1:]) * 1e3)
             print(
-                f"  {name:38s} fwd+bwd  dropout 0: {times[0]:7.1f} ms   dropout 0.1: {times[1]:7.1f} ms   "
-                f"max |diff| {error:.1e}"
+                f"  {name:38s} fwd+bwd  dropout 0: {median(times[name, 0.0]) * 1e3:7.1f} ms   "
+                f"dropout 0.1: {median(times[name, 0.1]) * 1e3:7.1f} ms   max |diff| {error:.1e}"
             )
 
 
 def bench_model(reps: int = 3) -> None:
     """Whole model, training mode (dropout 0.1): UnpaddedBert on the packed batch vs the padded encoder with
-    the sparse MLM head (``SparseMLMHead``, today's path) and the stock padded model (dense head)."""
+    the sparse MLM head (``SparseMLMHead``'s math) and the stock padded model (dense head)."""
     from transformers import BertConfig, BertForMaskedLM
 
     from ds_bertopt.compat.transformers import set_attention_implementation
@@ -133,47 +145,29 @@ def bench_model(reps: int = 3) -> None:
     set_attention_implementation(config, "sdpa")
     model = BertForMaskedLM(config).train()
     rng = np.random.default_rng(1)
-    lengths = rng.integers(20, 513, 16).tolist()
     samples = []
-    for n in lengths:
+    for n in rng.integers(20, 513, 16).tolist():
         labels = np.where(rng.random(n) < 0.15, rng.integers(0, 8192, n), -100)
         samples.append(
             {"input_ids": rng.integers(5, 8192, n).tolist(), "token_type_ids": [0] * n, "labels": labels.tolist()}
         )
-    packed = pack_sequences(samples)
-    longest = max(lengths)
-    padded = {k: torch.zeros(16, longest, dtype=torch.long) for k in ("input_ids", "token_type_ids", "attention_mask")}
-    padded["labels"] = torch.full((16, longest), -100)
-    for row, s in enumerate(samples):
-        padded["input_ids"][row, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
-        padded["attention_mask"][row, : len(s["input_ids"])] = 1
-        padded["labels"][row, : len(s["input_ids"])] = torch.tensor(s["labels"])
+    packed, padded = pack_sequences(samples), padded_batch(samples)
     wrapper = UnpaddedBert(model)
 
-    def padded_sparse_head():  # ds_bertopt.model.SparseMLMHead's math: padded encoder, head at masked positions
-        hidden = model.bert(
-            input_ids=padded["input_ids"],
-            attention_mask=padded["attention_mask"],
-            token_type_ids=padded["token_type_ids"],
-        ).last_hidden_state
+    def padded_sparse_head():  # the padded encoder, the head at the masked positions only
+        hidden = model.bert(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).last_hidden_state
         selected = padded["labels"] != -100
         return F.cross_entropy(model.cls(hidden[selected]), padded["labels"][selected])
 
-    for name, step in [
-        ("UnpaddedBert, packed", lambda: wrapper(**packed).loss),
-        ("padded + sparse MLM head", padded_sparse_head),
-        ("BertForMaskedLM, padded (sdpa)", lambda: model(**padded).loss),
-    ]:
-        runs = []
-        for _ in range(reps + 1):
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            step().backward()
-            runs.append(time.perf_counter() - start)
-        print(f"  {name:32s} fwd+bwd {statistics.median(runs[1:]) * 1e3:7.0f} ms")
+    steps = {
+        "UnpaddedBert, packed": lambda: wrapper(**packed).loss,
+        "padded + sparse MLM head": padded_sparse_head,
+        "BertForMaskedLM, padded (sdpa)": lambda: model(**padded).loss,
+    }
+    times = interleaved({name: timed(step, model=model) for name, step in steps.items()}, repeats=reps, warmup=1)
+    for name, runs in times.items():
+        print(f"  {name:32s} fwd+bwd {median(runs) * 1e3:7.0f} ms")
 
 
 if __name__ == "__main__":
-    import sys
-
     bench_model() if "--model" in sys.argv else main()
