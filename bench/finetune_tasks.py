@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from bench.mfu import gemm_peak
+    from bench._common import gemm_peak
 
     if not SHARED.is_dir():
         print(f"skipped: {SHARED} is absent")
