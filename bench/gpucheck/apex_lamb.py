@@ -2,8 +2,6 @@
 LAMB's step on the accelerator (``ds_bertopt.testing.apex_lamb.lamb_runs``; on the CPU dry run its reference stands
 in for apex, as in ``tests/test_apex_lamb.py``)."""
 
-from __future__ import annotations
-
 from .runner import Ctx
 
 CHECKED = ("default", "mlperf")
