@@ -1,5 +1,6 @@
 """Host-sync recorder: ``torch.cuda.set_sync_debug_mode("warn")`` turned into counted, attributed events."""
 
+import collections
 import contextlib
 import functools
 import importlib.util
@@ -149,11 +150,10 @@ class SyncRecorder:
 
     def summary(self, steps: int) -> dict:
         sites: dict = {}
-        per_step: dict = {}
         for event in self.events:
             fields = {k: event[k] for k in ("owner", "documented", "ours_top", "line")}
             sites.setdefault(event["site"], {**fields, "count": 0})["count"] += 1
-            per_step[event["step"]] = per_step.get(event["step"], 0) + 1
+        per_step = collections.Counter(event["step"] for event in self.events)
         total = len(self.events)
         return {"steps": steps, "total": total, "unattributed": self.unattributed, "sites": sites, "per_step": per_step}
 
@@ -173,9 +173,7 @@ def describe_syncs(ctx: Ctx, label: str, summary: dict) -> tuple:
     for site, entry in sorted(summary["sites"].items(), key=lambda kv: -kv[1]["count"]):
         internal = "" if entry["owner"] == "ds_bertopt" else f"{entry['owner']}-internal"
         kind = (
-            ("documented" + (f", {internal}" if internal else ""))
-            if entry["documented"]
-            else internal or "ours, NOT documented"
+            ", ".join(filter(None, ["documented" if entry["documented"] else "", internal])) or "ours, NOT documented"
         )
         if entry["owner"] == "ds_bertopt" and not entry["documented"]:
             ours_undocumented += entry["count"] / steps
