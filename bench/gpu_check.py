@@ -107,7 +107,6 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny sizes and fewer runs (the CPU smoke run)")
     parser.add_argument("--budget", type=float, default=470, help="seconds for all --sections (default: 470)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; CPU: 1)")
-    parser.add_argument("--jobs", type=int, default=None, help="runs at once on one GPU (default: cores / 3, <= 6)")
     parser.add_argument("--workdir", default=None, help="run directories and logs (default: a temp dir)")
     parser.add_argument("--env", action="store_true", help="print the environment line and exit")
     args = parser.parse_args(argv)
@@ -127,7 +126,7 @@ def main(argv: Optional[list] = None) -> int:
         gpus = visible if gpus is None else gpus
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    jobs = args.jobs or (max(1, min(6, (os.cpu_count() or 4) // 3)) if args.device == "cuda" else 2)
+    jobs = max(1, min(6, (os.cpu_count() or 4) // 3)) if args.device == "cuda" else 2  # runs at once on one GPU
     ctx = Ctx(args.device, args.tiny, 1 if gpus is None else gpus, workdir, start + args.budget, jobs)
     results = [run_section(name, ctx) for name in args.sections]
     failed = [n for n, r in zip(args.sections, results) if r.status == "FAIL"]

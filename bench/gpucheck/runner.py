@@ -91,7 +91,7 @@ class Ctx:
 
     def env(self, **extra: str) -> dict:
         """Environment of a subprocess: ``bench/_common.py``'s (the checkout importable, offline), on this device."""
-        threads = "1" if self.device == "cpu" else os.environ.get("GPU_CHECK_RUN_THREADS", "2")
+        threads = "1" if self.device == "cpu" else "2"
         return cpu_env(DS_ACCELERATOR=self.device, OMP_NUM_THREADS=threads, **extra)
 
 
