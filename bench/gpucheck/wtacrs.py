@@ -13,16 +13,12 @@ from .runner import ROOT, SCRIPTS, Ctx, Job, Result, brief, judged, run_jobs, te
 
 def shipped_wtacrs(**changes):
     """The ``wtacrs`` section of ``ds_configs/finetune_zero0.json`` (kit + WTA@0.3), optionally changed."""
-    from ds_bertopt.configlib import load_section
+    from ds_bertopt.configlib import load_section, set_dotted
     from ds_bertopt.wtacrs.config import WtaCrsConfig
 
-    raw = copy.deepcopy(json.loads((ROOT / "ds_configs" / "finetune_zero0.json").read_text())["bertopt"]["wtacrs"])
+    raw = json.loads((ROOT / "ds_configs" / "finetune_zero0.json").read_text())["bertopt"]["wtacrs"]
     for key, value in changes.items():
-        target = raw
-        *path, last = key.split(".")
-        for part in path:
-            target = target.setdefault(part, {})
-        target[last] = value
+        set_dotted(raw, key, value)
     return load_section(WtaCrsConfig, raw, "wtacrs")
 
 
