@@ -1,16 +1,12 @@
 #!/usr/bin/env bash
 # The prepared check for a machine with an NVIDIA GPU (one H200, no internet, a few minutes); never part of CI.
-# What each section checks and how to read the output: docs/gpu_check.md.
+# What each section checks, the options and how to read the output: docs/gpu_check.md.
 #
 #   bash bench/gpu_check.sh [--sections "precision memory ..."] [--wheels DIR | DIR]
 #
-# Finishes within GPU_CHECK_LIMIT_S seconds (default 470: the 8-minute slot minus a margin): every section runs
-# in its own process under `timeout`, with at most its share of the time left. Each section prints one line
-#   [gpu_check] <section>: PASS|FAIL|SKIPPED(<reason>) <figures>
-# (detail lines read "[gpu_check]   <section> | ..."); the exit status is 1 iff a section FAILed.
-# Missing Python packages are installed offline from the wheel directory (--wheels, a bare argument, or $WHEELS).
-# GPU_CHECK_LOGS=DIR keeps every run's log there (e.g. $OUT/gpu_check on the device machine); GPU_CHECK_ARGS adds
-# arguments to every bench/gpu_check.py call (GPU_CHECK_ARGS="--device cpu --tiny" dry-runs this script on a CPU).
+# Every section runs in its own process under `timeout`, with at most its share of GPU_CHECK_LIMIT_S (default 470:
+# the 8-minute slot minus a margin), and prints one line `[gpu_check] <section>: PASS|FAIL|SKIPPED(<reason>) ...`;
+# the exit status is 1 iff a section FAILed. GPU_CHECK_ARGS="--device cpu --tiny" dry-runs it on a CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS

@@ -2,15 +2,11 @@
 LAMB's step on the accelerator (``ds_bertopt.testing.apex_lamb.lamb_runs``; on the CPU dry run its reference stands
 in for apex, as in ``tests/test_apex_lamb.py``)."""
 
-from __future__ import annotations
-
 from .runner import Ctx
-
-CHECKED = ("default", "mlperf")
-"""LAMB settings compared: ours by default, and ``ds_configs/mlperf_bert_large.json``'s (no bias correction)."""
 
 
 def settings() -> dict:
+    """LAMB settings compared: ours by default, and ``ds_configs/mlperf_bert_large.json``'s (no bias correction)."""
     from ds_bertopt.configlib import load_section
     from ds_bertopt.optim import OptimizerConfig
 

@@ -1,11 +1,8 @@
 """Section ``conformance``: the matrix of docs/gpu_matrix.md with the classes a CUDA run really gets."""
 
-from __future__ import annotations
-
 import json
-import sys
 
-from .runner import ENTRY, Ctx, Job, Result, free_port, run_jobs
+from .runner import Ctx, Result, rank0_env, run_jobs, worker_job
 
 
 def section_conformance(ctx: Ctx) -> Result:
@@ -17,10 +14,9 @@ def section_conformance(ctx: Ctx) -> Result:
     rows = accepted if ctx.cuda else (list(REPRESENTATIVE) if ctx.tiny else cpu_rows())
     out = ctx.dir("matrix")
     out.mkdir(parents=True, exist_ok=True)
-    env = ctx.env(GPU_CHECK_WORKER="conformance", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1")
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    cmd = [sys.executable, "-u", str(ENTRY), "--out", str(out), "--rows"]
-    job = run_jobs(ctx, [Job("conformance", [*cmd, *(row.id for row in rows)], env, out / "worker.log", 400)])[0]
+    args = ["--out", out, "--rows", *(row.id for row in rows)]
+    job = worker_job(ctx, "conformance", "conformance", args, out / "worker.log", timeout=400, **rank0_env())
+    job = run_jobs(ctx, [job])[0]
     if not job.ok or not (out / "results.json").exists():
         return Result("FAIL", f"worker {job.status()}: {job.tail()}")
     results = json.loads((out / "results.json").read_text())

@@ -1,13 +1,12 @@
 """Section ``memory``: peak device memory of one fine-tuning step per variant."""
 
-from __future__ import annotations
-
 import contextlib
+import itertools
 import statistics
 import time
 import warnings
 
-from .runner import Ctx, Result
+from .runner import Ctx, Result, brief
 from .wtacrs import shipped_wtacrs
 
 MEMORY_VARIANTS = ("full", "hf_ckpt", "kit+wta", "lora+kit", "kit+wta+ckpt", "exact", "balanced", "max_saving")
@@ -15,14 +14,6 @@ MEMORY_VARIANTS = ("full", "hf_ckpt", "kit+wta", "lora+kit", "kit+wta+ckpt", "ex
 SIMPLEST_FIRST = ("full", "hf_ckpt", "exact", "kit+wta", "balanced", "kit+wta+ckpt", "max_saving", "lora+kit")
 """MEMORY_VARIANTS as ``sizing.choose`` orders setups: how far each departs from full fine-tuning's math (the
 model's own recomputation, exact kit swaps, sampled gradients, + checkpointing), LoRA last."""
-
-
-def enable_activation_checkpointing(model) -> None:
-    """Hugging Face's switch: ``activation_checkpointing_enable`` (transformers 5), else the older name."""
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        enable()
 
 
 def build_finetune_model(source: dict, variant: str, device):
@@ -48,8 +39,11 @@ def build_finetune_model(source: dict, variant: str, device):
         model, _ = prepare_model(model, shipped_wtacrs())
     elif variant == "lora+kit":
         model, _ = prepare_model(model, shipped_wtacrs(enabled=False, **{"lora.enabled": True}))
-    if variant in ("hf_ckpt", "kit+wta+ckpt"):
-        enable_activation_checkpointing(model)
+    if variant in ("hf_ckpt", "kit+wta+ckpt"):  # Hugging Face's switch (transformers 5; its older name before)
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable()
     return model.to(device).train()
 
 
@@ -57,8 +51,7 @@ def measure_memory(model, batch_size: int, seq: int, dtype, device, vocab: int) 
     """Warm-up step, peak reset, measured step (CUDA events), two more timed steps."""
     import torch
 
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-5)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     gen = torch.Generator().manual_seed(0)
     low = 1000 if vocab > 2000 else 1
     batch = {
@@ -66,7 +59,6 @@ def measure_memory(model, batch_size: int, seq: int, dtype, device, vocab: int) 
         "attention_mask": torch.ones(batch_size, seq, dtype=torch.long, device=device),
         "labels": torch.randint(0, 2, (batch_size,), generator=gen).to(device),
     }
-    cuda = device.type == "cuda"
 
     def step():
         with torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
@@ -76,29 +68,24 @@ def measure_memory(model, batch_size: int, seq: int, dtype, device, vocab: int) 
         optimizer.zero_grad(set_to_none=True)
 
     step()
+    if device.type != "cuda":
+        begin = time.perf_counter()
+        step()
+        return {"step_s": time.perf_counter() - begin}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    resident = torch.cuda.memory_allocated()
     times = []
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        resident = torch.cuda.memory_allocated()
-    for i in range(3 if cuda else 1):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-            if i == 0:
-                peak = torch.cuda.max_memory_allocated()
-        else:
-            begin = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - begin)
-    result = {"step_s": statistics.median(times), "trainable": sum(p.numel() for p in trainable)}
-    if cuda:
-        result.update(peak=peak, resident=resident)
-    return result
+    for i in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+        if i == 0:
+            peak = torch.cuda.max_memory_allocated()
+    return {"step_s": statistics.median(times), "peak": peak, "resident": resident}
 
 
 def budget_recommendations(results: dict, detail) -> list[str]:
@@ -123,16 +110,90 @@ def budget_recommendations(results: dict, detail) -> list[str]:
     return out
 
 
-def section_memory(ctx: Ctx) -> Result:
+def table_rows(row: dict, key: tuple) -> list:
+    """The detail table's lines of one model/shape/dtype: peak, step memory and step time of each variant vs full."""
+    lines, full = [], row.get("full")
+    for variant in MEMORY_VARIANTS:
+        r = row.get(variant)
+        if r is None:
+            lines.append(f"{key[0]:<20} {key[1]:>8} {key[2]:<5} {variant:<13} {'failed':>9}")
+            continue
+        peak = r.get("peak")
+        vs_full = f"{peak / full['peak']:.2f}x" if peak and full and full.get("peak") else "n/a"
+        peak_text = f"{peak / 2**20:.0f}" if peak else "n/a"
+        step_mib = f"{(peak - r['resident']) / 2**20:.0f}" if peak else "n/a"
+        time_vs = f"{r['step_s'] / full['step_s']:.2f}x" if full else "n/a"
+        lines.append(
+            f"{key[0]:<20} {key[1]:>8} {key[2]:<5} {variant:<13} {peak_text:>9} {vs_full:>8} "
+            f"{step_mib:>9} {r['step_s'] * 1000:>8.1f} {time_vs:>8}"
+        )
+    return lines
+
+
+def measure_model(ctx: Ctx, model_name: str, source: dict, shapes: list, results: dict, failures: list) -> None:
+    """Every variant of one model at every shape and dtype into ``results[(model, shape, dtype)][variant]``."""
     import torch
 
+    device = torch.device(ctx.device)
+    for variant in MEMORY_VARIANTS:
+        if ctx.left() < 15:
+            failures.append(f"{model_name} {variant}: not run (time)")
+            continue
+        try:
+            model = build_finetune_model(source, variant, device)
+        except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
+            failures.append(f"{model_name} {variant}: build {brief(exc, 160)}")
+            ctx.detail(f"{model_name} {variant}: could not build: {brief(exc)}")
+            continue
+        vocab = model.config.vocab_size if hasattr(model, "config") else 30522
+        # a CPU without native bf16 emulates it slowly: the smoke run takes bf16 on the tiny model only
+        dtypes = ("fp32", "bf16") if ctx.cuda or "dir" not in source else ("fp32",)
+        for (batch_size, seq), dtype_name in itertools.product(shapes, dtypes):
+            key = (model_name, f"{batch_size}x{seq}", dtype_name)
+            dtype = torch.bfloat16 if dtype_name == "bf16" else None
+            try:
+                results.setdefault(key, {})[variant] = measure_memory(model, batch_size, seq, dtype, device, vocab)
+            except Exception as exc:  # noqa: BLE001 - OOM or a broken variant: say so, go on
+                failures.append(f"{' '.join(key)} {variant}: {brief(exc, 160)}")
+                results.setdefault(key, {})[variant] = None
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+        del model
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+
+
+def cuda_figures(results: dict, detail) -> tuple:
+    """(figures, models/shapes where kit+WTA's peak is not below full's) of the CUDA peaks."""
+    worse, ratios, against = [], [], []
+    for key, row in results.items():
+        where = f"{key[0].split(' ')[0]} {key[1]} {key[2]}"
+        full, wta, ckpt = row.get("full"), row.get("kit+wta"), row.get("hf_ckpt")
+        if full and wta:
+            ratios.append(f"{where} {wta['peak'] / full['peak']:.2f}x")
+            if wta["peak"] >= full["peak"]:
+                worse.append(" ".join(key))
+        # the frontier on CUDA memory: each preset's peak against HF gradient checkpointing's
+        cells = [
+            f"{p} {row[p]['peak'] / ckpt['peak']:.2f}x"
+            for p in ("exact", "balanced", "max_saving")
+            if ckpt and row.get(p)
+        ]
+        if cells:
+            against.append(f"{where}: " + ", ".join(cells))
+    figures = "kit+WTA@0.3 peak vs full: " + ", ".join(ratios)
+    figures += "; preset peak vs HF checkpointing: " + ("; ".join(against) or "n/a")
+    figures += "; budget mode: " + ("; ".join(budget_recommendations(results, detail)) or "n/a")
+    return figures, worse
+
+
+def section_memory(ctx: Ctx) -> Result:
     # transformers' own deprecation notices (is_gradient_checkpointing, called inside its checkpointing) are noise here
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
     from bench._common import bert_sizes
     from ds_bertopt.model.local import default_model_dir
 
-    device = torch.device(ctx.device)
     sources = {}
     minilm = default_model_dir()
     if minilm:
@@ -143,60 +204,16 @@ def section_memory(ctx: Ctx) -> Result:
         "config": bert_sizes(32, 2, 2, 64, vocab_size=2000) if ctx.tiny else {}
     }  # {}: BertConfig's defaults are BERT-base
     shapes = [(4, 32)] if ctx.tiny else [(64, 128), (32, 512)]
-    all_dtypes = {"fp32": None, "bf16": torch.bfloat16}
     results, failures = {}, []
-    header = (
+    ctx.detail(
         f"{'model':<20} {'batch':>8} {'dtype':<5} {'variant':<13} {'peak MiB':>9} {'vs full':>8} "
         f"{'step MiB':>9} {'step ms':>8} {'vs full':>8}"
     )
-    ctx.detail(header)
     for model_name, source in sources.items():
-        for variant in MEMORY_VARIANTS:
-            if ctx.left() < 15:
-                failures.append(f"{model_name} {variant}: not run (time)")
-                continue
-            try:
-                model = build_finetune_model(source, variant, device)
-            except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
-                failures.append(f"{model_name} {variant}: build {type(exc).__name__}: {str(exc)[:160]}")
-                ctx.detail(f"{model_name} {variant}: could not build: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            vocab = model.config.vocab_size if hasattr(model, "config") else 30522
-            # a CPU without native bf16 emulates it slowly: the smoke run takes bf16 on the tiny model only
-            dtypes = all_dtypes if ctx.cuda or "dir" not in source else {"fp32": None}
-            for batch_size, seq in shapes:
-                for dtype_name, dtype in dtypes.items():
-                    key = (model_name, f"{batch_size}x{seq}", dtype_name)
-                    try:
-                        results.setdefault(key, {})[variant] = measure_memory(
-                            model, batch_size, seq, dtype, device, vocab
-                        )
-                    except Exception as exc:  # noqa: BLE001 - OOM or a broken variant: say so, go on
-                        failures.append(f"{' '.join(key)} {variant}: {type(exc).__name__}: {str(exc)[:160]}")
-                        results.setdefault(key, {})[variant] = None
-                    if ctx.cuda:
-                        torch.cuda.empty_cache()
-            del model
-            if ctx.cuda:
-                torch.cuda.empty_cache()
+        measure_model(ctx, model_name, source, shapes, results, failures)
         for key, row in results.items():
-            if key[0] != model_name:
-                continue
-            full = row.get("full")
-            for variant in MEMORY_VARIANTS:
-                r = row.get(variant)
-                if r is None:
-                    ctx.detail(f"{key[0]:<20} {key[1]:>8} {key[2]:<5} {variant:<13} {'failed':>9}")
-                    continue
-                peak = r.get("peak")
-                vs_full = f"{peak / full['peak']:.2f}x" if peak and full and full.get("peak") else "n/a"
-                peak_text = f"{peak / 2**20:.0f}" if peak else "n/a"
-                step_mib = f"{(peak - r['resident']) / 2**20:.0f}" if peak else "n/a"
-                time_vs = f"{r['step_s'] / full['step_s']:.2f}x" if full else "n/a"
-                ctx.detail(
-                    f"{key[0]:<20} {key[1]:>8} {key[2]:<5} {variant:<13} {peak_text:>9} {vs_full:>8} "
-                    f"{step_mib:>9} {r['step_s'] * 1000:>8.1f} {time_vs:>8}"
-                )
+            if key[0] == model_name:
+                ctx.detail("\n".join(table_rows(row, key)))
     ctx.detail(
         "peak: torch.cuda.max_memory_allocated over one step (weights, AdamW state, activations, gradients); "
         "step MiB: peak minus what was allocated before the step"
@@ -207,27 +224,7 @@ def section_memory(ctx: Ctx) -> Result:
             f"the variants built and stepped on CPU ({len(results)} model/shape/dtype "
             "configurations), no GPU peaks" + (f"; problems: {'; '.join(failures)}" if failures else ""),
         )
-    worse = []
-    ratios = []
-    for key, row in results.items():
-        full, wta = row.get("full"), row.get("kit+wta")
-        if full and wta:
-            ratios.append(f"{key[0].split(' ')[0]} {key[1]} {key[2]} {wta['peak'] / full['peak']:.2f}x")
-            if wta["peak"] >= full["peak"]:
-                worse.append(" ".join(key))
-    figures = "kit+WTA@0.3 peak vs full: " + ", ".join(ratios)
-    against = []  # the frontier on CUDA memory: each preset's peak against HF gradient checkpointing's
-    for key, row in results.items():
-        ckpt = row.get("hf_ckpt")
-        cells = [
-            f"{p} {row[p]['peak'] / ckpt['peak']:.2f}x"
-            for p in ("exact", "balanced", "max_saving")
-            if ckpt and row.get(p)
-        ]
-        if cells:
-            against.append(f"{key[0].split(' ')[0]} {key[1]} {key[2]}: " + ", ".join(cells))
-    figures += "; preset peak vs HF checkpointing: " + ("; ".join(against) or "n/a")
-    figures += "; budget mode: " + ("; ".join(budget_recommendations(results, ctx.detail)) or "n/a")
+    figures, worse = cuda_figures(results, ctx.detail)
     from ds_bertopt.wtacrs.memory import device_overhead  # what ds-bertopt memory adds to the reserved peak
 
     overhead = device_overhead("cuda:0")

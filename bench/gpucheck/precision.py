@@ -1,7 +1,5 @@
 """Section ``precision``: bf16/fp16 pretraining with the bucket-clip hook at ZeRO 0/1/2 and LAMB at ZeRO 0/2."""
 
-from __future__ import annotations
-
 import math
 import statistics
 
@@ -16,12 +14,8 @@ def judge_losses(records: list, steps: int) -> tuple:
         return "no loss in metrics.jsonl", math.nan, math.nan, skipped
     values = [losses[s] for s in sorted(losses)]
     if not all(math.isfinite(v) for v in values):
-        return (
-            f"non-finite loss at step(s) {[s for s in sorted(losses) if not math.isfinite(losses[s])][:5]}",
-            math.nan,
-            math.nan,
-            skipped,
-        )
+        bad = [s for s in sorted(losses) if not math.isfinite(losses[s])][:5]
+        return f"non-finite loss at step(s) {bad}", math.nan, math.nan, skipped
     k = max(2, len(values) // 5)
     first, last = statistics.mean(values[:k]), statistics.mean(values[-k:])
     if len(values) < steps - skipped:
@@ -33,32 +27,22 @@ def judge_losses(records: list, steps: int) -> tuple:
 
 def section_precision(ctx: Ctx) -> Result:
     steps = 8 if ctx.tiny else 25
-    matrix = []
-    for precision in ("bf16", "fp16"):
-        for stage in (0, 1, 2):
-            matrix.append((precision, "adamw+bucket_clip", stage, ["bucket_clip.enabled=true"]))
-        for stage in (0, 2):
-            matrix.append((precision, "lamb", stage, ['optimizer.type="lamb"']))
+    kinds = [("adamw+bucket_clip", stage, "bucket_clip.enabled=true") for stage in (0, 1, 2)]
+    kinds += [("lamb", stage, 'optimizer.type="lamb"') for stage in (0, 2)]
     if ctx.tiny and not ctx.cuda:  # the smoke run: one of each kind
-        matrix = [m for m in matrix if (m[1], m[2]) in (("adamw+bucket_clip", 2), ("lamb", 0))]
+        kinds = [k for k in kinds if k[:2] in (("adamw+bucket_clip", 2), ("lamb", 0))]
     jobs, skipped_fp16 = [], 0
-    for precision, kind, stage, extra in matrix:
-        if precision == "fp16" and not ctx.cuda:
-            skipped_fp16 += 1
-            continue
-        name = f"{precision} {kind} z{stage}"
-        out = ctx.dir(name.replace(" ", "_").replace("+", "_"))
-        overrides = [
-            f'train.precision="{precision}"',
-            f"deepspeed.zero_optimization.stage={stage}",
-            "train.save_model=false",
-            *extra,
-        ]
-        jobs.append(
-            pretrain_job(
-                ctx, name, out, steps, overrides, flags=["--log_every", "1", "--overwrite_output_dir"], timeout=240
-            )
-        )
+    for precision in ("bf16", "fp16"):
+        for kind, stage, extra in kinds:
+            if precision == "fp16" and not ctx.cuda:
+                skipped_fp16 += 1
+                continue
+            name = f"{precision} {kind} z{stage}"
+            out = ctx.dir(name.replace(" ", "_").replace("+", "_"))
+            overrides = [f'train.precision="{precision}"', f"deepspeed.zero_optimization.stage={stage}"]
+            overrides += ["train.save_model=false", extra]
+            flags = ["--log_every", "1", "--overwrite_output_dir"]
+            jobs.append(pretrain_job(ctx, name, out, steps, overrides, flags=flags, timeout=240))
     run_jobs(ctx, jobs, parallel=ctx.jobs)
     failed, passed, rows = [], 0, []
     for job in jobs:

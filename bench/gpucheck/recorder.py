@@ -1,8 +1,9 @@
 """Host-sync recorder: ``torch.cuda.set_sync_debug_mode("warn")`` turned into counted, attributed events."""
 
-from __future__ import annotations
-
+import collections
 import contextlib
+import functools
+import importlib.util
 import os
 import sys
 import tempfile
@@ -23,22 +24,17 @@ DOCUMENTED_SYNCS = (
 )
 
 
-_ROOTS: list = []
-
-
+@functools.cache
 def _package_roots() -> list:
     """``[(directory, package)]`` of the packages a sync is attributed to, longest directory first (a venv
     inside a checkout called ``ds_bertopt`` still attributes torch's files to torch)."""
-    if not _ROOTS:
-        import importlib.util
-
-        for package in ("ds_bertopt", "deepspeed", "transformers", "peft", "accelerate", "torch"):
-            with contextlib.suppress(Exception):
-                spec = importlib.util.find_spec(package)
-                for location in (spec.submodule_search_locations or []) if spec else []:
-                    _ROOTS.append((os.path.realpath(location) + os.sep, package))
-        _ROOTS.sort(key=lambda entry: -len(entry[0]))
-    return _ROOTS
+    roots = []
+    for package in ("ds_bertopt", "deepspeed", "transformers", "peft", "accelerate", "torch"):
+        with contextlib.suppress(Exception):
+            spec = importlib.util.find_spec(package)
+            for location in (spec.submodule_search_locations or []) if spec else []:
+                roots.append((os.path.realpath(location) + os.sep, package))
+    return sorted(roots, key=lambda entry: -len(entry[0]))
 
 
 def _locate(filename: str) -> tuple:
@@ -69,26 +65,24 @@ def attribute(frames) -> dict:
     ds_bertopt frame; ``documented`` when that frame is one of :data:`DOCUMENTED_SYNCS`."""
     frames = [f for f in frames if not f.filename.endswith("warnings.py") and not _ours(f.filename)]
     located = [(f, *_locate(f.filename)) for f in frames]
-    outside = [entry for entry in located if entry[1] != "torch"] or located
-    inner = outside[-1] if outside else None
+    if not located:
+        return {"site": "unknown", "owner": "unknown", "documented": False, "ours_top": [], "line": ""}
+    inner = ([entry for entry in located if entry[1] != "torch"] or located)[-1]
     ours = [entry for entry in located if entry[1] == "ds_bertopt"]
-    ours_inner = ours[-1] if ours else None
-    documented = False
-    if ours_inner is not None:
-        frame, _, rel = ours_inner
-        for path, function, text in DOCUMENTED_SYNCS:
-            if rel == path and function in (None, frame.name) and (text is None or text in (frame.line or "")):
-                documented = True
-    owner = inner[1] if inner is not None else "unknown"
-    site = _short(inner[0]) if inner is not None else "unknown"
-    if ours_inner is not None and ours_inner is not inner:
-        site += f" (from {_short(ours_inner[0])})"
+    site, documented = _short(inner[0]), False
+    if ours:
+        frame, _, rel = ours[-1]
+        documented = any(
+            rel == path and function in (None, frame.name) and (text is None or text in (frame.line or ""))
+            for path, function, text in DOCUMENTED_SYNCS
+        )
+        site += f" (from {_short(frame)})" if ours[-1] is not inner else ""
     return {
         "site": site,
-        "owner": owner,
+        "owner": inner[1],
         "documented": documented,
         "ours_top": [_short(entry[0]) for entry in ours[-3:]][::-1],
-        "line": (inner[0].line or "").strip()[:120] if inner is not None else "",
+        "line": (inner[0].line or "").strip()[:120],
     }
 
 
@@ -156,20 +150,12 @@ class SyncRecorder:
 
     def summary(self, steps: int) -> dict:
         sites: dict = {}
-        per_step: dict = {}
         for event in self.events:
-            entry = sites.setdefault(
-                event["site"], {**{k: event[k] for k in ("owner", "documented", "ours_top", "line")}, "count": 0}
-            )
-            entry["count"] += 1
-            per_step[event["step"]] = per_step.get(event["step"], 0) + 1
-        return {
-            "steps": steps,
-            "total": len(self.events),
-            "unattributed": self.unattributed,
-            "sites": sites,
-            "per_step": per_step,
-        }
+            fields = {k: event[k] for k in ("owner", "documented", "ours_top", "line")}
+            sites.setdefault(event["site"], {**fields, "count": 0})["count"] += 1
+        per_step = collections.Counter(event["step"] for event in self.events)
+        total = len(self.events)
+        return {"steps": steps, "total": total, "unattributed": self.unattributed, "sites": sites, "per_step": per_step}
 
 
 def describe_syncs(ctx: Ctx, label: str, summary: dict) -> tuple:
@@ -187,9 +173,7 @@ def describe_syncs(ctx: Ctx, label: str, summary: dict) -> tuple:
     for site, entry in sorted(summary["sites"].items(), key=lambda kv: -kv[1]["count"]):
         internal = "" if entry["owner"] == "ds_bertopt" else f"{entry['owner']}-internal"
         kind = (
-            ("documented" + (f", {internal}" if internal else ""))
-            if entry["documented"]
-            else internal or "ours, NOT documented"
+            ", ".join(filter(None, ["documented" if entry["documented"] else "", internal])) or "ours, NOT documented"
         )
         if entry["owner"] == "ds_bertopt" and not entry["documented"]:
             ours_undocumented += entry["count"] / steps

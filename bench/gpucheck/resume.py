@@ -1,23 +1,13 @@
 """Section ``resume``: a reference run vs a run killed mid-way and resumed, bit-exact."""
 
-from __future__ import annotations
-
 import json
 import math
 import os
 import sys
 
-from .runner import (
-    DETERMINISTIC_CUBLAS,
-    Ctx,
-    Job,
-    Result,
-    log_line,
-    losses_by_step,
-    pretrain_job,
-    read_metrics,
-    run_jobs,
-)
+from .runner import Ctx, Job, Result, judged, log_line, losses_by_step, pretrain_job, read_metrics, run_jobs
+
+DETERMINISTIC_CUBLAS = ":4096:8"  # what torch's deterministic mode demands of cuBLAS (CUBLAS_WORKSPACE_CONFIG)
 
 
 def cublas_probe_job(ctx: Ctx) -> Job:
@@ -27,13 +17,14 @@ def cublas_probe_job(ctx: Ctx) -> Job:
     )
     env = ctx.env()
     env.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    return Job(
-        "deterministic GEMM without CUBLAS_WORKSPACE_CONFIG",
-        [sys.executable, "-c", code],
-        env,
-        ctx.dir("cublas_probe.log"),
-        60,
-    )
+    name = "deterministic GEMM without CUBLAS_WORKSPACE_CONFIG"
+    return Job(name, [sys.executable, "-c", code], env, ctx.dir("cublas_probe.log"), 60)
+
+
+def samples_by_step(out, rank: int) -> dict:
+    path = out / "samples" / f"rank{rank}.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return {row["step"]: row["indices"] for row in rows}
 
 
 def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, kill_step: int) -> tuple:
@@ -47,28 +38,14 @@ def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, k
     # the killed run goes through the deepspeed launcher (a rank dying under it); on one rank the others start
     # without it (its runner and launch processes each import deepspeed again: seconds of start-up per run)
     multi = world > 1
-    ref = pretrain_job(
-        ctx,
-        "reference",
-        ref_dir,
-        steps,
-        common,
-        flags=[*flags, "--overwrite_output_dir"],
-        gpus=world,
-        use_launcher=multi,
-        env=env,
-    )
-    cut = pretrain_job(
-        ctx,
-        "killed",
-        cut_dir,
-        steps,
-        common,
-        flags=[*flags, "--overwrite_output_dir"],
-        gpus=world,
-        use_launcher=multi or ctx.cuda,
-        env={**env, "DS_BERTOPT_FAULT": f"kill@forward:rank={kill_rank}:step={kill_step}"},
-    )
+
+    def run(name: str, out, flag: str, launched: bool, **extra) -> Job:
+        ranks = world if launched else 0
+        return pretrain_job(ctx, name, out, steps, common, flags=[*flags, flag], ranks=ranks, env={**env, **extra})
+
+    ref = run("reference", ref_dir, "--overwrite_output_dir", multi)
+    fault = f"kill@forward:rank={kill_rank}:step={kill_step}"
+    cut = run("killed", cut_dir, "--overwrite_output_dir", multi or ctx.cuda, DS_BERTOPT_FAULT=fault)
     extra = [cublas_probe_job(ctx)] if ctx.cuda and world == 1 else []
     run_jobs(ctx, [ref, cut, *extra], parallel=3)
     for job in extra:
@@ -83,7 +60,6 @@ def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, k
                 f"({job.tail(2)}); these runs set CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS}, the loop "
                 "does not"
             )
-    problems = []
     if not ref.ok:
         return [f"reference run {ref.status()}: {ref.tail()}"], ""
     expected_tag = f"step{(kill_step - 1) // 2 * 2:08d}"
@@ -97,9 +73,7 @@ def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, k
         return [f"the killed run did not die as injected ({cut.status()})"], ""
     if latest_tag != expected_tag:
         return [f"latest checkpoint after the kill is {latest_tag}, expected {expected_tag}"], ""
-    resume = pretrain_job(
-        ctx, "resumed", cut_dir, steps, common, flags=[*flags, "--resume"], gpus=world, use_launcher=multi, env=env
-    )
+    resume = run("resumed", cut_dir, "--resume", multi)
     resume.log = cut_dir.parent / f"{cut_dir.name}_resume.log"
     run_jobs(ctx, [resume])
     if not resume.ok:
@@ -107,20 +81,14 @@ def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, k
     resumed_from = log_line(resume, "resumed from")
     ctx.detail(f"{label}: resumed run {resume.status()}: {resumed_from}")
     a, b = load_file(ref_dir / "final" / "model.safetensors"), load_file(cut_dir / "final" / "model.safetensors")
-    if a.keys() != b.keys():
-        problems.append(f"final weights have different keys ({sorted(set(a) ^ set(b))[:4]})")
+    problems = [] if a.keys() == b.keys() else [f"final weights have different keys ({sorted(set(a) ^ set(b))[:4]})"]
     differing = {k: float((a[k].double() - b[k].double()).abs().max()) for k in a if k in b and not a[k].equal(b[k])}
     ref_loss, cut_loss = losses_by_step(read_metrics(ref_dir)), losses_by_step(read_metrics(cut_dir))
     loss_diff = [abs(ref_loss[s] - cut_loss.get(s, math.inf)) for s in sorted(ref_loss)]
-    samples_equal = True
-    for rank in range(world):
-
-        def by_step(out, rank=rank):
-            path = out / "samples" / f"rank{rank}.jsonl"
-            rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-            return {row["step"]: row["indices"] for row in rows}
-
-        samples_equal &= by_step(ref_dir) == by_step(cut_dir) and bool(by_step(ref_dir))
+    samples_equal = all(
+        samples_by_step(ref_dir, rank) == samples_by_step(cut_dir, rank) and bool(samples_by_step(ref_dir, rank))
+        for rank in range(world)
+    )
     if differing:
         worst = max(differing, key=differing.get)
         problems.append(
@@ -145,6 +113,4 @@ def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, k
 def section_resume(ctx: Ctx) -> Result:
     steps, kill_step = (8, 6) if ctx.tiny else (10, 6)
     problems, figures = resume_check(ctx, "x1", 1, 0, steps, kill_step)
-    if problems:
-        return Result("FAIL", "; ".join(problems) + (f" [{figures}]" if figures else ""))
-    return Result("PASS", figures)
+    return judged(problems, figures) if figures else Result("FAIL", "; ".join(problems))

@@ -1,8 +1,7 @@
-"""The section runner's pieces: context, bounded subprocess jobs, the pretraining job, metrics."""
-
-from __future__ import annotations
+"""The section runner's pieces: context, bounded subprocess jobs, the pretraining and worker jobs, metrics."""
 
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -13,24 +12,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from bench._common import argv, bert_overrides, cpu_env, deepspeed_launcher
+
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = ROOT / "bench" / "gpu_check.py"
 """The script every run of a worker mode starts (``GPU_CHECK_WORKER`` set)."""
+SCRIPTS = ROOT / "tests" / "scripts"
+"""The tests' scripts and helpers the check runs on the accelerator (with the tests' own judgement)."""
 
-PREFIX = "[gpu_check]"
-TINY_MODEL = (
-    "model.hidden_size=32",
-    "model.num_hidden_layers=1",
-    "model.num_attention_heads=2",
-    "model.intermediate_size=64",
-    "data.max_seq_length=64",
-    "deepspeed.train_micro_batch_size_per_gpu=4",
-)
-DETERMINISTIC_CUBLAS = ":4096:8"  # what torch's deterministic mode demands of cuBLAS (CUBLAS_WORKSPACE_CONFIG)
+TINY_MODEL = (*bert_overrides(32, 1, 2, 64), "data.max_seq_length=64", "deepspeed.train_micro_batch_size_per_gpu=4")
+
+
+def test_script(name: str):
+    """A module of ``tests/scripts``."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    return importlib.import_module(name)
 
 
 def say(line: str) -> None:
-    print(f"{PREFIX} {line}", flush=True)
+    print(f"[gpu_check] {line}", flush=True)
+
+
+def brief(exc: BaseException, limit: int = 200, first_line: bool = False) -> str:
+    """``<type>: <message>`` of an exception, the message cut to ``limit`` characters (or its first line, cut)."""
+    text = (str(exc).splitlines() or [""])[0] if first_line else str(exc)
+    return f"{type(exc).__name__}: {text[:limit]}"
 
 
 class Skip(Exception):
@@ -41,6 +48,13 @@ class Skip(Exception):
 class Result:
     status: str  # PASS | FAIL | SKIPPED(<reason>)
     figures: str = ""
+
+
+def judged(problems: list, figures: str, passed: Optional[str] = None) -> Result:
+    """FAIL with the problems and ``[figures]``, else PASS with ``passed`` (default: the figures)."""
+    if problems:
+        return Result("FAIL", "; ".join(problems) + f" [{figures}]")
+    return Result("PASS", figures if passed is None else passed)
 
 
 @dataclass
@@ -60,13 +74,15 @@ class Ctx:
     def cuda(self) -> bool:
         return self.device == "cuda"
 
-    @property
-    def cache_dir(self) -> Path:
-        return self.workdir / "cache"
-
     def detail(self, text: str) -> None:
         for line in str(text).splitlines() or [""]:
             say(f"  {self.section} | {line}")
+
+    def verdicts(self, label: str, checks: list) -> list:
+        """Print ``(name, ok, detail)`` checks as detail lines; return the names of those that failed."""
+        for name, ok, detail in checks:
+            self.detail(f"{label}: {'ok  ' if ok else 'FAIL'} {name}" + (f" ({detail})" if detail else ""))
+        return [name for name, ok, _ in checks if not ok]
 
     def dir(self, *parts: str) -> Path:
         path = self.workdir.joinpath(self.section, *parts)
@@ -74,19 +90,12 @@ class Ctx:
         return path
 
     def env(self, **extra: str) -> dict:
-        """Environment of a subprocess: the checkout importable, offline, the accelerator pinned."""
-        env = dict(os.environ)
-        env.pop("DS_BERTOPT_FAULT", None)
-        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", DS_ACCELERATOR=self.device)
-        env["OMP_NUM_THREADS"] = "1" if self.device == "cpu" else env.get("GPU_CHECK_RUN_THREADS", "2")
-        env.update(extra)
-        return env
+        """Environment of a subprocess: ``bench/_common.py``'s (the checkout importable, offline), on this device."""
+        threads = "1" if self.device == "cpu" else "2"
+        return cpu_env(DS_ACCELERATOR=self.device, OMP_NUM_THREADS=threads, **extra)
 
 
-# ------------------------------------------------------------------------------------------------------------
 # subprocess runs: many at once, each bounded, each a process group of its own
-# ------------------------------------------------------------------------------------------------------------
 _LIVE_GROUPS: set[int] = set()
 
 
@@ -113,10 +122,7 @@ class Job:
     seconds: float = 0.0
     timed_out: bool = False
     started: bool = False
-    out: Optional[Path] = None
-    """The run's output directory, when it has one."""
-    summary: Optional[Path] = None
-    """A result file the run writes (sync counts)."""
+    out: Optional[Path] = None  # the run's output directory, when it has one
 
     @property
     def ok(self) -> bool:
@@ -151,13 +157,9 @@ def run_jobs(ctx: Ctx, jobs: list, parallel: int = 1) -> list:
                 continue  # job.started stays False: reported as not run
             job.log.parent.mkdir(parents=True, exist_ok=True)
             handle = open(job.log, "w")
+            cmd = [str(c) for c in job.cmd]
             proc = subprocess.Popen(
-                [str(c) for c in job.cmd],
-                cwd=ROOT,
-                env=job.env,
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+                cmd, cwd=ROOT, env=job.env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
             )
             _LIVE_GROUPS.add(proc.pid)
             job.started = True
@@ -168,75 +170,45 @@ def run_jobs(ctx: Ctx, jobs: list, parallel: int = 1) -> list:
             rc = proc.poll()
             if rc is None and time.monotonic() < stop:
                 continue
-            if rc is None:
-                job.timed_out = True
+            job.timed_out = rc is None
             _kill_group(proc.pid)  # the launcher's ranks and loader workers too, also after a normal exit
-            rc = proc.wait()
+            job.rc, job.seconds = proc.wait(), time.monotonic() - start
             _LIVE_GROUPS.discard(proc.pid)
             handle.close()
-            job.rc, job.seconds = rc, time.monotonic() - start
             running.remove(entry)
     return jobs
 
 
-def free_port() -> int:
-    """A free loopback port (imported when needed: ``--env`` must run where ds_bertopt does not import)."""
-    from ds_bertopt.testing.distributed import free_port as _free_port
+def rank0_env() -> dict:
+    """What the deepspeed launcher gives the one rank of a world of 1 (a plain process, no launcher)."""
+    from ds_bertopt.testing.distributed import free_port
 
-    return _free_port()
-
-
-def launcher(gpus: int) -> list:
-    """The deepspeed launcher of this interpreter (``bench/_common.py``'s, shared by every benchmark)."""
-    from bench._common import deepspeed_launcher
-
-    return deepspeed_launcher(gpus)
+    port = str(free_port())
+    return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 
 
-def pretrain_job(
-    ctx: Ctx,
-    name: str,
-    out: Path,
-    steps: int,
-    overrides=(),
-    *,
-    flags=(),
-    gpus: int = 1,
-    use_launcher: bool = False,
-    config: str = "ds_configs/bert.json",
-    env: Optional[dict] = None,
-    timeout: float = 180,
-    script: str = "launch/pretrain.py",
-    prefix: Optional[list] = None,
-) -> Job:
-    """``launch/pretrain.py`` on the embedded corpus (300 documents), every step logged, no evaluation."""
-    if prefix is None:
-        prefix = launcher(gpus) if use_launcher else [sys.executable, "-u"]
-    cmd = [
-        *prefix,
-        script,
-        "--deepspeed_config",
-        config,
-        "--max_steps",
-        str(steps),
-        "--output_dir",
-        str(out),
-        "--eval_every",
-        "0",
-        *flags,
-    ]
-    for text in (
-        "data.max_documents=300",
-        f"data.cache_dir={ctx.cache_dir}",
-        *(TINY_MODEL if ctx.tiny else ()),
-        *overrides,
-    ):
-        cmd += ["-o", text]
+def python(ranks: int = 0) -> list:
+    """This interpreter: through the deepspeed launcher on ``ranks`` ranks, or (``ranks`` 0) a plain process."""
+    return deepspeed_launcher(ranks) if ranks else [sys.executable, "-u"]
+
+
+def worker_job(ctx: Ctx, name: str, mode: str, args: list, log: Path, *, ranks: int = 0, timeout: float = 200, **env):
+    """``bench/gpu_check.py`` in worker ``mode`` (``GPU_CHECK_WORKER``)."""
+    return Job(name, [*python(ranks), ENTRY, *args], ctx.env(GPU_CHECK_WORKER=mode, **env), log, timeout)
+
+
+def pretrain_args(ctx: Ctx, steps: int, *overrides: str) -> list:
+    """``launch/pretrain.py``'s arguments every run of the check shares: ``ds_configs/bert.json``, ``steps`` steps, no
+    evaluation, the embedded corpus (300 documents) cached in the work directory, the tiny model with ``--tiny``."""
+    shared = ("data.max_documents=300", f"data.cache_dir={ctx.workdir / 'cache'}", *(TINY_MODEL if ctx.tiny else ()))
+    config = dict(deepspeed_config="ds_configs/bert.json", max_steps=steps, eval_every=0)
+    return argv(**config, overrides=[*shared, *overrides])
+
+
+def pretrain_job(ctx: Ctx, name: str, out: Path, steps: int, overrides=(), *, flags=(), ranks=0, env=None, timeout=180):
+    """``launch/pretrain.py`` (:func:`pretrain_args`, ``overrides``) into ``out``, its log next to it."""
+    cmd = [*python(ranks), "launch/pretrain.py", *pretrain_args(ctx, steps, *overrides), "--output_dir", out, *flags]
     return Job(name, cmd, env if env is not None else ctx.env(), out.parent / f"{out.name}.log", timeout, out=out)
-
-
-def tiny_flags(ctx: Ctx) -> list:
-    return [x for text in (TINY_MODEL if ctx.tiny else ()) for x in ("-o", text)]
 
 
 def read_metrics(out: Path) -> list:

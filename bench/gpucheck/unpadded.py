@@ -1,13 +1,21 @@
 """Section ``unpadded``: packed attention varlen vs sdpa_loop, and unpadded vs padded tokens/s."""
 
-from __future__ import annotations
-
 import itertools
 import random
 import statistics
 import time
 
-from .runner import Ctx, Result
+from .runner import Ctx, Result, brief, judged
+
+
+def packed_inputs(ctx: Ctx, dtype, lengths, heads: int, dim: int, count: int, seed: int) -> tuple:
+    """``count`` random ``(tokens, heads, dim)`` tensors of packed sequences of ``lengths``, and their offsets."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    shape = (sum(lengths), heads, dim)
+    tensors = [torch.randn(*shape, generator=gen).to(device=ctx.device, dtype=dtype) for _ in range(count)]
+    return tensors, torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=ctx.device)
 
 
 def attention_compare(ctx: Ctx, dtype, lengths, heads: int, dim: int) -> dict:
@@ -16,11 +24,7 @@ def attention_compare(ctx: Ctx, dtype, lengths, heads: int, dim: int) -> dict:
 
     from ds_bertopt.model.unpadded import packed_attention, sdpa_loop_attention
 
-    device = torch.device(ctx.device)
-    gen = torch.Generator().manual_seed(0)
-    total = sum(lengths)
-    q, k, v, g = (torch.randn(total, heads, dim, generator=gen).to(device=device, dtype=dtype) for _ in range(4))
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    (q, k, v, g), cu = packed_inputs(ctx, dtype, lengths, heads, dim, 4, seed=0)
 
     def run(backend, dt):
         inputs = [t.to(dt).requires_grad_() for t in (q, k, v)]
@@ -45,21 +49,15 @@ def attention_dropout(ctx: Ctx, dtype, lengths, heads: int, dim: int, p: float, 
 
     from ds_bertopt.model.unpadded import packed_attention
 
-    device = torch.device(ctx.device)
-    gen = torch.Generator().manual_seed(1)
-    total = sum(lengths)
-    q, k, v = (torch.randn(total, heads, dim, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    (q, k, v), cu = packed_inputs(ctx, dtype, lengths, heads, dim, 3, seed=1)
     with torch.no_grad():
         plain = packed_attention(q, k, v, cu, max(lengths), lengths, backend="varlen").float()
-        samples = []
-        for _ in range(draws):
-            samples.append(packed_attention(q, k, v, cu, max(lengths), lengths, dropout_p=p, backend="varlen").float())
-        stacked = torch.stack(samples)
+        dropped = lambda: packed_attention(q, k, v, cu, max(lengths), lengths, dropout_p=p, backend="varlen")
+        stacked = torch.stack([dropped().float() for _ in range(draws)])
         torch.manual_seed(7)
-        once = packed_attention(q, k, v, cu, max(lengths), lengths, dropout_p=p, backend="varlen")
+        once = dropped()
         torch.manual_seed(7)
-        again = packed_attention(q, k, v, cu, max(lengths), lengths, dropout_p=p, backend="varlen")
+        again = dropped()
     applied = float((stacked[0] - plain).abs().max() / plain.abs().max())
     se = stacked.std(0) / draws**0.5
     bias = ((stacked.mean(0) - plain).abs() - 6 * se).clamp_min(0)
@@ -89,32 +87,27 @@ def make_samples(count: int, low: int, high: int, vocab: int, seed: int = 0) -> 
     return samples
 
 
-def padded_batch(samples: list, multiple: int = 8) -> dict:
+def padded_batch(samples: list) -> dict:
+    """``pad_batch`` of the data pipeline (pad id 0, to a multiple of 8), with the samples' MLM labels."""
     import torch
 
-    longest = max(len(s["input_ids"]) for s in samples)
-    longest = -(-longest // multiple) * multiple
-    batch = {
-        "input_ids": torch.zeros(len(samples), longest, dtype=torch.long),
-        "token_type_ids": torch.zeros(len(samples), longest, dtype=torch.long),
-        "attention_mask": torch.zeros(len(samples), longest, dtype=torch.long),
-        "labels": torch.full((len(samples), longest), -100, dtype=torch.long),
-    }
+    from ds_bertopt.data.collate import pad_batch
+
+    batch = pad_batch(samples, pad_id=0, pad_multiple=8, cap=1 << 30)
+    batch["labels"] = torch.full_like(batch["input_ids"], -100)
     for row, s in enumerate(samples):
-        n = len(s["input_ids"])
-        for key in ("input_ids", "token_type_ids", "labels"):
-            batch[key][row, :n] = torch.tensor(s[key])
-        batch["attention_mask"][row, :n] = 1
+        batch["labels"][row, : len(s["labels"])] = torch.tensor(s["labels"])
     return batch
 
 
-def unpadded_throughput(ctx: Ctx) -> dict:
+def unpadded_throughput(ctx: Ctx) -> str:
     """Padded (``SparseMLMHead``) vs unpadded (``UnpaddedBert``, auto attention) steps of one BERT, same samples:
-    forward, backward, AdamW; bf16 weights on CUDA (as DeepSpeed's bf16 runs them), interleaved, medians."""
+    forward, backward, AdamW; bf16 weights on CUDA (as DeepSpeed's bf16 runs them), interleaved, medians. Prints the
+    details, returns the figure."""
     import torch
     from transformers import BertConfig, BertForMaskedLM
 
-    from bench._common import bert_sizes
+    from bench._common import bert_sizes, interleaved
     from ds_bertopt.compat.transformers import set_attention_implementation
     from ds_bertopt.data.collate import pack_sequences
     from ds_bertopt.model import SparseMLMHead
@@ -158,24 +151,42 @@ def unpadded_throughput(ctx: Ctx) -> dict:
         return time.perf_counter() - start
 
     variants = {"padded": (padded_model, padded), "unpadded": (unpadded_model, packed)}
-    for _ in range(2):
-        for wrapper, batch in variants.values():
-            step(wrapper, batch)
-    times = {name: [] for name in variants}
-    for r in range(rounds):
-        for name in list(variants) if r % 2 == 0 else list(variants)[::-1]:
-            times[name].append(step(*variants[name]))
+    times = interleaved({name: lambda v=v: step(*v) for name, v in variants.items()}, repeats=rounds, warmup=2)
     med = {name: statistics.median(t) for name, t in times.items()}
-    return {
-        "real": real,
-        "computed_padded": padded["input_ids"].numel(),
-        "median_s": med,
-        "backend": backend,
-        "tokens_per_s": {name: real / s for name, s in med.items()},
-        "dtype": str(dtype).replace("torch.", ""),
-        "count": count,
-        "range": (low, high),
-    }
+    computed = padded["input_ids"].numel()
+    ctx.detail(
+        f"{count} sequences of {low}..{high} tokens, {str(dtype).replace('torch.', '')}: "
+        f"{real} real tokens, padded computes {computed} ({1 - real / computed:.0%} padding); "
+        f"unpadded attention: {backend}"
+    )
+    speedup = med["padded"] / med["unpadded"]
+    ctx.detail(
+        f"tokens/s padded {real / med['padded']:.0f}, unpadded {real / med['unpadded']:.0f}: unpadded {speedup:.2f}x "
+        f"(median step {med['padded'] * 1e3:.1f} vs {med['unpadded'] * 1e3:.1f} ms)"
+    )
+    return f"unpadded {speedup:.2f}x tokens/s of padded ({backend})"
+
+
+def check_dropout(ctx: Ctx, dtype, lengths, heads: int, dim: int, tolerance: float, problems: list) -> None:
+    name = str(dtype).replace("torch.", "")
+    try:
+        drop = attention_dropout(ctx, dtype, lengths, heads, dim, p=0.1, draws=200)
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"{name} dropout: {brief(exc, first_line=True)}")
+        return
+    ok = (
+        drop["applied"] > 0.05
+        and drop["bias_beyond_6se"] <= tolerance
+        and drop["reproducible"]
+        and drop["finite_grads"]
+    )
+    ctx.detail(
+        f"{name} varlen dropout 0.1: changes the output by {drop['applied']:.2f} of max |out|, mean "
+        f"of 200 draws within 6 SE + {drop['bias_beyond_6se']:.1e}, same seed same output "
+        f"{drop['reproducible']}, finite gradients {drop['finite_grads']} -> {'ok' if ok else 'FAIL'}"
+    )
+    if not ok:
+        problems.append(f"{name} dropout: {drop}")
 
 
 def section_unpadded(ctx: Ctx) -> Result:
@@ -189,17 +200,16 @@ def section_unpadded(ctx: Ctx) -> Result:
     tolerance = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-5}
     dtypes = (torch.bfloat16, torch.float16) if ctx.cuda else (torch.float32,)
     if ctx.cuda:
-        for dtype in dtypes:
-            for dropout in (False, True):
-                usable = varlen_usable(torch.device("cuda"), dtype, dim, dropout)
-                ctx.detail(f"varlen_usable(cuda, {dtype}, head_dim {dim}, dropout {dropout}): {usable}")
+        for dtype, dropout in itertools.product(dtypes, (False, True)):
+            usable = varlen_usable(torch.device("cuda"), dtype, dim, dropout)
+            ctx.detail(f"varlen_usable(cuda, {dtype}, head_dim {dim}, dropout {dropout}): {usable}")
     for dtype in dtypes:
         name = str(dtype).replace("torch.", "")
         try:
             errors = attention_compare(ctx, dtype, lengths, heads, dim)
         except Exception as exc:  # noqa: BLE001 - e.g. the varlen kernel refused: that is the finding
-            problems.append(f"{name} forward/backward: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-            ctx.detail(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            problems.append(f"{name} forward/backward: {brief(exc, first_line=True)}")
+            ctx.detail(f"{name}: {brief(exc, 300, first_line=True)}")
             continue
         for backend, errs in errors.items():
             ok = max(errs) <= tolerance[dtype]
@@ -213,48 +223,15 @@ def section_unpadded(ctx: Ctx) -> Result:
         figures.append(f"{name} " + " ".join(f"{b} {max(e):.1e}" for b, e in errors.items()))
     if ctx.cuda:
         for dtype in dtypes:
-            name = str(dtype).replace("torch.", "")
-            try:
-                drop = attention_dropout(ctx, dtype, lengths, heads, dim, p=0.1, draws=200)
-            except Exception as exc:  # noqa: BLE001
-                problems.append(f"{name} dropout: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-                continue
-            ok = (
-                drop["applied"] > 0.05
-                and drop["bias_beyond_6se"] <= tolerance[dtype]
-                and drop["reproducible"]
-                and drop["finite_grads"]
-            )
-            ctx.detail(
-                f"{name} varlen dropout 0.1: changes the output by {drop['applied']:.2f} of max |out|, mean "
-                f"of 200 draws within 6 SE + {drop['bias_beyond_6se']:.1e}, same seed same output "
-                f"{drop['reproducible']}, finite gradients {drop['finite_grads']} -> {'ok' if ok else 'FAIL'}"
-            )
-            if not ok:
-                problems.append(f"{name} dropout: {drop}")
+            check_dropout(ctx, dtype, lengths, heads, dim, tolerance[dtype], problems)
     else:
         ctx.detail("varlen flash attention (fp16/bf16, dropout): SKIPPED(no CUDA); sdpa_loop checked in fp32")
     try:
-        tp = unpadded_throughput(ctx)
-        speedup = tp["median_s"]["padded"] / tp["median_s"]["unpadded"]
-        padding = 1 - tp["real"] / tp["computed_padded"]
-        ctx.detail(
-            f"{tp['count']} sequences of {tp['range'][0]}..{tp['range'][1]} tokens, {tp['dtype']}: "
-            f"{tp['real']} real tokens, padded computes {tp['computed_padded']} ({padding:.0%} padding); "
-            f"unpadded attention: {tp['backend']}"
-        )
-        rate = tp["tokens_per_s"]
-        ctx.detail(
-            f"tokens/s padded {rate['padded']:.0f}, unpadded {rate['unpadded']:.0f}: unpadded {speedup:.2f}x "
-            f"(median step {tp['median_s']['padded'] * 1e3:.1f} vs {tp['median_s']['unpadded'] * 1e3:.1f} ms)"
-        )
-        figures.append(f"unpadded {speedup:.2f}x tokens/s of padded ({tp['backend']})")
+        figures.append(unpadded_throughput(ctx))
     except Exception as exc:  # noqa: BLE001
-        problems.append(f"throughput: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-    if problems:
-        return Result("FAIL", "; ".join(problems) + f" [{'; '.join(figures)}]")
-    if not ctx.cuda:
-        return Result(
-            "SKIPPED(no CUDA)", "varlen needs CUDA; sdpa_loop and the throughput code ran on CPU: " + "; ".join(figures)
-        )
-    return Result("PASS", "; ".join(figures))
+        problems.append(f"throughput: {brief(exc, first_line=True)}")
+    if problems or ctx.cuda:
+        return judged(problems, "; ".join(figures))
+    return Result(
+        "SKIPPED(no CUDA)", "varlen needs CUDA; sdpa_loop and the throughput code ran on CPU: " + "; ".join(figures)
+    )

@@ -1,7 +1,5 @@
 """Section ``wtacrs``: the sampled linear's fp32/bf16/fp16 paths (unbiased, no host sync, finite steps)."""
 
-from __future__ import annotations
-
 import contextlib
 import copy
 import json
@@ -10,29 +8,17 @@ import statistics
 import sys
 
 from .recorder import SyncRecorder
-from .runner import ROOT, Ctx, Job, Result, run_jobs
-
-
-def bias_statistic(estimates, exact) -> float:
-    """‖mean − exact‖² / (Σ elementwise variance / T): about 1 for an unbiased estimator (as in
-    ``tests/scripts/wtacrs_common.py``; the tests bound it by 4)."""
-    trials = estimates.shape[0]
-    spread = estimates.double().var(0, unbiased=True).sum() / trials
-    return float(((estimates.double().mean(0) - exact.double()) ** 2).sum() / spread)
+from .runner import ROOT, SCRIPTS, Ctx, Job, Result, brief, judged, run_jobs, test_script
 
 
 def shipped_wtacrs(**changes):
     """The ``wtacrs`` section of ``ds_configs/finetune_zero0.json`` (kit + WTA@0.3), optionally changed."""
-    from ds_bertopt.configlib import load_section
+    from ds_bertopt.configlib import load_section, set_dotted
     from ds_bertopt.wtacrs.config import WtaCrsConfig
 
-    raw = copy.deepcopy(json.loads((ROOT / "ds_configs" / "finetune_zero0.json").read_text())["bertopt"]["wtacrs"])
+    raw = json.loads((ROOT / "ds_configs" / "finetune_zero0.json").read_text())["bertopt"]["wtacrs"]
     for key, value in changes.items():
-        target = raw
-        *path, last = key.split(".")
-        for part in path:
-            target = target.setdefault(part, {})
-        target[last] = value
+        set_dotted(raw, key, value)
     return load_section(WtaCrsConfig, raw, "wtacrs")
 
 
@@ -75,7 +61,8 @@ def wtacrs_unbiased(ctx: Ctx, mode: str, draws: int) -> tuple:
         out.backward(grad.to(out.dtype))
         estimates.append(sampled.weight.grad.double())
     stacked = torch.stack(estimates)
-    return bias_statistic(stacked, exact), draws, bool(torch.isfinite(stacked).all())
+    # ‖mean − exact‖² / (Σ elementwise variance / T): about 1 for an unbiased estimator; the tests bound it by 4
+    return test_script("wtacrs_common").bias_statistic(stacked, exact), draws, bool(torch.isfinite(stacked).all())
 
 
 def wtacrs_selection_syncs(ctx: Ctx) -> int:
@@ -157,17 +144,15 @@ def wtacrs_training(ctx: Ctx, precision: str, steps: int) -> dict:
 
 
 def section_wtacrs(ctx: Ctx) -> Result:
-    draws = 300 if ctx.tiny else 2000
-    modes = ["fp32", "bf16", "fp16", "fp16-weights"]
     problems, figures, skipped = [], [], []
-    for mode in modes:
+    for mode in ("fp32", "bf16", "fp16", "fp16-weights"):
         if mode.startswith("fp16") and not ctx.cuda:
             skipped.append(mode)
             continue
         try:
-            stat, n, finite = wtacrs_unbiased(ctx, mode, draws)
+            stat, n, finite = wtacrs_unbiased(ctx, mode, 300 if ctx.tiny else 2000)
         except Exception as exc:  # noqa: BLE001 - report and go on
-            problems.append(f"{mode} unbiasedness: {type(exc).__name__}: {str(exc)[:200]}")
+            problems.append(f"{mode} unbiasedness: {brief(exc)}")
             continue
         ok = finite and stat < 4.0
         ctx.detail(
@@ -185,7 +170,7 @@ def section_wtacrs(ctx: Ctx) -> Result:
             if syncs:
                 problems.append(f"{syncs} host syncs in SampledLinear forward+backward")
         except Exception as exc:  # noqa: BLE001
-            problems.append(f"sync check: {type(exc).__name__}: {str(exc)[:200]}")
+            problems.append(f"sync check: {brief(exc)}")
     steps = 6 if ctx.tiny else 30
     for precision in ("fp16", "bf16"):
         if precision == "fp16" and not ctx.cuda:
@@ -194,39 +179,24 @@ def section_wtacrs(ctx: Ctx) -> Result:
         try:
             run = wtacrs_training(ctx, precision, steps)
         except Exception as exc:  # noqa: BLE001
-            problems.append(f"{precision} training: {type(exc).__name__}: {str(exc)[:200]}")
+            problems.append(f"{precision} training: {brief(exc)}")
             continue
-        losses = run["losses"]
+        losses, scales = run["losses"], run["scales"]
         finite = all(math.isfinite(v) for v in losses) and run["finite_params"]
         # GradScaler: an overflowing step is skipped (its loss may still be finite); a few at the start are normal
-        drops = sum(1 for a, b in zip(run["scales"], run["scales"][1:]) if b < a)
-        ok = finite and drops <= 3
+        drops = sum(1 for a, b in zip(scales, scales[1:]) if b < a)
         ctx.detail(
             f"{precision} training, {run['sampled']} sampled linears, {steps} steps: loss {losses[0]:.3f} -> "
             f"{statistics.mean(losses[-3:]):.3f} (mean of last 3), all finite {finite}"
-            + (
-                f", loss scale {run['scales'][0]:g} -> {run['scales'][-1]:g} ({drops} reductions)"
-                if run["scales"]
-                else ""
-            )
+            + (f", loss scale {scales[0]:g} -> {scales[-1]:g} ({drops} reductions)" if scales else "")
         )
         figures.append(f"{precision} training {'finite' if finite else 'NON-FINITE'}")
-        if not ok:
+        if not (finite and drops <= 3):
             problems.append(f"{precision} training: finite {finite}, {drops} loss-scale reductions")
-    script = ROOT / "tests" / "scripts" / "wtacrs_cuda_sync_check.py"
+    script = SCRIPTS / "wtacrs_cuda_sync_check.py"
     if ctx.cuda and script.exists():
-        job = run_jobs(
-            ctx,
-            [
-                Job(
-                    "wtacrs_cuda_sync_check",
-                    [sys.executable, "-u", str(script)],
-                    ctx.env(),
-                    ctx.dir("wtacrs_cuda_sync_check.log"),
-                    90,
-                )
-            ],
-        )[0]
+        job = Job(script.stem, [sys.executable, "-u", script], ctx.env(), ctx.dir(f"{script.stem}.log"), 90)
+        run_jobs(ctx, [job])
         ctx.detail(f"tests/scripts/wtacrs_cuda_sync_check.py: {job.status()}")
         for line in job.output().splitlines()[-12:]:
             if line.strip():
@@ -235,6 +205,4 @@ def section_wtacrs(ctx: Ctx) -> Result:
             problems.append(f"wtacrs_cuda_sync_check.py {job.status()}")
         figures.append(f"sync script {'ok' if job.ok else job.status()}")
     text = ", ".join(figures) + (f"; SKIPPED(no CUDA): {', '.join(skipped)}" if skipped else "")
-    if problems:
-        return Result("FAIL", "; ".join(problems) + f" [{text}]")
-    return Result("PASS", f"bias statistics (bound 4) {text}")
+    return judged(problems, text, f"bias statistics (bound 4) {text}")
