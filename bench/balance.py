@@ -52,7 +52,7 @@ from bench._common import SUMMARY, bert_overrides, cpu_env, deepspeed_launcher, 
 from bench._common import maybe_lock, median, pretrain_argv, ratio_line, read_metrics, record, run_checked, say, status
 from ds_bertopt.cli.balance import corpus_lengths, format_table
 from ds_bertopt.data.config import PEER_STRATEGIES, STRATEGIES as STRATEGIES_ALL, SamplerConfig
-from ds_bertopt.data.cost import CostModel
+from ds_bertopt.data.cost import CostModel, padded_lengths, slot_lengths
 from ds_bertopt.data.peers import PEERS, check_ds_token_packs, ds_max_tokens_for, evaluate, mlperf_phase2_lengths
 from ds_bertopt.data.peers import per_global_batch, simulation_lengths
 from ds_bertopt.data.scale import SCALE_STEP_TIME, scale_lines, scale_view, synthetic_lengths
@@ -113,7 +113,7 @@ def planner_mixes(seqs: tuple[int, ...] = (128, 512)) -> list[tuple[str, int, np
 
 def rounding_floor(lengths: np.ndarray, pad_multiple: int = 8) -> float:
     """Padding left if every sample were padded only to its own multiple of ``pad_multiple``."""
-    return float(1 - lengths.sum() / (-(-lengths // pad_multiple) * pad_multiple).sum())
+    return float(1 - lengths.sum() / padded_lengths(lengths, pad_multiple).sum())
 
 
 def planner_part() -> None:
@@ -310,10 +310,8 @@ def packed_part(budget: float, quick: bool = False) -> None:
 
 def packed_waste(indices: np.ndarray, lengths: np.ndarray) -> float:
     """Computed tokens that are not real, packing every micro-batch's samples back to back (the unpadded forward)."""
-    used = indices >= 0
-    real = int(lengths[indices[used]].sum())
-    computed = int(np.where(used, lengths[np.maximum(indices, 0)], 0).sum(axis=3).sum())  # per micro-batch: its samples
-    return 1.0 - real / computed
+    real = int(lengths[indices[indices >= 0]].sum())
+    return 1.0 - real / int(slot_lengths(indices, lengths).sum())  # every micro-batch computes its samples' slots
 
 
 # ------------------------------------------------------------------------------------------------
