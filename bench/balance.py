@@ -93,11 +93,8 @@ def record_planner_figures(mix: str, micro: int, accum: int, figures: dict) -> N
     series = [
         {"label": n, "x": list(range(WORLD)), "y": sorted(map(float, figures[n].work_per_rank[0]))} for n in names
     ]
-    title, labels = (
-        f"Work per rank in step 0 ({shape})",
-        dict(xlabel="ranks, sorted by work", ylabel="work / mean work"),
-    )
-    figure("curves", f"work_per_rank_{key}", title, series, **labels, note=note)
+    axes = {"xlabel": "ranks, sorted by work", "ylabel": "work / mean work"}
+    figure("curves", f"work_per_rank_{key}", f"Work per rank in step 0 ({shape})", series, **axes, note=note)
 
 
 def planner_mixes(seqs: tuple[int, ...] = (128, 512)) -> list[tuple[str, int, np.ndarray]]:
@@ -257,7 +254,7 @@ def packed_part(budget: float, quick: bool = False) -> None:
         f"effective batch 8) {'matches' if same else 'DIFFERS FROM'} deepspeed's own on {len(sample)} MLPerf "
         "lengths"
     )
-    runs = [packed_layout("MLPerf phase-2 mix seq 512", mlperf, *layout, budget, rng) for layout in ISSUE_LAYOUTS]
+    runs = [packed_layout("MLPerf phase-2 mix seq 512", mlperf, *shape, budget, rng) for shape in ISSUE_LAYOUTS]
     for mix, corpus in [] if quick else mixes:
         for shape in SCALE_LAYOUTS:
             if not (mix.startswith("MLPerf") and shape in ISSUE_LAYOUTS):
