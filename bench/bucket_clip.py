@@ -135,14 +135,17 @@ def worker(args) -> int:
 # ------------------------------------------------------------------------------------------------
 # orchestrator
 # ------------------------------------------------------------------------------------------------
-def run_ranks(start, argv, master_addr: str, ifname: str, log_dir: Path, tag: str, timeout: float) -> list[dict]:
-    """Start rank 0 and 1 with ``start(rank, argv, env, stdout)``; return rank 0's RESULT lines."""
+def run_ranks(net, argv, log_dir: Path, tag: str, timeout: float) -> list[dict]:
+    """Start rank 0 and 1 on loopback, or each in its network namespace of ``net``; return rank 0's RESULT lines."""
+    master_addr, ifname = (net.addresses[0], net.ifname) if net else ("127.0.0.1", "lo")
     port, procs, logs, results = str(free_port()), [], [], []
     for rank in range(2):
         ranks = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2")
         env = cpu_env(MASTER_ADDR=master_addr, MASTER_PORT=port, GLOO_SOCKET_IFNAME=ifname, **ranks)
         logs.append(open(log_dir / f"{tag}_rank{rank}.log", "w"))
-        procs.append(start(rank, argv, env, subprocess.PIPE if rank == 0 else logs[-1]))
+        stdout = subprocess.PIPE if rank == 0 else logs[-1]
+        options = dict(env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        procs.append(net.run(rank, argv, **options) if net else subprocess.Popen(argv, **options))
     deadline = time.time() + timeout
     try:
         for line in procs[0].stdout:
@@ -213,22 +216,17 @@ def timings(args) -> None:
             print(f"emulated link: skipped ({netns_unavailable_reason(need_tc=True)})")
             continue
         with contextlib.ExitStack() as stack:
-            title, master, ifname, net = "loopback", "127.0.0.1", "lo", None
+            title, net = "loopback", None
             if setting == "emulated":
                 remove_stale()
                 net = stack.enter_context(NetNamespaces(2, rate=args.rate, burst="256kb", latency="50ms"))
-                title, master, ifname = f"emulated {args.rate} link", net.addresses[0], net.ifname
-
-            def start(rank, argv_, env, stdout, net=net):
-                options = dict(env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-                return net.run(rank, argv_, **options) if net else subprocess.Popen(argv_, **options)
-
+                title = f"emulated {args.rate} link"
             results = []
             for model, stage, size in combos:  # a fresh pair of ranks each: DeepSpeed engines are not freed reliably
                 script = (sys.executable, Path(__file__).resolve(), "--worker", "--bucket-sizes", size)
                 worker_argv = argv(*script, models=model, stages=stage, repeats=args.repeats)
                 tag = f"{setting}_{model}_zero{stage}_{size}"
-                for r in run_ranks(start, worker_argv, master, ifname, log_dir, tag, timeout=1800):
+                for r in run_ranks(net, worker_argv, log_dir, tag, timeout=1800):
                     report(title, r)
                     results.append(r)
         for model in dict.fromkeys(r["model"] for r in results) if args.sweep else ():
