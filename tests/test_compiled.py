@@ -101,30 +101,34 @@ def test_every_packed_length_and_dropout_stay_in_two_graphs(dynamo_counters):
     assert graphs <= 2 and not breaks, (graphs, breaks)
 
 
-def test_compiled_fused_dropout_draws_what_eager_draws(dynamo_counters):
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.precision)])
+def test_compiled_fused_dropout_draws_what_eager_draws(dynamo_counters, dtype):
     """Under Inductor the packed-bits mask is one op drawing from the default generator (``fused.packed_keep_mask_op``):
-    dropout + residual add + LayerNorm, forward and backward, equal eager under the same seed (the same bits), over
-    two shapes (the second one dynamic), with no graph break; a second draw differs from the first."""
+    dropout + residual add + LayerNorm, forward and backward, equal eager under the same seed (the same bits; bf16 to
+    its rounding, Inductor computing inside in fp32), over two shapes (the second one dynamic), with no graph break;
+    a second draw differs from the first."""
     from ds_bertopt.model import fused
 
-    norm = torch.nn.LayerNorm(24)
+    norm = torch.nn.LayerNorm(24, dtype=dtype)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
 
     def block(x, residual):
         return norm(fused.dropout_add(x, residual, 0.1))
 
     compiled_block = torch.compile(block, backend="inductor", fullgraph=True)
     for seed, rows in ((0, 37), (1, 53)):
-        weight, results = torch.randn(rows, 24, generator=torch.Generator().manual_seed(seed)), []
+        weight, results = torch.randn(rows, 24, generator=torch.Generator().manual_seed(seed)).to(dtype), []
         for fn in (block, compiled_block):
             x, residual = (torch.randn(rows, 24, generator=torch.Generator().manual_seed(rows + i)) for i in (0, 1))
-            x.requires_grad_(True)
+            x, residual = x.to(dtype).requires_grad_(True), residual.to(dtype)
             torch.manual_seed(seed)
             out = fn(x, residual)
             (out * weight).sum().backward()  # not out.square(): LayerNorm makes that flat in x
             results.append((out.detach(), x.grad))
         (want, want_grad), (got, got_grad) = results
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)
+        assert got.dtype == want.dtype == got_grad.dtype == dtype
+        torch.testing.assert_close(got, want, **tolerance)
+        torch.testing.assert_close(got_grad, want_grad, **tolerance)
         assert torch.equal(got_grad == 0, want_grad == 0) and 0.03 < (want_grad == 0).float().mean() < 0.2
     torch.manual_seed(0)
     first = compiled_block(x, residual)
@@ -132,10 +136,12 @@ def test_compiled_fused_dropout_draws_what_eager_draws(dynamo_counters):
     assert not graphs_and_breaks(dynamo_counters)[1]
 
 
-def test_the_attention_op_backward_replays_its_dropout():
+@pytest.mark.parametrize("packed_bits", [False, True])
+def test_the_attention_op_backward_replays_its_dropout(packed_bits):
     """The op's forward and gradients (from the probabilities and keep-mask its forward kept) equal autograd through
-    the eager SDPA loop run from the same seed (its attention-dropout mask), compiled too (Inductor, the kept size
-    dynamic over two length mixes); a different seed drops differently."""
+    the eager SDPA loop run from the same seed (its attention-dropout mask: SDPA's ``bernoulli_`` draws, or the packed
+    bits of ``model.fused_dropout``), compiled too (Inductor, the kept size dynamic over two length mixes); a different
+    seed drops differently."""
     torch.manual_seed(0)
     grad = torch.randn(26, 2, 8)
     compiled_op = torch.compile(compiled.packed_attention_op, backend="inductor", fullgraph=True)
@@ -144,13 +150,15 @@ def test_the_attention_op_backward_replays_its_dropout():
         cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
         scores = torch.empty(()).expand(sum(n * n for n in lengths))
         qkv = (x[: sum(lengths)] for x in (q, k, v))
-        return call(*qkv, cu, torch.tensor(seed), scores, 0, 0.3, None, -1, "sdpa_loop")
+        return call(*qkv, cu, torch.tensor(seed), scores, 0, 0.3, None, -1, "sdpa_loop", packed_bits)
 
     q, k, v = (torch.randn(26, 2, 8, requires_grad=True) for _ in range(3))
     for lengths in ([5, 7, 3], [9, 2, 15]):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(7)
-            ref = sdpa_loop_attention(*(x[: sum(lengths)] for x in (q, k, v)), lengths, dropout_p=0.3)
+            ref = sdpa_loop_attention(
+                *(x[: sum(lengths)] for x in (q, k, v)), lengths, dropout_p=0.3, packed_bits=packed_bits
+            )
         want = torch.autograd.grad(ref, (q, k, v), grad[: sum(lengths)])
         for call in (compiled.packed_attention_op, compiled_op):
             out = op(lengths, 7, call)[0]

@@ -190,13 +190,16 @@ def test_sdpa_loop_matches_padded_masked_attention_and_its_gradient():
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
-def test_attention_dropout_is_applied_and_unbiased():
-    """Dropout on the attention probabilities (rescaled by 1/(1-p)) leaves the output's mean unchanged."""
+@pytest.mark.parametrize("packed_bits", [False, True])
+def test_attention_dropout_is_applied_and_unbiased(packed_bits):
+    """Dropout on the attention probabilities (rescaled by the inverse keep rate: SDPA's, or the packed bits' of
+    ``model.fused_dropout``) leaves the output's mean unchanged."""
     torch.manual_seed(0)
     lengths, draws, p = [3, 6], 4000, 0.5
     q, k, v = (torch.randn(sum(lengths), 2, 4, dtype=torch.float64) for _ in range(3))
     ref = sdpa_loop_attention(q, k, v, lengths)
-    samples = torch.stack([sdpa_loop_attention(q, k, v, lengths, dropout_p=p) for _ in range(draws)])
+    samples = [sdpa_loop_attention(q, k, v, lengths, dropout_p=p, packed_bits=packed_bits) for _ in range(draws)]
+    samples = torch.stack(samples)
     assert (samples - ref).abs().amax() > 0.1  # dropout does something
     standard_error = samples.std(0) / draws**0.5
     assert ((samples.mean(0) - ref).abs() <= 6 * standard_error + 1e-9).all()

@@ -7,10 +7,11 @@ Two things keep a compiled layer whole and its compiles few:
   layer calls :func:`packed_attention_op` instead (``torch.library.custom_op``: Dynamo puts it in the graph as one
   node, reads nothing but tensor shapes, and Inductor calls it as it is), so the graph holds no sequence length and
   no break. The forward op also returns what its backward needs, so nothing is computed twice (:func:`saving_mode`):
-  on the CPU, eager's own kernels and what they keep (without dropout the flash kernel and its logsumexp; with
-  dropout the math path's probabilities and keep-mask, drawn from a seed drawn in the graph exactly as eager SDPA
-  draws them), whose count ``heads * sum(n^2)`` enters the graph as the dynamic size of the packing's stride-0
-  ``scores`` tensor; on CUDA the backward op recomputes the forward under autograd from that seed.
+  on the CPU, the kernels of :mod:`.cpu_attention` and what they keep (without dropout the flash kernel and its
+  logsumexp; with dropout the math path's probabilities and keep-mask, drawn from a seed drawn in the graph as eager
+  SDPA draws them, or as packed bits under ``model.fused_dropout``), whose count ``heads * sum(n^2)`` enters the
+  graph as the dynamic size of the packing's stride-0 ``scores`` tensor; on CUDA the backward op recomputes the
+  forward under autograd from that seed.
 * **The packed length is a dynamic dimension.** Every token-wise op runs on ``[1, T, hidden]``; the first length
   compiles a static graph, the second one recompiles it with ``T`` symbolic (Dynamo's automatic dynamic shapes), and
   every later length reuses it: two graphs per layer kind for a whole epoch, and no padding (so nothing to mask: the
@@ -29,11 +30,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import unpadded
+from . import cpu_attention, unpadded
 
 OP_NAMESPACE = "ds_bertopt"
-OP_VERSION = 3
-"""In the ops' names (``torch.ops.ds_bertopt.packed_attention_v3`` / ``packed_attention_backward_v3``): Inductor's
+OP_VERSION = 4
+"""In the ops' names (``torch.ops.ds_bertopt.packed_attention_v4`` / ``packed_attention_backward_v4``): Inductor's
 on-disk cache keeps compiled code that calls an op by name, whatever its schema became, so a changed schema takes a
 new name."""
 LAYER_LISTS = ("layer", "layers")
@@ -94,95 +95,6 @@ def saving_mode(device: torch.device, dropout_p: float, backend: str) -> str:
     return "flash" if dropout_p == 0.0 else "math"
 
 
-def _band(n: int, window: int, device: torch.device) -> Optional[torch.Tensor]:
-    return unpadded.band_mask(n, window, device) if 0 <= window < n - 1 else None  # as sdpa_loop_attention
-
-
-def _additive_band(n: int, window: int, like: torch.Tensor) -> Optional[torch.Tensor]:
-    """The band as the flash CPU kernel takes it: additive, in the query's dtype (SDPA's
-    ``convert_boolean_attn_mask`` before it dispatches)."""
-    band = _band(n, window, like.device)
-    return None if band is None else torch.zeros((), dtype=like.dtype).masked_fill(~band, float("-inf"))
-
-
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    """``[n, heads, d]`` -> ``[heads, n, d]`` in fp32: SDPA's CPU math path computes low precision in fp32."""
-    return x.transpose(0, 1).float()
-
-
-def _flash_forward(query, key, value, lengths, scale, window):
-    """Eager's no-dropout CPU kernel per sequence: the output and its logsumexp, flat (sequence by sequence)."""
-    outs, lses = [], []
-    for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths)):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            *(x.transpose(0, 1)[None] for x in (q, k, v)), attn_mask=_additive_band(q.shape[0], window, q), scale=scale
-        )
-        outs.append(out[0].transpose(0, 1))
-        lses.append(lse.reshape(-1))
-    return torch.cat(outs), torch.cat(lses)
-
-
-def _flash_backward(grad, query, key, value, out, lse, lengths, scale, window):
-    grads, offset = [], 0
-    for g, q, k, v, o in zip(*(x.split(lengths) for x in (grad, query, key, value, out))):
-        n, heads = q.shape[:2]
-        grads.append(
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                *(x.transpose(0, 1)[None] for x in (g, q, k, v, o)),
-                lse[offset : offset + heads * n].view(1, heads, n),
-                0.0,
-                False,
-                attn_mask=_additive_band(n, window, q),
-                scale=scale,
-            )
-        )
-        offset += heads * n
-    return tuple(torch.cat([g[i][0].transpose(0, 1) for g in grads]) for i in range(3))
-
-
-def _math_forward(query, key, value, lengths, dropout_p, scale, window):
-    """SDPA's CPU math path with dropout per sequence (the same random draws: one ``bernoulli_`` of ``[1, heads, n,
-    n]`` a sequence, in order), keeping the probabilities and the keep-mask flat for :func:`_math_backward`."""
-    heads, dim = query.shape[1:]
-    root = (dim**-0.5 if scale is None else scale) ** 0.5  # SDPA scales q and k by its square root each
-    probs = query.new_empty(heads * sum(n * n for n in lengths), dtype=torch.float32)
-    keep = torch.empty(probs.shape, dtype=torch.bool, device=query.device)
-    outs, offset = [], 0
-    for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths)):
-        n = q.shape[0]
-        scores = torch.matmul(_heads_first(q) * root, (_heads_first(k) * root).transpose(-2, -1))
-        band = _band(n, window, q.device)
-        if band is not None:
-            scores.masked_fill_(~band, float("-inf"))
-        p = probs[offset : offset + heads * n * n].view(1, heads, n, n)
-        torch.ops.aten._softmax.out(scores[None], -1, False, out=p)
-        kept = keep[offset : offset + heads * n * n].view(1, heads, n, n).bernoulli_(1.0 - dropout_p)
-        out = torch.matmul(p[0] * kept[0], _heads_first(v)).mul_(1.0 / (1.0 - dropout_p))
-        outs.append(out.transpose(0, 1).to(query.dtype))
-        offset += heads * n * n
-    return torch.cat(outs), probs, keep
-
-
-def _math_backward(grad, query, key, value, probs, keep, lengths, dropout_p, scale, window):
-    heads, dim = query.shape[1:]
-    scale = dim**-0.5 if scale is None else scale
-    inverse_keep = 1.0 / (1.0 - dropout_p)
-    grads, offset = [], 0
-    for g, q, k, v in zip(*(x.split(lengths) for x in (grad, query, key, value))):
-        n = q.shape[0]
-        p = probs[offset : offset + heads * n * n].view(heads, n, n)
-        kept = keep[offset : offset + heads * n * n].view(heads, n, n)
-        g = _heads_first(g)
-        grad_v = torch.matmul((p * kept).transpose(-2, -1), g).mul_(inverse_keep)
-        grad_p = torch.matmul(g, _heads_first(v).transpose(-2, -1)).mul_(kept)  # inverse_keep folded in below
-        grad_s = torch._softmax_backward_data(grad_p, p, -1, torch.float32)
-        grad_q = torch.matmul(grad_s, _heads_first(k)).mul_(scale * inverse_keep)
-        grad_k = torch.matmul(grad_s.transpose(-2, -1), _heads_first(q)).mul_(scale * inverse_keep)
-        grads.append((grad_q, grad_k, grad_v))
-        offset += heads * n * n
-    return tuple(torch.cat([g[i].transpose(0, 1) for g in grads]).to(query.dtype) for i in range(3))
-
-
 def _nothing(like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return like.new_empty(0, dtype=dtype)  # a fresh one each time: an op's outputs never alias
 
@@ -200,10 +112,12 @@ def packed_attention_op(
     scale: Optional[float],
     window: int,
     backend: str,
+    packed_bits: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`.unpadded.packed_attention` as one op: ``[T, heads, head_dim]`` in and out; ``seed`` (an int64 scalar on
     the CPU) seeds the attention dropout; ``scores``: any tensor of ``sum(n^2)`` elements (the packing's stride-0 one),
-    so that the graph knows the size of what ``"math"`` keeps; ``window`` -1: global attention. Also returns what its
+    so that the graph knows the size of what ``"math"`` keeps; ``window`` -1: global attention; ``packed_bits``: the
+    ``"math"`` mode's dropout draws packed bits (``model.fused_dropout``, :mod:`.cpu_attention`). Also returns what its
     backward needs (:func:`saving_mode`): the logsumexp (``[heads * T]``, ``"flash"``), the probabilities and keep-mask
     (flat, ``heads * sum(n^2)``, ``"math"``); empty where a mode does not keep them."""
     mode = saving_mode(query.device, dropout_p, backend)
@@ -214,16 +128,18 @@ def packed_attention_op(
     lengths = unpadded.sequence_lengths(cu_seqlens)
     with torch.autocast(query.device.type, enabled=False):
         if mode == "flash":
-            out, lse = _flash_forward(query, key, value, lengths, scale, window)
+            out, lse = cpu_attention.flash_forward(query, key, value, lengths, scale, window)
             return out, lse, _nothing(query), _nothing(query, torch.bool)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(seed))
-            out, probs, keep = _math_forward(query, key, value, lengths, dropout_p, scale, window)
+            out, probs, keep = cpu_attention.math_forward(
+                query, key, value, lengths, dropout_p, scale, window, packed_bits
+            )
         return out, _nothing(query), probs, keep
 
 
 @packed_attention_op.register_fake
-def _(query, key, value, cu_seqlens, seed, scores, max_seqlen, dropout_p, scale, window, backend):
+def _(query, key, value, cu_seqlens, seed, scores, max_seqlen, dropout_p, scale, window, backend, packed_bits):
     mode = saving_mode(query.device, dropout_p, backend)
     none = query.new_empty(0, dtype=torch.float32)
     if mode == "math":  # heads * sum(n^2), a dynamic dimension like T (a size computed inside would break the graph)
@@ -250,6 +166,7 @@ def packed_attention_backward_op(
     scale: Optional[float],
     window: int,
     backend: str,
+    packed_bits: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`packed_attention_op` with respect to ``query``, ``key``, ``value`` from what its forward
     kept (``"flash"``: eager's own backward kernel; ``"math"``: the math path's formulas on the kept probabilities
@@ -264,12 +181,12 @@ def packed_attention_backward_op(
     lengths = unpadded.sequence_lengths(cu_seqlens)
     with torch.autocast(query.device.type, enabled=False):
         if mode == "flash":
-            return _flash_backward(grad, query, key, value, out, lse, lengths, scale, window)
-        return _math_backward(grad, query, key, value, probs, keep, lengths, dropout_p, scale, window)
+            return cpu_attention.flash_backward(grad, query, key, value, out, lse, lengths, scale, window)
+        return cpu_attention.math_backward(grad, query, key, value, probs, keep, lengths, dropout_p, scale, packed_bits)
 
 
 @packed_attention_backward_op.register_fake
-def _(grad, query, key, value, out, lse, probs, keep, cu_seqlens, seed, max_seqlen, dropout_p, scale, window, backend):
+def _(grad, query, key, value, out, lse, probs, keep, cu_seqlens, seed, max_seqlen, dropout_p, scale, window, *_modes):
     return tuple(torch.empty_like(x) for x in (query, key, value))
 
 
@@ -283,7 +200,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad, *_kept):
     grads = packed_attention_backward_op(grad, *ctx.saved_tensors, *ctx.options)
-    return (*grads, None, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 packed_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -308,6 +225,7 @@ def compiled_attention(
         scale,
         -1 if window is None else int(window),
         packing.backend,
+        packing.packed_bits,
     )[0]
 
 

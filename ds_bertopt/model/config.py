@@ -51,8 +51,9 @@ class ModelConfig:
     fused_dropout: bool = False
     """Unpadded model: dropout draws packed random bits (16 per element, four elements per 64-bit draw; keep
     probability within 2⁻¹⁷ of ``1 - p``, rescaled exactly) and BERT's ``dense → dropout → LayerNorm(· + input)``
-    blocks fuse the dropout with the residual add (``ds_bertopt.model.fused``). Same parameters and state dict;
-    a different random stream than torch's ``bernoulli_`` (same distribution), so it is off by default."""
+    blocks fuse the dropout with the residual add (``ds_bertopt.model.fused``); on the CPU, attention dropout too
+    draws packed bits, in attention written by hand (``ds_bertopt.model.cpu_attention``). Same parameters and state
+    dict; a different random stream than torch's ``bernoulli_`` (same distribution), so it is off by default."""
     compile: bool = False
     """Unpadded model: each encoder layer runs under ``torch.compile`` (Inductor), one graph per layer with the
     attention as one op and the packed length a dynamic dimension: two compiles for a whole epoch, no padding, the

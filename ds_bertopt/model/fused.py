@@ -22,8 +22,9 @@ item, then LayerNorm, GELU, adds and copies.
   In eval mode (or ``p = 0``) a fused block computes exactly what the stock one does.
 
 Under ``model.compile`` the mask is one custom op (:func:`packed_keep_mask_op`, the same draws as eager) and Inductor
-fuses the ``where``, add and LayerNorm around it. Attention dropout (inside SDPA) keeps torch's own draw; bias + GELU
-stay in ``addmm`` + GELU unless compiled.
+fuses the ``where``, add and LayerNorm around it. Attention dropout on the CPU draws these bits too, inside
+:mod:`.cpu_attention` (one draw for every score of a micro-batch); on CUDA it stays inside the attention kernels.
+Bias + GELU stay in ``addmm`` + GELU unless compiled.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused
+from .cpu_attention import PackedBitsAttention, band_mask
 from .bert import IGNORE_INDEX, PretrainOutput, mlm_loss
 from .families import MlmFamily, family_of
 
@@ -93,12 +94,6 @@ def sequence_lengths(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def band_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
-    """``[length, length]`` True where ``|i - j| <= window`` (a bidirectional local-attention layer)."""
-    positions = torch.arange(length, device=device)
-    return (positions[:, None] - positions[None, :]).abs() <= window
-
-
 def sdpa_loop_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -108,6 +103,7 @@ def sdpa_loop_attention(
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     window: Optional[int] = None,
+    packed_bits: bool = False,
 ) -> torch.Tensor:
     """Exact bidirectional attention per sequence: ``[T, heads, head_dim]`` in and out.
 
@@ -115,9 +111,15 @@ def sdpa_loop_attention(
     one concatenation, unlike per-slice indexing whose backward writes a full-size zero tensor per
     slice). No mask is needed as every key is real; with ``window`` (local attention, ``|i - j| <= window``) a
     sequence longer than ``window + 1`` gets a band mask. ``dropout_p`` is SDPA's attention-probability
-    dropout, as transformers' ``sdpa_attention_forward`` applies it.
+    dropout, as transformers' ``sdpa_attention_forward`` applies it; with ``packed_bits`` (``model.fused_dropout``) on
+    the CPU, that dropout draws packed bits instead, in :class:`.cpu_attention.PackedBitsAttention` (the same math by
+    hand, one draw for the micro-batch, 5 bytes kept a score).
     """
     lengths = list(seq_lengths)
+    if packed_bits and dropout_p > 0.0 and query.device.type == "cpu":
+        return PackedBitsAttention.apply(
+            query, key, value, tuple(lengths), dropout_p, scale, -1 if window is None else window
+        )
     outputs = []
     for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths)):
         n = q.shape[0]
@@ -238,8 +240,10 @@ def packed_attention(
     scale: Optional[float] = None,
     backend: str = "auto",
     window: Optional[int] = None,
+    packed_bits: bool = False,
 ) -> torch.Tensor:
-    """Bidirectional attention of packed sequences, ``[T, heads, head_dim]`` -> same; ``window``: local attention.
+    """Bidirectional attention of packed sequences, ``[T, heads, head_dim]`` -> same; ``window``: local attention;
+    ``packed_bits``: the CPU loop's attention dropout draws packed bits (:func:`sdpa_loop_attention`).
 
     ``backend``: ``"varlen"`` (must work, else a one-line error), ``"sdpa_loop"``, or ``"auto"`` (varlen
     where ``varlen_usable``, else the loop).
@@ -257,7 +261,9 @@ def packed_attention(
                 f"packed_attention: varlen flash attention is unusable for {query.dtype} on "
                 f"{query.device} (needs CUDA, fp16/bf16, head_dim a multiple of 8 up to 256)"
             )
-    return sdpa_loop_attention(query, key, value, seq_lengths, dropout_p=dropout_p, scale=scale, window=window)
+    return sdpa_loop_attention(
+        query, key, value, seq_lengths, dropout_p=dropout_p, scale=scale, window=window, packed_bits=packed_bits
+    )
 
 
 @dataclass(frozen=True)
@@ -275,6 +281,8 @@ class PackedSequences:
     scores: Optional[torch.Tensor] = None
     """``[sum(n^2)]`` with stride 0 (no storage): the query-key pair count as a tensor dimension, which a compiled
     layer reads as a dynamic size (:mod:`.compiled`'s attention op keeps that many probabilities for backward)."""
+    packed_bits: bool = False
+    """Attention dropout on the CPU draws packed bits (``model.fused_dropout``; :mod:`.cpu_attention`)."""
 
 
 def hf_packed_attention(
@@ -315,6 +323,7 @@ def hf_packed_attention(
         scale=scaling,
         backend=packing.backend,
         window=window,
+        packed_bits=packing.packed_bits,
     )
     return out[None], None
 
@@ -450,7 +459,9 @@ class UnpaddedEncoder(torch.nn.Module):
         )
         backend = self._backend(input_ids.device, dtype, self.training and self.dropout_p > 0)  # before any layer
         scores = cu_seqlens.new_empty(()).expand(sum(n * n for n in seq_lengths))
-        packing = PackedSequences(cu_seqlens, int(max_seqlen), tuple(seq_lengths), backend, scores)
+        packing = PackedSequences(
+            cu_seqlens, int(max_seqlen), tuple(seq_lengths), backend, scores, packed_bits=self.fused is not None
+        )
         inputs = {
             "input_ids": input_ids[None],
             "position_ids": (position_ids + self.position_offset if self.position_offset else position_ids)[None],
