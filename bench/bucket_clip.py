@@ -5,34 +5,29 @@
     python bench/bucket_clip.py --sweep 1000000 2500000 5000000 10000000 25000000   # bucket sizes, emulated link
     python bench/bucket_clip.py --convergence   # launch/pretrain.py on wiki_sample: hook vs global clipping
 
-Two gloo ranks, fp32, sequence length 128, random tokens, torch AdamW; the same model, data and
-seed for both variants, built side by side in the same processes and stepped interleaved
-(``ds_bertopt.testing.measure.interleaved``): median of ``--repeats`` steps after a warm-up step.
-``bucket_clip`` is ``ds_bertopt.engine.initialize`` with ``bertopt.bucket_clip`` on; ``deepspeed clip``
-is the same config with ``gradient_clipping: 1.0`` (norm after the allreduce). At ZeRO 2 both use
-``reduce_bucket_size`` = the clip bucket size, so the buckets are the same and only the clipping differs.
-
-Settings:
-1. loopback: both ranks in this network namespace (``GLOO_SOCKET_IFNAME=lo``);
-2. emulated inter-node link: one rank per network namespace, joined by a veth pair shaped with
-   ``tc ... tbf rate 1gbit burst 256kb latency 50ms`` on both ends (``ds_bertopt.testing.netns``);
-   needs root and iproute2, skipped with the reason otherwise.
-
-"Exposed communication" is the time from the end of autograd's backward to gradients ready: the
-time spent in ``engine.allreduce_gradients`` (ours: flush the last buckets and wait on the async
-allreduces; DeepSpeed's: flatten, allreduce, copy back). At ZeRO 1/2 DeepSpeed reduces inside
-backward and, on CPU, synchronously, so the time inside ``reduce_ipg_grads`` is reported too.
+Two gloo ranks, fp32, seq 128, random tokens, torch AdamW; both variants built side by side in the same processes
+from the same model, data and seed, stepped interleaved: median of ``--repeats`` steps after a warm-up step.
+``bucket_clip``: ``ds_bertopt.engine.initialize`` with ``bertopt.bucket_clip`` on; ``deepspeed clip``: the same
+config with ``gradient_clipping: 1.0`` (norm after the allreduce). At ZeRO 2 both use ``reduce_bucket_size`` = the
+clip bucket size: the same buckets, only the clipping differs. Settings: loopback, and an emulated inter-node link
+(one rank per network namespace, a veth pair shaped ``tc tbf rate 1gbit burst 256kb latency 50ms``:
+``ds_bertopt.testing.netns``; needs root and iproute2, skipped with the reason otherwise). "Exposed communication":
+the time in ``engine.allreduce_gradients``, from the end of autograd's backward to gradients ready; at ZeRO 1/2
+DeepSpeed reduces inside backward (synchronously on CPU), so the time inside ``reduce_ipg_grads`` is reported too.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import itertools
 import json
-import os
 import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,16 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import figure, argv, cpu_env, deepspeed_launcher, environment_line, interleaved, median, record
-from bench._common import SUMMARY, bert_sizes, ratio_line, say
+from bench._common import SUMMARY, bert_sizes, pretrain_argv, ratio_line, read_metrics, say
 from ds_bertopt.compat.deepspeed import wrap_reductions
 from ds_bertopt.testing.distributed import free_port
 from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers
 
-MODELS = {
-    # name: (BertConfig overrides, micro-batch, default bucket size in elements; see docs/bucket_clip.md
-    # for the sweep behind the bucket sizes)
+MODELS = {  # name: (BertConfig fields, micro-batch, default bucket size in elements: docs/bucket_clip.md's sweep)
     "small": (bert_sizes(256, 4, 4, 1024, vocab_size=8192, max_position_embeddings=512), 8, 1_000_000),
-    "base": (dict(), 2, 5_000_000),  # transformers' BertConfig() defaults: BERT-base, 110M parameters
+    "base": ({}, 2, 5_000_000),  # transformers' BertConfig() defaults: BERT-base, 110M parameters
 }
 SEQ = 128
 VARIANTS = ("bucket_clip", "deepspeed_clip")
@@ -58,42 +51,25 @@ VARIANTS = ("bucket_clip", "deepspeed_clip")
 # ------------------------------------------------------------------------------------------------
 # worker: one rank (started by the orchestrator below, in this namespace or in its own)
 # ------------------------------------------------------------------------------------------------
-def build_model(name: str):
+def build_engine(name: str, stage: int, variant: str, bucket_size: int):
     import torch
     from transformers import BertConfig, BertForMaskedLM
 
-    overrides = MODELS[name][0]
-    torch.manual_seed(0)
-    return BertForMaskedLM(BertConfig(**overrides, attn_implementation="sdpa"))
-
-
-def build_engine(name: str, stage: int, variant: str, bucket_size: int):
-    import torch
-
     from ds_bertopt.engine import initialize
 
-    model = build_model(name)
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(**MODELS[name][0], attn_implementation="sdpa"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-    cfg = {
-        "train_micro_batch_size_per_gpu": MODELS[name][1],
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10**9,
-        "zero_optimization": {
-            "stage": stage,
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_bucket_size": bucket_size,
-        },
-    }
+    zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": bucket_size}
+    cfg = {"train_micro_batch_size_per_gpu": MODELS[name][1], "gradient_accumulation_steps": 1}
+    cfg.update(gradient_clipping=1.0, steps_per_print=10**9, zero_optimization=zero)
     if variant == "bucket_clip":
         cfg["bertopt"] = {"bucket_clip": {"enabled": True, "max_norm": 1.0, "bucket_size": bucket_size}}
-    engine, *_ = initialize(config=cfg, model=model, optimizer=optimizer)
-    return engine
+    return initialize(config=cfg, model=model, optimizer=optimizer)[0]
 
 
 def instrument(engine) -> dict[str, list[float]]:
-    """Time ``engine.allreduce_gradients`` (and ZeRO's ``reduce_ipg_grads``) on each call."""
+    """Time ``engine.allreduce_gradients`` (and ZeRO's ``reduce_ipg_grads``) on each call, into the step's entry."""
     timings: dict[str, list[float]] = {"exposed": [], "reduce": []}
 
     def timed(fn, key):
@@ -114,62 +90,43 @@ def measure(name: str, stage: int, bucket_size: int, repeats: int, warmup: int) 
     import torch
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    micro = MODELS[name][1]
-    engines, timings = {}, {}
+    micro, engines, timings = MODELS[name][1], {}, {}
     for variant in VARIANTS:
         engines[variant] = build_engine(name, stage, variant, bucket_size)
         timings[variant] = instrument(engines[variant])
-    vocab = engines[VARIANTS[0]].module.config.vocab_size
-    gen = torch.Generator().manual_seed(100 + rank)
-    input_ids = torch.randint(5, vocab, (micro, SEQ), generator=gen)
+    module = engines[VARIANTS[0]].module
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    input_ids = torch.randint(5, module.config.vocab_size, (micro, SEQ), generator=gen)
     labels = torch.where(torch.rand(micro, SEQ, generator=gen) < 0.15, input_ids, torch.full_like(input_ids, -100))
     batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
 
-    def step(variant):
-        engine, timing = engines[variant], timings[variant]
+    def step(variant: str) -> float:
+        dist.barrier()  # start together, outside the timed region
+        for series in timings[variant].values():
+            series.append(0.0)
+        start = time.perf_counter()
+        engines[variant].backward(engines[variant](**batch).loss)
+        engines[variant].step()
+        return time.perf_counter() - start
 
-        def run():
-            dist.barrier()  # start together, outside the timed region
-            timing["exposed"].append(0.0)
-            timing["reduce"].append(0.0)
-            start = time.perf_counter()
-            engine.backward(engine(**batch).loss)
-            engine.step()
-            return time.perf_counter() - start
-
-        return run
-
-    times = interleaved({variant: step(variant) for variant in VARIANTS}, repeats=repeats, warmup=warmup)
-    ours = engines["bucket_clip"].bucket_clip
-    result = {
-        "model": name,
-        "stage": stage,
-        "bucket_size": bucket_size,
-        "micro_batch": micro,
-        "params": sum(p.numel() for p in engines[VARIANTS[0]].module.parameters()),
-        "buckets": len(ours.layout()),
-        "times": times,
-        "exposed": {v: timings[v]["exposed"][warmup:] for v in VARIANTS},
-        "reduce": {v: timings[v]["reduce"][warmup:] for v in VARIANTS},
-    }
-    return result
+    times = interleaved({v: functools.partial(step, v) for v in VARIANTS}, repeats=repeats, warmup=warmup)
+    result = dict(model=name, stage=stage, bucket_size=bucket_size, micro_batch=micro, times=times)
+    result["params"] = sum(p.numel() for p in module.parameters())
+    result["buckets"] = len(engines["bucket_clip"].bucket_clip.layout())
+    return {**result, **{key: {v: timings[v][key][warmup:] for v in VARIANTS} for key in ("exposed", "reduce")}}
 
 
 def worker(args) -> int:
     import deepspeed
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    import torch.distributed as dist
-
-    for name in args.models:
-        for stage in args.stages:
-            for bucket_size in args.bucket_sizes:
-                result = measure(name, stage, bucket_size, args.repeats, warmup=1)
-                if dist.get_rank() == 0:
-                    print("RESULT " + json.dumps(result), flush=True)
+    for name, stage, bucket_size in itertools.product(args.models, args.stages, args.bucket_sizes):
+        result = measure(name, stage, bucket_size, args.repeats, warmup=1)
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -178,33 +135,17 @@ def worker(args) -> int:
 # ------------------------------------------------------------------------------------------------
 # orchestrator
 # ------------------------------------------------------------------------------------------------
-def worker_argv(args, models, stages, bucket_sizes) -> list[str]:
-    lists = ["--models", *models, "--stages", *map(str, stages), "--bucket-sizes", *map(str, bucket_sizes)]
-    return [*argv(sys.executable, Path(__file__).resolve(), "--worker", repeats=args.repeats), *lists]
-
-
-def run_ranks(start, argv, master_addr: str, ifname: str, log_dir: Path, tag: str, timeout: float) -> list[dict]:
-    """Start rank 0 and 1 with ``start(rank, argv, env, stdout)``; return rank 0's RESULT lines."""
-    port = str(free_port())
-    procs, logs = [], []
+def run_ranks(net, argv, log_dir: Path, tag: str, timeout: float) -> list[dict]:
+    """Start rank 0 and 1 on loopback, or each in its network namespace of ``net``; return rank 0's RESULT lines."""
+    master_addr, ifname = (net.addresses[0], net.ifname) if net else ("127.0.0.1", "lo")
+    port, procs, logs, results = str(free_port()), [], [], []
     for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=port,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_SIZE="2",
-            GLOO_SOCKET_IFNAME=ifname,
-            OMP_NUM_THREADS="1",
-            DS_ACCELERATOR="cpu",
-            PYTHONUNBUFFERED="1",
-        )
-        log = open(log_dir / f"{tag}_rank{rank}.log", "w")
-        logs.append(log)
-        procs.append(start(rank, argv, env, subprocess.PIPE if rank == 0 else log))
-    results = []
+        ranks = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2")
+        env = cpu_env(MASTER_ADDR=master_addr, MASTER_PORT=port, GLOO_SOCKET_IFNAME=ifname, **ranks)
+        logs.append(open(log_dir / f"{tag}_rank{rank}.log", "w"))
+        stdout = subprocess.PIPE if rank == 0 else logs[-1]
+        options = dict(env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        procs.append(net.run(rank, argv, **options) if net else subprocess.Popen(argv, **options))
     deadline = time.time() + timeout
     try:
         for line in procs[0].stdout:
@@ -229,49 +170,79 @@ def run_ranks(start, argv, master_addr: str, ifname: str, log_dir: Path, tag: st
 BREAKDOWN: list[dict] = []
 
 
-def report(setting: str, results: list[dict], sweep: bool) -> None:
-    for r in [] if sweep else results:
-        label = (
-            f"[{setting}, {'small BERT' if r['model'] == 'small' else 'BERT-base'} "
-            f"{r['params'] / 1e6:.1f}M, mb {r['micro_batch']}, ZeRO {r['stage']}, "
-            f"{r['buckets']} buckets of <= {r['bucket_size'] / 1e6:g}M]"
-        )
-        ours, theirs = r["times"]["bucket_clip"], r["times"]["deepspeed_clip"]
-        say(ratio_line(f"bucket_clip step time {label}", ours, theirs, "deepspeed clip"))
-        short = f"{setting.split()[0]} {'small' if r['model'] == 'small' else 'base'} Z{r['stage']}"
-        for variant, times in (("bucket_clip", ours), ("deepspeed clip", theirs)):
-            exposed = median(r["exposed"][variant.replace(" ", "_")])
-            BREAKDOWN.append(
-                {
-                    "label": f"{short} {variant}",
-                    "compute and optimizer": median(times) - exposed,
-                    "exposed communication": exposed,
-                }
-            )
-        print(
-            f"    speedup {median(theirs) / median(ours):.2f}x; step median {median(ours):.3f} s vs "
-            f"{median(theirs):.3f} s; exposed comm (end of backward -> grads ready) "
-            f"{median(r['exposed']['bucket_clip']):.3f} s vs {median(r['exposed']['deepspeed_clip']):.3f} s"
-            + (
-                f"; inside reduce_ipg_grads {median(r['reduce']['bucket_clip']):.3f} s vs "
-                f"{median(r['reduce']['deepspeed_clip']):.3f} s"
-                if r["stage"]
-                else ""
-            ),
-            flush=True,
-        )
-    if sweep:
-        for model in dict.fromkeys(r["model"] for r in results):
-            print(
-                f"bucket size sweep, {model}, bucket_clip step median: "
-                + ", ".join(
-                    f"{r['bucket_size'] / 1e6:g}M: {median(r['times']['bucket_clip']):.3f} s "
-                    f"(exposed {median(r['exposed']['bucket_clip']):.3f} s)"
-                    for r in results
-                    if r["model"] == model
-                ),
-                flush=True,
-            )
+def report(setting: str, r: dict) -> None:
+    """One measurement's ratio line and details; its bars in :data:`BREAKDOWN`."""
+    label = (
+        f"[{setting}, {'small BERT' if r['model'] == 'small' else 'BERT-base'} "
+        f"{r['params'] / 1e6:.1f}M, mb {r['micro_batch']}, ZeRO {r['stage']}, "
+        f"{r['buckets']} buckets of <= {r['bucket_size'] / 1e6:g}M]"
+    )
+    ours, theirs = r["times"]["bucket_clip"], r["times"]["deepspeed_clip"]
+    say(ratio_line(f"bucket_clip step time {label}", ours, theirs, "deepspeed clip"))
+    exposed, inside = ({v: median(r[key][v]) for v in VARIANTS} for key in ("exposed", "reduce"))
+    for variant, times in (("bucket_clip", ours), ("deepspeed clip", theirs)):
+        comm = exposed[variant.replace(" ", "_")]
+        bars = {"compute and optimizer": median(times) - comm, "exposed communication": comm}
+        BREAKDOWN.append({"label": f"{setting.split()[0]} {r['model']} Z{r['stage']} {variant}", **bars})
+    zero = f"; inside reduce_ipg_grads {inside['bucket_clip']:.3f} s vs {inside['deepspeed_clip']:.3f} s"
+    print(
+        f"    speedup {median(theirs) / median(ours):.2f}x; step median {median(ours):.3f} s vs "
+        f"{median(theirs):.3f} s; exposed comm (end of backward -> grads ready) "
+        f"{exposed['bucket_clip']:.3f} s vs {exposed['deepspeed_clip']:.3f} s{zero if r['stage'] else ''}",
+        flush=True,
+    )
+
+
+def timings(args) -> None:
+    """Every measurement of the settings (or of the bucket size sweep), each in a fresh pair of ranks."""
+    from ds_bertopt.testing.netns import NetNamespaces, netns_unavailable_reason, remove_stale
+
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_bucket_clip_"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(environment_line())
+    print(
+        f"fp32, seq {SEQ}, 2 gloo ranks, torch AdamW, median of {args.repeats} steps after 1 warm-up; "
+        f"ratio < 1: bucket_clip is faster; logs in {log_dir}"
+    )
+    plans = {"emulated": [(m, 0, size) for m in args.models for size in args.sweep]} if args.sweep else {}
+    for setting in [] if args.sweep else args.settings:
+        # --quick: the small model on loopback, BERT-base on the emulated link (the target case)
+        models = [m for m in args.models if not args.quick or m == ("small" if setting == "loopback" else "base")]
+        sizes = {m: args.bucket_sizes or [MODELS[m][2]] for m in models}
+        plans[setting] = [(m, stage, size) for m in models for stage in args.stages for size in sizes[m]]
+    for setting, combos in plans.items():
+        started = time.time()
+        if setting == "emulated" and netns_unavailable_reason(need_tc=True):
+            print(f"emulated link: skipped ({netns_unavailable_reason(need_tc=True)})")
+            continue
+        with contextlib.ExitStack() as stack:
+            title, net = "loopback", None
+            if setting == "emulated":
+                remove_stale()
+                net = stack.enter_context(NetNamespaces(2, rate=args.rate, burst="256kb", latency="50ms"))
+                title = f"emulated {args.rate} link"
+            results = []
+            for model, stage, size in combos:  # a fresh pair of ranks each: DeepSpeed engines are not freed reliably
+                script = (sys.executable, Path(__file__).resolve(), "--worker", "--bucket-sizes", size)
+                worker_argv = argv(*script, models=model, stages=stage, repeats=args.repeats)
+                tag = f"{setting}_{model}_zero{stage}_{size}"
+                for r in run_ranks(net, worker_argv, log_dir, tag, timeout=1800):
+                    report(title, r)
+                    results.append(r)
+        for model in dict.fromkeys(r["model"] for r in results) if args.sweep else ():
+            points = [
+                f"{r['bucket_size'] / 1e6:g}M: {median(r['times']['bucket_clip']):.3f} s "
+                f"(exposed {median(r['exposed']['bucket_clip']):.3f} s)"
+                for r in results
+                if r["model"] == model
+            ]
+            print(f"bucket size sweep, {model}, bucket_clip step median: {', '.join(points)}", flush=True)
+        print(f"    ({setting}{' sweep' if args.sweep else ''}: {time.time() - started:.0f} s)", flush=True)
+    if BREAKDOWN:
+        title = "Step time: bucket_clip vs DeepSpeed clipping (exposed communication on top)"
+        stack = ["compute and optimizer", "exposed communication"]
+        figure("bars", "breakdown", title, BREAKDOWN, stack=stack, unit="seconds per step (median)")
+        record("bucket_clip", f"2 gloo ranks, fp32, seq {SEQ}, median of {args.repeats} steps after 1 warm-up")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -280,33 +251,20 @@ def report(setting: str, results: list[dict], sweep: bool) -> None:
 WIKI = ROOT.parent / "shared" / "data" / "wiki_sample.jsonl"
 
 
-def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    path = run_dir / "metrics.jsonl"
-    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [r for r in lines if "loss" in r], [r for r in lines if "eval_loss" in r]
-
-
 def pretrain(run_dir: Path, seed: int, hook: bool, args) -> bool:
     """Run one pretraining unless ``run_dir`` holds a complete one; return whether it ran."""
-    _, evals = read_metrics(run_dir)
+    evals = read_metrics(run_dir, "eval_loss")
     if evals and evals[-1]["step"] == args.steps:
         return False  # complete already (use a fresh --convergence-dir to redo)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     port = free_port()
     clip = ["bucket_clip.enabled=true", f"bucket_clip.bucket_size={args.conv_bucket_size}"] if hook else []
-    cmd = argv(
-        *deepspeed_launcher(2, port),
-        "launch/pretrain.py",
-        deepspeed_config=args.ds_config,
-        train_file=WIKI,
-        max_steps=args.steps,
-        output_dir=run_dir,
-        seed=seed,
-        overrides=[f"train.eval_every={args.eval_every}", "train.log_every=10", "train.save_model=false", *clip],
-    )
+    overrides = [f"train.eval_every={args.eval_every}", "train.log_every=10", "train.save_model=false", *clip]
+    script = pretrain_argv(run_dir, args.ds_config, overrides, train_file=WIKI, max_steps=args.steps, seed=seed)
     try:
         with open(f"{run_dir}.log", "w") as log:
+            cmd = [*deepspeed_launcher(2, port), *script]
             subprocess.run(cmd, cwd=ROOT, env=cpu_env(), stdout=log, stderr=subprocess.STDOUT, check=True)
     finally:
         remove_deepspeed_shm_buffers("127.0.0.1", port)  # the launcher's default master address
@@ -317,32 +275,25 @@ def convergence(args) -> None:
     if not WIKI.exists():
         print(f"convergence: skipped ({WIKI} is absent)")
         return
-    out = Path(args.convergence_dir)
-    curves = {}
-    for seed in args.seeds:
-        for hook in (True, False):
-            run_dir = out / f"{'hook' if hook else 'global'}_s{seed}"
-            started = time.time()
-            ran = pretrain(run_dir, seed, hook, args)
-            curves[(hook, seed)] = read_metrics(run_dir)
-            print(
-                f"    ({run_dir.name}: {f'{time.time() - started:.0f} s' if ran else 'complete run reused'})",
-                flush=True,
-            )
+    curves = {}  # (hook, seed): (training records, eval records)
+    for seed, hook in itertools.product(args.seeds, (True, False)):
+        run_dir = Path(args.convergence_dir) / f"{'hook' if hook else 'global'}_s{seed}"
+        started = time.time()
+        ran = pretrain(run_dir, seed, hook, args)
+        curves[(hook, seed)] = (read_metrics(run_dir, "loss"), read_metrics(run_dir, "eval_loss"))
+        print(f"    ({run_dir.name}: {f'{time.time() - started:.0f} s' if ran else 'complete run reused'})", flush=True)
     final = {key: evals[-1]["eval_loss"] for key, (_, evals) in curves.items()}
-    hook_final = [final[(True, s)] for s in args.seeds]
-    global_final = [final[(False, s)] for s in args.seeds]
+    hook_final, global_final = ([final[(hook, s)] for s in args.seeds] for hook in (True, False))
     seeds = ", ".join(map(str, args.seeds))
-    print(
-        f"convergence [wiki_sample.jsonl, {args.ds_config}, {args.steps} steps, seeds {seeds}]: final eval loss "
-        f"bucket_clip {' / '.join(f'{x:.4f}' for x in hook_final)} vs global clip "
-        f"{' / '.join(f'{x:.4f}' for x in global_final)}",
-        flush=True,
+    finals = (
+        f"final eval loss bucket_clip {' / '.join(f'{x:.4f}' for x in hook_final)} vs global clip "
+        f"{' / '.join(f'{x:.4f}' for x in global_final)}"
     )
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    print(f"convergence [wiki_sample.jsonl, {args.ds_config}, {args.steps} steps, seeds {seeds}]: {finals}", flush=True)
     spread = [abs(final[(h, a)] - final[(h, b)]) for h in (True, False) for a, b in zip(args.seeds, args.seeds[1:])]
+    diff = statistics.fmean(hook_final) - statistics.fmean(global_final)
     print(
-        f"    mean difference (bucket_clip - global) {mean(hook_final) - mean(global_final):+.4f}; "
+        f"    mean difference (bucket_clip - global) {diff:+.4f}; "
         f"seed-to-seed spread within a variant {max(spread):.4f}"
         if spread
         else "",
@@ -360,10 +311,7 @@ def convergence(args) -> None:
         ]
         title = f"{title} MLM loss: bucket_clip vs global clipping"
         figure("curves", f"{kind}_loss", title, series, xlabel="step", ylabel=f"{kind} MLM loss")
-    SUMMARY.append(
-        f"final eval loss bucket_clip {' / '.join(f'{x:.4f}' for x in hook_final)} vs global clip "
-        f"{' / '.join(f'{x:.4f}' for x in global_final)} ({args.steps} steps, seeds {seeds})"
-    )
+    SUMMARY.append(f"{finals} ({args.steps} steps, seeds {seeds})")
     note = f"launch/pretrain.py, {args.ds_config}, wiki_sample.jsonl, 2 ranks, {args.steps} steps, seeds {seeds}"
     record("bucket_clip_convergence", note)
 
@@ -371,46 +319,27 @@ def convergence(args) -> None:
 def main(args_in=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--quick",
-        action="store_true",
-        help="ZeRO 0, 3 rounds, small BERT on loopback and BERT-base on the emulated link",
+        "--quick", action="store_true", help="ZeRO 0, 3 rounds, small BERT on loopback, BERT-base on the link"
     )
     p.add_argument("--settings", nargs="+", default=["loopback", "emulated"], choices=["loopback", "emulated"])
     p.add_argument("--models", nargs="+", default=["small", "base"], choices=sorted(MODELS))
     p.add_argument("--stages", nargs="+", type=int, default=None, help="ZeRO stages (default 0 2; --quick: 0)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7; --quick: 3)")
     p.add_argument(
-        "--bucket-sizes",
-        nargs="+",
-        type=int,
-        default=None,
-        help="clip bucket sizes in elements (default: 1M for small, 5M for base)",
+        "--bucket-sizes", nargs="+", type=int, help="clip bucket sizes in elements (default: 1M small, 5M base)"
     )
     p.add_argument(
-        "--sweep",
-        nargs="+",
-        type=int,
-        default=None,
-        help="bucket sizes to sweep at ZeRO 0 on the emulated link (models from --models)",
+        "--sweep", nargs="+", type=int, help="bucket sizes to sweep at ZeRO 0 on the emulated link (--models)"
     )
     p.add_argument("--rate", default="1gbit", help="emulated link rate (tc tbf)")
     p.add_argument("--log-dir", default=None, help="where the ranks' logs go (default: a temp dir)")
-    p.add_argument(
-        "--convergence",
-        action="store_true",
-        help="instead: pretrain with launch/pretrain.py, hook vs global clipping, and plot the curves",
-    )
+    p.add_argument("--convergence", action="store_true", help="instead: launch/pretrain.py, hook vs global clipping")
     p.add_argument("--convergence-dir", default=str(ROOT / "runs" / "bucket_clip_convergence"))
     p.add_argument("--ds-config", default="ds_configs/bert.json", help="config for --convergence")
     p.add_argument("--steps", type=int, default=400, help="pretraining steps for --convergence")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 7])
-    p.add_argument(
-        "--conv-bucket-size",
-        type=int,
-        default=250_000,
-        help="bucket size for --convergence (the default config's model has 1.5M parameters)",
-    )
+    p.add_argument("--conv-bucket-size", type=int, default=250_000, help="--convergence's (bert.json: 1.5M parameters)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(args_in)
     args.stages = args.stages or ([0] if args.quick else [0, 2])
@@ -420,73 +349,8 @@ def main(args_in=None) -> int:
     if args.convergence:
         print(environment_line())
         convergence(args)
-        return 0
-
-    import tempfile
-
-    from ds_bertopt.testing.netns import NetNamespaces, netns_unavailable_reason, remove_stale
-
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_bucket_clip_"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    print(environment_line())
-    print(
-        f"fp32, seq {SEQ}, 2 gloo ranks, torch AdamW, median of {args.repeats} steps after 1 warm-up; "
-        f"ratio < 1: bucket_clip is faster; logs in {log_dir}"
-    )
-
-    def layouts(setting: str) -> list[tuple]:
-        # --quick: the small model on loopback, BERT-base on the emulated link (the target case)
-        models = [m for m in args.models if not args.quick or m == ("small" if setting == "loopback" else "base")]
-        return [
-            (m, stage, size) for m in models for stage in args.stages for size in args.bucket_sizes or [MODELS[m][2]]
-        ]
-
-    if args.sweep:
-        plans = [("emulated", [(m, 0, size) for m in args.models for size in args.sweep], True)]
     else:
-        plans = [(setting, layouts(setting), False) for setting in args.settings]
-    for setting, combos, sweep in plans:
-        started = time.time()
-        if setting == "emulated" and netns_unavailable_reason(need_tc=True):
-            print(f"emulated link: skipped ({netns_unavailable_reason(need_tc=True)})")
-            continue
-        with contextlib.ExitStack() as stack:
-            if setting == "loopback":
-                title, master, ifname = "loopback", "127.0.0.1", "lo"
-
-                def start(rank, argv_, env, stdout):
-                    return subprocess.Popen(
-                        argv_, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True, cwd=ROOT
-                    )
-            else:
-                remove_stale()
-                net = stack.enter_context(NetNamespaces(2, rate=args.rate, burst="256kb", latency="50ms"))
-                title, master, ifname = f"emulated {args.rate} link", net.addresses[0], net.ifname
-
-                def start(rank, argv_, env, stdout, net=net):
-                    return net.run(rank, argv_, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-
-            results = []
-            for model, stage, size in combos:
-                # a fresh pair of processes per measurement: DeepSpeed engines are not freed reliably
-                tag = f"{setting}_{model}_zero{stage}_{size}"
-                argv_w = worker_argv(args, [model], [stage], [size])
-                new = run_ranks(start, argv_w, master, ifname, log_dir, tag, timeout=1800)
-                report(title, new, sweep=False)
-                results += new
-        if sweep:
-            report(title, results, sweep=True)
-        print(f"    ({setting}{' sweep' if sweep else ''}: {time.time() - started:.0f} s)", flush=True)
-    if BREAKDOWN:
-        figure(
-            "bars",
-            "breakdown",
-            "Step time: bucket_clip vs DeepSpeed clipping (exposed communication on top)",
-            BREAKDOWN,
-            stack=["compute and optimizer", "exposed communication"],
-            unit="seconds per step (median)",
-        )
-        record("bucket_clip", f"2 gloo ranks, fp32, seq {SEQ}, median of {args.repeats} steps after 1 warm-up")
+        timings(args)
     return 0
 
 

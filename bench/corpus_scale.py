@@ -3,25 +3,18 @@
     flock /tmp/ds_heavy.lock .venv/bin/python bench/corpus_scale.py        # 25, 100, 400, 1000 MB: about an hour
     .venv/bin/python bench/corpus_scale.py --sizes 5 10 --warm-repeats 1     # a quick look
 
-Each size is a synthetic corpus made from the real documents in ``../shared/data`` (Wikipedia sample, Linux
-documentation): their sentences reshuffled into documents of the real documents' shapes, so no two documents repeat;
-written outside the checkout (``--work``, removed at the end). For each size:
-
-* **first run, 1 node x 2 ranks**: ``deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/bert.json
-  --train_file C --max_steps 1`` on an empty ``data.cache_dir``, ``train.dist_timeout_s`` at its default (120 s):
-  whether it completes, its wall time and the build's own, and the waiting rank's progress lines (the longest gap);
-* **the build spread over nodes**: 2 simulated nodes x 1 rank on one shared ``data.cache_dir`` against 1 node x 1
-  rank (``data.num_proc`` 1 on every node): the build's seconds (its stored record), and whether the stored digests
-  of the two (and of the first run) are equal;
-* **build throughput per process**: tokenizing and building sequences (``data.num_proc`` 1, in this process)
-  against the Hugging Face fast tokenizer alone (``tokenizer(texts)``) on the same slice of text with the same
-  vocabulary, interleaved, the best of ``--repeats`` each (another job's CPU only ever slows a run down);
-* **warm start-up**: a second run, 2 ranks, the cache filled, minus the embedded corpus's (the same job on the
-  package's small built-in corpus), medians of ``--warm-repeats``; and each rank's private (anonymous) and mapped
-  (file and shared) memory, sampled from ``/proc/self/smaps_rollup`` inside the ranks, the peak of the run.
-
-Then the slope of warm start-up and of private memory against the training sequences, extrapolated to 40M
-(Wikipedia at 128 tokens) and 156.7M sequences (MLPerf phase 2).
+Each size is a synthetic corpus made of ``../shared/data``'s documents, their sentences reshuffled into documents of
+the real ones' shapes (no two repeat), written outside the checkout (``--work``, removed at the end). Per size:
+**first run**, 1 node x 2 ranks (``launch/pretrain.py``, ``ds_configs/bert.json``, 1 step) on an empty
+``data.cache_dir``, ``train.dist_timeout_s`` at its default: completed?, wall and build seconds, the waiting rank's
+progress lines (the longest gap); **the build over nodes**: 2 simulated nodes x 1 rank on one shared cache against
+1 node x 1 rank (``data.num_proc`` 1): build seconds, equal stored digests?; **build throughput per process**
+(``data.num_proc`` 1, in this process) against the Hugging Face fast tokenizer alone on the same slice and vocabulary,
+interleaved, the best of ``--repeats`` (another job only ever slows a run down); **warm start-up**: a second run,
+2 ranks, minus the package's embedded corpus's, medians of ``--warm-repeats``, with each rank's peak private
+(anonymous) and mapped (file and shared) memory from ``/proc/self/smaps_rollup``. Then the slopes of warm start-up
+and private memory against the training sequences, extrapolated to 40M (Wikipedia at 128 tokens) and 156.7M
+sequences (MLPerf phase 2).
 """
 
 from __future__ import annotations
@@ -42,7 +35,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import figure, cpu_env, cpu_kind, deepspeed_launcher, record, run_streamed, say, status
+from bench._common import figure, cpu_env, cpu_kind, deepspeed_launcher, interleaved, record, run_streamed, say, status
 
 SHARED = ROOT.parent / "shared" / "data"
 SIZES_MB = (25, 100, 400, 1000)
@@ -55,12 +48,9 @@ GAP_SLACK_S = 2.0
 
 # --------------------------------------------------------------------------------------- the synthetic corpora
 def _sources():
-    with open(SHARED / "wiki_sample.jsonl", encoding="utf-8") as fh:
-        for line in fh:
-            yield json.loads(line)["text"]
-    with gzip.open(SHARED / "linux_docs.jsonl.gz", "rt", encoding="utf-8") as fh:
-        for line in fh:
-            yield json.loads(line)["text"]
+    for name, opener in (("wiki_sample.jsonl", open), ("linux_docs.jsonl.gz", gzip.open)):
+        with opener(SHARED / name, "rt", encoding="utf-8") as fh:
+            yield from (json.loads(line)["text"] for line in fh)
 
 
 def synthesize(path: Path, megabytes: float, seed: int) -> Path:
@@ -194,22 +184,23 @@ def throughput(corpus: Path, tokenizer_dir: str, work: Path, megabytes: float, r
             dst.write(line)
     documents = load_documents(DataConfig(train_files=(str(piece),)), str(work / "slice_cache"))
     texts, tokenizer = list(documents["text"]), load_tokenizer(tokenizer_dir)
-    seconds: dict[str, list[float]] = {"build": [], "tokenizer": []}
-    tokens = 0
-    for repeat in range(repeats):
-        for name in ("build", "tokenizer") if repeat % 2 == 0 else ("tokenizer", "build"):
-            cache = work / "throughput_cache"
-            shutil.rmtree(cache, ignore_errors=True)
-            start = time.perf_counter()
-            if name == "build":
-                build_sequences(
-                    documents, tokenizer, max_seq_length=128, short_seq_prob=0.1, nsp=False, seed=1,
-                    cache_dir=str(cache), split="train", num_proc=1,
-                )  # fmt: skip
-            else:
-                tokens = sum(map(len, tokenizer(texts, add_special_tokens=False)["input_ids"]))
-            seconds[name].append(time.perf_counter() - start)
-    shutil.rmtree(work / "throughput_cache", ignore_errors=True)
+    cache, tokens = work / "throughput_cache", 0
+
+    def build() -> float:
+        shutil.rmtree(cache, ignore_errors=True)  # every build from scratch, its removal not timed
+        start = time.perf_counter()
+        build_sequences(
+            documents, tokenizer, max_seq_length=128, short_seq_prob=0.1, nsp=False, seed=1,
+            cache_dir=str(cache), split="train", num_proc=1,
+        )  # fmt: skip
+        return time.perf_counter() - start
+
+    def hf_tokenizer() -> None:
+        nonlocal tokens
+        tokens = sum(map(len, tokenizer(texts, add_special_tokens=False)["input_ids"]))
+
+    seconds = interleaved({"build": build, "tokenizer": hf_tokenizer}, repeats=repeats, warmup=0)
+    shutil.rmtree(cache, ignore_errors=True)
     rate = {name: tokens / min(values) for name, values in seconds.items()}
     return {"tokens": tokens, "seconds": seconds, "build_tps": rate["build"], "hf_tps": rate["tokenizer"]}
 
@@ -387,26 +378,16 @@ def summarize(rows: list[dict], done: list[dict], base: dict, args) -> None:
         f"({private[-1] / 2**20:,.0f} vs {private[0] / 2**20:,.0f} MiB; target <= {TARGET_PRIVATE}x: "
         f"{status(growth <= TARGET_PRIVATE)})"
     )
-    millions = [float(x) / 1e6 for x in n]
+    millions, axis = [float(x) / 1e6 for x in n], {"xlabel": "training sequences (millions)"}
+    warm = [{"label": "measured", "x": millions, "y": [float(a) for a in added]}]
     figure(
-        "curves",
-        "warm_start",
-        "Warm start-up over the embedded corpus, 2 ranks",
-        [{"label": "measured", "x": millions, "y": [float(a) for a in added]}],
-        xlabel="training sequences (millions)",
-        ylabel="seconds added",
+        "curves", "warm_start", "Warm start-up over the embedded corpus, 2 ranks", warm, **axis, ylabel="seconds added"
     )
-    figure(
-        "curves",
-        "memory",
-        "Memory per rank on a warm start (peaks)",
-        [
-            {"label": "private (anonymous)", "x": millions, "y": [float(p) / 2**20 for p in private]},
-            {"label": "mapped (files)", "x": millions, "y": [r["memory"]["mapped"] / 2**20 for r in done]},
-        ],
-        xlabel="training sequences (millions)",
-        ylabel="MiB",
-    )
+    memory = [
+        {"label": "private (anonymous)", "x": millions, "y": [float(p) / 2**20 for p in private]},
+        {"label": "mapped (files)", "x": millions, "y": [r["memory"]["mapped"] / 2**20 for r in done]},
+    ]
+    figure("curves", "memory", "Memory per rank on a warm start (peaks)", memory, **axis, ylabel="MiB")
 
 
 if __name__ == "__main__":
