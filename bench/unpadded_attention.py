@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from bench._common import bert_sizes, interleaved, median, padded_batch
 from ds_bertopt.model.unpadded import sdpa_loop_attention, token_counts
