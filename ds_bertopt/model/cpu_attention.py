@@ -18,8 +18,8 @@ attention (``|i - j| <= window``), -1 global.
 
 * :class:`PackedBitsAttention` — the eager autograd glue of the math pair with packed bits: what
   :func:`.unpadded.sdpa_loop_attention` runs on the CPU under ``model.fused_dropout`` when attention dropout is on.
-  Measured on 16 sequences of the seq-128 mix, 12 heads of 64, fp32, 2 threads, 12 layers forward + backward: see
-  ``bench/mfu.py`` (the attention share of the step).
+  On 16 sequences of the seq-128 mix (12 heads of 64, fp32, 2 threads, 12 layers forward + backward) it took 0.72x
+  the time of the SDPA loop with dropout; a whole BERT-base step showed no measurable gain on an AVX2 CPU.
 """
 
 from __future__ import annotations
