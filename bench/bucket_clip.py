@@ -5,15 +5,14 @@
     python bench/bucket_clip.py --sweep 1000000 2500000 5000000 10000000 25000000   # bucket sizes, emulated link
     python bench/bucket_clip.py --convergence   # launch/pretrain.py on wiki_sample: hook vs global clipping
 
-Two gloo ranks, fp32, seq 128, random tokens, torch AdamW; both variants built side by side in the same processes
-from the same model, data and seed, stepped interleaved: median of ``--repeats`` steps after a warm-up step.
-``bucket_clip``: ``ds_bertopt.engine.initialize`` with ``bertopt.bucket_clip`` on; ``deepspeed clip``: the same
-config with ``gradient_clipping: 1.0`` (norm after the allreduce). At ZeRO 2 both use ``reduce_bucket_size`` = the
-clip bucket size: the same buckets, only the clipping differs. Settings: loopback, and an emulated inter-node link
-(one rank per network namespace, a veth pair shaped ``tc tbf rate 1gbit burst 256kb latency 50ms``:
-``ds_bertopt.testing.netns``; needs root and iproute2, skipped with the reason otherwise). "Exposed communication":
-the time in ``engine.allreduce_gradients``, from the end of autograd's backward to gradients ready; at ZeRO 1/2
-DeepSpeed reduces inside backward (synchronously on CPU), so the time inside ``reduce_ipg_grads`` is reported too.
+Two gloo ranks, fp32, seq 128, random tokens, torch AdamW; both engines (``bertopt.bucket_clip`` on; off with
+``gradient_clipping: 1.0``, the norm after the allreduce) built side by side in the same processes from the same model,
+data and seed, stepped interleaved: median of ``--repeats`` steps after a warm-up step. At ZeRO 2 both use
+``reduce_bucket_size`` = the clip bucket size: only the clipping differs. Settings: loopback, and an emulated
+inter-node link (``ds_bertopt.testing.netns``: a rank per network namespace, ``tc tbf rate 1gbit burst 256kb latency
+50ms``; needs root and iproute2, else skipped with the reason). "Exposed communication": the time in
+``engine.allreduce_gradients`` (end of backward to gradients ready); at ZeRO 1/2 DeepSpeed reduces inside backward
+(synchronously on CPU), so the time in ``reduce_ipg_grads`` is reported too.
 """
 
 from __future__ import annotations
@@ -31,14 +30,19 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from transformers import BertConfig, BertForMaskedLM
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import figure, argv, cpu_env, deepspeed_launcher, environment_line, interleaved, median, record
 from bench._common import SUMMARY, bert_sizes, pretrain_argv, ratio_line, read_metrics, say
 from ds_bertopt.compat.deepspeed import wrap_reductions
+from ds_bertopt.engine import initialize
 from ds_bertopt.testing.distributed import free_port
-from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers
+from ds_bertopt.testing.netns import NetNamespaces, netns_unavailable_reason, remove_deepspeed_shm_buffers, remove_stale
 
 MODELS = {  # name: (BertConfig fields, micro-batch, default bucket size in elements: docs/bucket_clip.md's sweep)
     "small": (bert_sizes(256, 4, 4, 1024, vocab_size=8192, max_position_embeddings=512), 8, 1_000_000),
@@ -48,15 +52,8 @@ SEQ = 128
 VARIANTS = ("bucket_clip", "deepspeed_clip")
 
 
-# ------------------------------------------------------------------------------------------------
-# worker: one rank (started by the orchestrator below, in this namespace or in its own)
-# ------------------------------------------------------------------------------------------------
+# worker: one rank (started by run_ranks, in this namespace or in its own)
 def build_engine(name: str, stage: int, variant: str, bucket_size: int):
-    import torch
-    from transformers import BertConfig, BertForMaskedLM
-
-    from ds_bertopt.engine import initialize
-
     torch.manual_seed(0)
     model = BertForMaskedLM(BertConfig(**MODELS[name][0], attn_implementation="sdpa"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
@@ -87,9 +84,6 @@ def instrument(engine) -> dict[str, list[float]]:
 
 
 def measure(name: str, stage: int, bucket_size: int, repeats: int, warmup: int) -> dict:
-    import torch
-    import torch.distributed as dist
-
     micro, engines, timings = MODELS[name][1], {}, {}
     for variant in VARIANTS:
         engines[variant] = build_engine(name, stage, variant, bucket_size)
@@ -117,9 +111,7 @@ def measure(name: str, stage: int, bucket_size: int, repeats: int, warmup: int) 
 
 
 def worker(args) -> int:
-    import deepspeed
-    import torch
-    import torch.distributed as dist
+    import deepspeed  # here: imported, it picks an accelerator (and says so) in the orchestrator too
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
@@ -132,9 +124,6 @@ def worker(args) -> int:
     return 0
 
 
-# ------------------------------------------------------------------------------------------------
-# orchestrator
-# ------------------------------------------------------------------------------------------------
 def run_ranks(net, argv, log_dir: Path, tag: str, timeout: float) -> list[dict]:
     """Start rank 0 and 1 on loopback, or each in its network namespace of ``net``; return rank 0's RESULT lines."""
     master_addr, ifname = (net.addresses[0], net.ifname) if net else ("127.0.0.1", "lo")
@@ -195,8 +184,6 @@ def report(setting: str, r: dict) -> None:
 
 def timings(args) -> None:
     """Every measurement of the settings (or of the bucket size sweep), each in a fresh pair of ranks."""
-    from ds_bertopt.testing.netns import NetNamespaces, netns_unavailable_reason, remove_stale
-
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_bucket_clip_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(environment_line())
@@ -211,22 +198,19 @@ def timings(args) -> None:
         sizes = {m: args.bucket_sizes or [MODELS[m][2]] for m in models}
         plans[setting] = [(m, stage, size) for m in models for stage in args.stages for size in sizes[m]]
     for setting, combos in plans.items():
-        started = time.time()
-        if setting == "emulated" and netns_unavailable_reason(need_tc=True):
+        started, emulated = time.time(), setting == "emulated"
+        if emulated and netns_unavailable_reason(need_tc=True):
             print(f"emulated link: skipped ({netns_unavailable_reason(need_tc=True)})")
             continue
-        with contextlib.ExitStack() as stack:
-            title, net = "loopback", None
-            if setting == "emulated":
-                remove_stale()
-                net = stack.enter_context(NetNamespaces(2, rate=args.rate, burst="256kb", latency="50ms"))
-                title = f"emulated {args.rate} link"
-            results = []
+        if emulated:
+            remove_stale()
+        link = NetNamespaces(2, rate=args.rate, burst="256kb", latency="50ms") if emulated else contextlib.nullcontext()
+        with link as net:
+            title, results = f"emulated {args.rate} link" if emulated else "loopback", []
             for model, stage, size in combos:  # a fresh pair of ranks each: DeepSpeed engines are not freed reliably
                 script = (sys.executable, Path(__file__).resolve(), "--worker", "--bucket-sizes", size)
                 worker_argv = argv(*script, models=model, stages=stage, repeats=args.repeats)
-                tag = f"{setting}_{model}_zero{stage}_{size}"
-                for r in run_ranks(net, worker_argv, log_dir, tag, timeout=1800):
+                for r in run_ranks(net, worker_argv, log_dir, f"{setting}_{model}_zero{stage}_{size}", timeout=1800):
                     report(title, r)
                     results.append(r)
         for model in dict.fromkeys(r["model"] for r in results) if args.sweep else ():
@@ -245,9 +229,7 @@ def timings(args) -> None:
         record("bucket_clip", f"2 gloo ranks, fp32, seq {SEQ}, median of {args.repeats} steps after 1 warm-up")
 
 
-# ------------------------------------------------------------------------------------------------
 # convergence: launch/pretrain.py with the hook vs DeepSpeed's global clipping
-# ------------------------------------------------------------------------------------------------
 WIKI = ROOT.parent / "shared" / "data" / "wiki_sample.jsonl"
 
 
@@ -275,40 +257,31 @@ def convergence(args) -> None:
     if not WIKI.exists():
         print(f"convergence: skipped ({WIKI} is absent)")
         return
-    curves = {}  # (hook, seed): (training records, eval records)
+    curves = {}  # (hook, seed): {"loss": training records, "eval_loss": eval records}
     for seed, hook in itertools.product(args.seeds, (True, False)):
         run_dir = Path(args.convergence_dir) / f"{'hook' if hook else 'global'}_s{seed}"
         started = time.time()
         ran = pretrain(run_dir, seed, hook, args)
-        curves[(hook, seed)] = (read_metrics(run_dir, "loss"), read_metrics(run_dir, "eval_loss"))
+        curves[hook, seed] = {key: read_metrics(run_dir, key) for key in ("loss", "eval_loss")}
         print(f"    ({run_dir.name}: {f'{time.time() - started:.0f} s' if ran else 'complete run reused'})", flush=True)
-    final = {key: evals[-1]["eval_loss"] for key, (_, evals) in curves.items()}
-    hook_final, global_final = ([final[(hook, s)] for s in args.seeds] for hook in (True, False))
+    final = {key: runs["eval_loss"][-1]["eval_loss"] for key, runs in curves.items()}
+    hook_final, global_final = ([final[hook, s] for s in args.seeds] for hook in (True, False))
     seeds = ", ".join(map(str, args.seeds))
     finals = (
         f"final eval loss bucket_clip {' / '.join(f'{x:.4f}' for x in hook_final)} vs global clip "
         f"{' / '.join(f'{x:.4f}' for x in global_final)}"
     )
     print(f"convergence [wiki_sample.jsonl, {args.ds_config}, {args.steps} steps, seeds {seeds}]: {finals}", flush=True)
-    spread = [abs(final[(h, a)] - final[(h, b)]) for h in (True, False) for a, b in zip(args.seeds, args.seeds[1:])]
+    spread = [abs(final[h, a] - final[h, b]) for h in (True, False) for a, b in zip(args.seeds, args.seeds[1:])]
     diff = statistics.fmean(hook_final) - statistics.fmean(global_final)
-    print(
-        f"    mean difference (bucket_clip - global) {diff:+.4f}; "
-        f"seed-to-seed spread within a variant {max(spread):.4f}"
-        if spread
-        else "",
-        flush=True,
-    )
+    spreads = f"    mean difference (bucket_clip - global) {diff:+.4f}; seed-to-seed spread within a variant "
+    print(f"{spreads}{max(spread):.4f}" if spread else "", flush=True)
     # eval and training loss (mean of 10 steps) of every run, drawn from the record by bench/_report.py
-    for kind, title, key, index in (("eval", "Held-out", "eval_loss", 1), ("training", "Training", "loss", 0)):
-        series = [
-            {
-                "label": f"{'bucket_clip' if hook else 'global clip'} seed {seed}",
-                "x": [r["step"] for r in runs[index]],
-                "y": [r[key] for r in runs[index]],
-            }
-            for (hook, seed), runs in sorted(curves.items())
-        ]
+    for kind, title, key in (("eval", "Held-out", "eval_loss"), ("training", "Training", "loss")):
+        series = []
+        for (hook, seed), runs in sorted(curves.items()):
+            label, steps = f"{'bucket_clip' if hook else 'global clip'} seed {seed}", [r["step"] for r in runs[key]]
+            series.append({"label": label, "x": steps, "y": [r[key] for r in runs[key]]})
         title = f"{title} MLM loss: bucket_clip vs global clipping"
         figure("curves", f"{kind}_loss", title, series, xlabel="step", ylabel=f"{kind} MLM loss")
     SUMMARY.append(f"{finals} ({args.steps} steps, seeds {seeds})")
@@ -318,19 +291,13 @@ def convergence(args) -> None:
 
 def main(args_in=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--quick", action="store_true", help="ZeRO 0, 3 rounds, small BERT on loopback, BERT-base on the link"
-    )
+    p.add_argument("--quick", action="store_true", help="ZeRO 0, 3 rounds; small BERT on loopback, base on the link")
     p.add_argument("--settings", nargs="+", default=["loopback", "emulated"], choices=["loopback", "emulated"])
     p.add_argument("--models", nargs="+", default=["small", "base"], choices=sorted(MODELS))
     p.add_argument("--stages", nargs="+", type=int, default=None, help="ZeRO stages (default 0 2; --quick: 0)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7; --quick: 3)")
-    p.add_argument(
-        "--bucket-sizes", nargs="+", type=int, help="clip bucket sizes in elements (default: 1M small, 5M base)"
-    )
-    p.add_argument(
-        "--sweep", nargs="+", type=int, help="bucket sizes to sweep at ZeRO 0 on the emulated link (--models)"
-    )
+    p.add_argument("--bucket-sizes", nargs="+", type=int, help="clip bucket sizes (default: 1M small, 5M base)")
+    p.add_argument("--sweep", nargs="+", type=int, help="bucket sizes to sweep at ZeRO 0 on the emulated link")
     p.add_argument("--rate", default="1gbit", help="emulated link rate (tc tbf)")
     p.add_argument("--log-dir", default=None, help="where the ranks' logs go (default: a temp dir)")
     p.add_argument("--convergence", action="store_true", help="instead: launch/pretrain.py, hook vs global clipping")

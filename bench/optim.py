@@ -8,16 +8,15 @@ thread, interleaved, median of 25.
 
     python bench/optim.py [--quick]                  # full: batch 32 vs 1,024, 2 seeds, compact grid (~1.5 h)
     python bench/optim.py --grid full --write-presets  # 8-point grid per optimizer; rewrite the presets
-    python bench/optim.py --factor 8                 # the earlier 32 vs 256 study
 
 ``--quick`` (about 4 min on 2 cores): batch 32 vs 256, one seed, no grid (the LRs sqrt-scaled), a tenth of the sample
 budget and a target at the unigram plateau (a smoke run of the study, not a result), and the step-time part.
-``--write-presets`` writes ``ds_configs/bert_large_batch_{adamw,lamb}.json`` from the chosen grid points.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -29,11 +28,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+import torch
+from transformers import BertConfig, BertForMaskedLM
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import argv, bert_overrides, bert_sizes, checkpoint_weights, cpu_env, deepspeed_launcher, figure
-from bench._common import environment_line, interleaved, median, ratio_line, record, say, status
+from bench._common import bert_overrides, bert_sizes, checkpoint_weights, cpu_env, deepspeed_launcher, figure
+from bench._common import environment_line, first_crossing, interleaved, md_table, median, pretrain_argv, ratio_line
+from bench._common import read_metrics, record, say, status
+from ds_bertopt.config import load_config
+from ds_bertopt.data.collate import MLMCollator, step_generator
+from ds_bertopt.data.pipeline import build_pretrain_data
+from ds_bertopt.model.bert import build_pretraining_model
+from ds_bertopt.optim import Lamb, lamb_kernel, param_groups
+from ds_bertopt.testing.measure import VIEW_OPS, torch_ops
 
 DATA = ROOT.parent / "shared" / "data" / "wiki_sample.jsonl"
 SMALL_MODEL = bert_overrides(128, 2, 2, 512)
@@ -76,15 +86,8 @@ class Point:
     @property
     def schedule(self) -> dict:
         """MLPerf-style: warmup, then linear decay to 0 from step 0; the LR scaled from the reference batch."""
-        return {
-            "type": "poly",
-            "warmup_fraction": self.warmup_fraction,
-            "power": 1.0,
-            "end_lr_ratio": 0.0,
-            "decay_from": "step0",
-            "scaling": self.scaling,
-            "reference_batch": REFERENCE_BATCH,
-        }
+        return {"type": "poly", "warmup_fraction": self.warmup_fraction, "power": 1.0, "end_lr_ratio": 0.0,
+                "decay_from": "step0", "scaling": self.scaling, "reference_batch": REFERENCE_BATCH}  # fmt: skip
 
     def overrides(self, micro: int, world: int) -> list[str]:
         fields = {
@@ -98,13 +101,13 @@ class Point:
 
 
 def grid(optimizer: str, batch: int, kind: str) -> list[Point]:
-    """The large-batch tuning grid: LR scaling rule × warmup × β₂ (``compact``: two (warmup, β₂) pairs)."""
+    """The large-batch tuning grid: LR scaling rule × warmup × β₂ (``compact``: two (warmup, β₂) pairs; ``none``: the
+    shipped LR, sqrt-scaled)."""
+    if kind == "none":
+        return [Point(optimizer, batch, SHIPPED_LR[optimizer])]
     pairs = [(0.1, 0.999), (0.3, 0.95)] if kind == "compact" else [(w, b) for w in (0.1, 0.3) for b in (0.999, 0.95)]
-    return [
-        Point(optimizer, batch, SHIPPED_LR[optimizer], scaling, warmup, beta2)
-        for scaling in ("sqrt", "linear")
-        for warmup, beta2 in pairs
-    ]
+    lr = SHIPPED_LR[optimizer]
+    return [Point(optimizer, batch, lr, scaling, *pair) for scaling in ("sqrt", "linear") for pair in pairs]
 
 
 @dataclass
@@ -124,15 +127,8 @@ class Result:
 
     def samples_to(self, target: float) -> float:
         """Samples at the first crossing of ``target``, linearly interpolated between evaluations; inf if never."""
-        evals = self.evals
-        for i, ev in enumerate(evals):
-            if ev["eval_accuracy"] >= target:
-                if i == 0:
-                    return ev["step"] * self.point.batch
-                a0, a1 = evals[i - 1]["eval_accuracy"], ev["eval_accuracy"]
-                s0, s1 = evals[i - 1]["step"], ev["step"]
-                return (s0 + (target - a0) / (a1 - a0) * (s1 - s0)) * self.point.batch
-        return math.inf
+        crossing = first_crossing([r["eval_accuracy"] for r in self.evals], target, [r["step"] for r in self.evals])
+        return crossing[0] * self.point.batch if crossing else math.inf
 
 
 def samples_to(results: list[Result], target: float) -> list[float]:
@@ -143,32 +139,18 @@ def samples_text(samples: float) -> str:
     return "not reached" if math.isinf(samples) else f"{samples:,.0f}"
 
 
+def ratio_text(ratio: float) -> str:
+    return "not reached" if math.isinf(ratio) else f"{ratio:.2f}x"
+
+
 def pretrain(point: Point, args, out: Path, save_every: int = 0) -> Result:
     """One ``launch/pretrain.py`` run of ``point``; a run stopped by non-finite gradients is a diverged result."""
-    eval_every = max(1, args.eval_samples // point.batch)
-    overrides = [
-        *SMALL_MODEL,
-        *point.overrides(args.micro, 2),
-        "train.save_model=false",
-        f"train.save_every={save_every}",
-        "train.keep_last=1000",
-        "deepspeed.csv_monitor.enabled=false",
-    ]
-    cmd = argv(
-        *args.run_prefix.split(),
-        *deepspeed_launcher(2),
-        ROOT / "launch" / "pretrain.py",
-        deepspeed_config=ROOT / "ds_configs" / CONFIGS[point.optimizer],
-        train_file=DATA,
-        max_steps=max(1, args.samples // point.batch),
-        eval_every=eval_every,
-        log_every=eval_every,
-        max_seq_length=args.seq,
-        output_dir=out,
-        overwrite_output_dir=True,
-        seed=point.seed,
-        overrides=overrides,
-    )
+    every = max(1, args.eval_samples // point.batch)
+    run = ["train.save_model=false", f"train.save_every={save_every}", "train.keep_last=1000"]
+    overrides = [*SMALL_MODEL, *point.overrides(args.micro, 2), *run, "deepspeed.csv_monitor.enabled=false"]
+    options = dict(train_file=DATA, max_steps=max(1, args.samples // point.batch), eval_every=every, log_every=every)
+    options.update(max_seq_length=args.seq, overwrite_output_dir=True, seed=point.seed)
+    cmd = [*deepspeed_launcher(2), *pretrain_argv(out, f"ds_configs/{CONFIGS[point.optimizer]}", overrides, **options)]
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, check=False)
     diverged = proc.returncode != 0 and "non-finite gradients" in proc.stdout + proc.stderr
@@ -177,9 +159,7 @@ def pretrain(point: Point, args, out: Path, save_every: int = 0) -> Result:
     for line in proc.stdout.splitlines():
         if "peak lr" in line:
             print(f"  {point.label}: {line.split('] ', 1)[-1]}", flush=True)
-    metrics = out / "metrics.jsonl"
-    records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
-    return Result(point, records, diverged, (time.perf_counter() - started) / 60)
+    return Result(point, read_metrics(out), diverged, (time.perf_counter() - started) / 60)
 
 
 def run_point(point: Point, args, tmp: Path, save_every: int = 0) -> Result:
@@ -226,46 +206,38 @@ def convergence_study(args, tmp: Path) -> dict:
                 checkpoints = tmp / f"run{len(CURVES) - 1:03d}" / "checkpoints"
     tuned: dict[str, list[Result]] = {}
     for optimizer in ("adamw", "lamb"):
-        points = (
-            grid(optimizer, large, args.grid)
-            if args.grid != "none"
-            else [Point(optimizer, large, SHIPPED_LR[optimizer])]
-        )
-        first = [run_point(replace(p, seed=seeds[0]), args, tmp) for p in points]
+        first = [run_point(replace(p, seed=seeds[0]), args, tmp) for p in grid(optimizer, large, args.grid)]
         best = min(first, key=lambda r: (r.samples_to(target), -r.best))  # else the best accuracy
         if len(first) > 1:
             say(f"{optimizer} batch {large}: best of {len(first)} grid points on seed {seeds[0]}: {best.point.label}")
         tuned[optimizer] = [best] + [run_point(replace(best.point, seed=s), args, tmp) for s in seeds[1:]]
-    for optimizer in ("adamw", "lamb"):
-        for batch, runs, chosen in ((small, small_runs, ""), (large, tuned, f" ({tuned[optimizer][0].point.label})")):
-            texts = " / ".join(samples_text(s) for s in samples_to(runs[optimizer], target))
+    # samples to the target, per optimizer, per seed: at the small batch, at the large one
+    got = {o: (samples_to(small_runs[o], target), samples_to(tuned[o], target)) for o in ("adamw", "lamb")}
+    for optimizer, runs in got.items():
+        for batch, samples, chosen in zip((small, large), runs, ("", f" ({tuned[optimizer][0].point.label})")):
+            texts = " / ".join(samples_text(s) for s in samples)
             say(f"{optimizer} batch {batch}{chosen}: samples to {target}: {texts} (seeds {seeds})")
     ratios = {}
-    for optimizer in ("adamw", "lamb"):
-        big, ref = samples_to(tuned[optimizer], target), samples_to(small_runs[optimizer], target)
+    for optimizer, (ref, big) in got.items():
         what = f"{optimizer} samples to accuracy {target} at batch {large} vs batch {small}"
+        ratios[optimizer] = math.inf
         if any(math.isinf(v) for v in big + ref):
             say(f"{what}: n/a (not reached in every run)")
-            ratios[optimizer] = math.inf
             continue
         paired = [b / s for b, s in zip(big, ref)]  # paired by seed (ours evaluates with seed-dependent masks)
         ratios[optimizer] = median(paired)
-        say(
-            f"{what}: {median(paired):.2f}x "
-            f"(median of {len(paired)} seed-paired ratios: {', '.join(f'{v:.2f}' for v in paired)})"
-        )
-    for batch, runs in ((small, small_runs), (large, tuned)):
-        lamb, adam = samples_to(runs["lamb"], target), samples_to(runs["adamw"], target)
+        texts = ", ".join(f"{v:.2f}" for v in paired)
+        say(f"{what}: {median(paired):.2f}x (median of {len(paired)} seed-paired ratios: {texts})")
+    for index, batch in enumerate((small, large)):
+        lamb, adam = got["lamb"][index], got["adamw"][index]
         if not any(math.isinf(v) for v in lamb + adam):
             say(ratio_line(f"samples to accuracy {target} at batch {batch}: lamb", lamb, adam, "adamw"))
-    best_large = min(("adamw", "lamb"), key=lambda o: median(samples_to(tuned[o], target)))
-    best_small = min(median(samples_to(small_runs[o], target)) for o in ("adamw", "lamb"))
-    own, against_best = ratios[best_large], median(samples_to(tuned[best_large], target)) / best_small
+    best_large = min(("adamw", "lamb"), key=lambda o: median(got[o][1]))
+    own, against_best = ratios[best_large], median(got[best_large][1]) / min(median(got[o][0]) for o in got)
     say(
         f"[target] at batch ~{large} the best optimizer ({best_large}) needs ≤ 1.3× the samples of batch {small}: "
-        f"{status(own <= 1.3 and against_best <= 1.3)} ({'not reached' if math.isinf(own) else f'{own:.2f}x'} of its "
-        f"own batch-{small} run, {'not reached' if math.isinf(against_best) else f'{against_best:.2f}x'} of the best "
-        f"batch-{small} run)"
+        f"{status(own <= 1.3 and against_best <= 1.3)} ({ratio_text(own)} of its own batch-{small} run, "
+        f"{ratio_text(against_best)} of the best batch-{small} run)"
     )
     noise = noise_study(checkpoints, small_runs["adamw"][0], args, small, large) if checkpoints else None
     if args.write_presets and (args.grid == "none" or large != 1024):
@@ -284,8 +256,6 @@ def noise_scale(model, batches: list[dict], micro: int) -> tuple[float, float, f
     ``|G_b|²`` the mean squared norm of single micro-batch gradients (``b`` sequences) and ``|G_B|²`` that of their
     mean (``B = K·b``), ``|G|² ≈ (B|G_B|² − b|G_b|²)/(B − b)`` and
     ``tr Σ ≈ (|G_b|² − |G_B|²)/(1/b − 1/B)``."""
-    import torch
-
     params = [p for p in model.parameters() if p.requires_grad]
     total, small_sq = None, 0.0
     model.train()
@@ -307,14 +277,6 @@ def noise_scale(model, batches: list[dict], micro: int) -> tuple[float, float, f
 
 def noise_study(checkpoints: Path, reference: Result, args, small: int, large: int) -> Optional[dict]:
     """B_simple on the batch-32 AdamW run's checkpoints; the samples ratio it predicts for ``large`` vs ``small``."""
-    import numpy as np
-    import torch
-
-    from ds_bertopt.config import load_config
-    from ds_bertopt.data.collate import MLMCollator, step_generator
-    from ds_bertopt.data.pipeline import build_pretrain_data
-    from ds_bertopt.model.bert import build_pretraining_model
-
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     overrides = [*SMALL_MODEL, f"data.train_files={json.dumps([str(DATA)])}", f"data.max_seq_length={args.seq}"]
     cfg = load_config(str(ROOT / "ds_configs" / CONFIGS["adamw"]), overrides).bertopt
@@ -413,26 +375,19 @@ def format_config(config: dict, width: int = 116) -> str:
 def cache_bytes() -> int:
     """The last-level cache of this CPU (bytes; 0 when the system does not say)."""
     for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
-        try:
-            size = os.sysconf(name)
-        except (ValueError, OSError):
-            size = 0
-        if size > 0:
-            return size
+        with contextlib.suppress(ValueError, OSError):
+            if os.sysconf(name) > 0:
+                return os.sysconf(name)
     for index in (3, 2):
-        try:
+        with contextlib.suppress(OSError):
             text = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read_text().strip()
-        except OSError:
-            continue
-        return int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            return int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
     return 0
 
 
 def multi_tensor_ops(lamb) -> list[str]:
     """The launching torch ops of one step of ``lamb`` (its multi-tensor path, the step on CUDA without apex), counted
     as CUDA runs it: without the CPU's reused scratch buffers, which take ``λw`` tensor by tensor."""
-    from ds_bertopt.testing.measure import VIEW_OPS, torch_ops
-
     lamb._scratch_for = lambda params: None  # shadows the method for this count only
     try:
         return [name for name, _ in torch_ops(lamb.step) if name not in VIEW_OPS]
@@ -441,12 +396,6 @@ def multi_tensor_ops(lamb) -> list[str]:
 
 
 def step_time_study(repeats: int) -> None:
-    import torch
-    from transformers import BertConfig, BertForMaskedLM
-
-    from ds_bertopt.optim import lamb_kernel, param_groups
-    from ds_bertopt.optim.lamb import Lamb
-
     torch.set_num_threads(1)
     started = time.perf_counter()
     ready = lamb_kernel.library() is not None
@@ -467,9 +416,7 @@ def step_time_study(repeats: int) -> None:
         groups = param_groups(model_with_grads(), 0.01, decay_extra={"adapt": True}, no_decay_extra={"adapt": False})
         return Lamb(groups, lr=1e-3, max_grad_norm=max_grad_norm, kernel=kernel)
 
-    # torch_optimizer.Lamb does no global-norm clipping: "ours" matches that work, "ours+clip" adds ours.
-    # "ours (multi-tensor)": the step LAMB takes on CUDA without apex, here on torch's CPU fused Adam kernel.
-    # "ours (foreach)": the torch._foreach_* path, the step before the fused kernels.
+    # torch_optimizer.Lamb does no global-norm clipping: "ours" matches that work, "ours+clip" adds ours
     variants = {
         "ours": ours(0.0),
         "ours+clip": ours(1.0),
@@ -477,12 +424,10 @@ def step_time_study(repeats: int) -> None:
         "ours (foreach)": ours(0.0, "foreach"),
         "adamw": torch.optim.AdamW(param_groups(model_with_grads(), 0.01), lr=1e-3, fused=True),
     }
-    try:
+    with contextlib.suppress(ImportError):
         import torch_optimizer
 
         variants["torch_optimizer"] = torch_optimizer.Lamb(param_groups(model_with_grads(), 0.01), lr=1e-3)
-    except ImportError:
-        pass
     times = interleaved({name: opt.step for name, opt in variants.items()}, repeats=repeats, warmup=2)
     n_params = sum(p.numel() for p in model_with_grads().parameters())
     print(
@@ -539,16 +484,13 @@ def main() -> None:
     add("--target", type=float, help="held-out MLM accuracy to reach")
     add("--seq", type=int, default=64)
     add("--seeds", nargs="+", type=int, help="full: 1 2; quick: 1")
-    grids = "none (sqrt-scaled shipped LR), compact (4 points: sqrt/linear × (warmup 0.1, β₂ 0.999)/(0.3, 0.95)), full"
-    add(
-        "--grid", choices=["none", "compact", "full"], help=f"large-batch tuning grid per optimizer: {grids} (8 points)"
-    )
+    grids = "none (sqrt-scaled shipped LR), compact (sqrt/linear × (warmup 0.1, β₂ 0.999)/(0.3, 0.95)), full (8 points)"
+    add("--grid", choices=["none", "compact", "full"], help=f"large-batch tuning grid per optimizer: {grids}")
     add("--noise-micro-batches", type=int, help="micro-batches per gradient-noise-scale estimate (0: skip); full 32")
     add("--write-presets", action="store_true", help="write ds_configs/bert_large_batch_{adamw,lamb}.json")
     add("--skip-convergence", action="store_true")
     add("--skip-step-time", action="store_true")
     add("--record-as", default="optim", help="name of the recorded results (report section)")
-    add("--run-prefix", default="", help="command prefix for each training run, e.g. 'flock /tmp/ds_bertopt_cpu.lock'")
     args = parser.parse_args()
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -570,15 +512,12 @@ def main() -> None:
         series = [{"label": "B_simple", "x": [r["samples"] for r in rows], "y": [r["b_simple"] for r in rows]}]
         labels = {"xlabel": "training samples (batch 32, AdamW)", "ylabel": "B_simple (sequences)"}
         figure("curves", "noise_scale", title, series, reference=study["noise"]["needed"], **labels)
-    header = (
-        "| optimizer | batch | lr @ 32 | scaling | warmup | β₂ | seed | samples to target | best accuracy |\n"
-        "|---|---|---|---|---|---|---|---|---|"
-    )
+    columns = ["optimizer", "batch", "lr @ 32", "scaling", "warmup", "β₂", "seed", "samples to target", "best accuracy"]
     record(
         args.record_as,
         f"2 ranks ZeRO 1, small BERT, seq {args.seq}, seeds {args.seeds}, {args.samples} samples per run, "
         f"target {args.target}, MLPerf-style schedule, LR scaled from batch {REFERENCE_BATCH}, grid {args.grid}",
-        tables=[header + "\n" + "\n".join(TABLE)] if TABLE else [],
+        tables=["\n".join(md_table(columns, TABLE))] if TABLE else [],
         study=study,
     )
 

@@ -21,17 +21,19 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers import BertConfig, BertForMaskedLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from bench._common import bert_sizes, interleaved, median, padded_batch
-from ds_bertopt.model.unpadded import sdpa_loop_attention, token_counts
+from ds_bertopt.compat.transformers import set_attention_implementation
+from ds_bertopt.data.collate import pack_sequences
+from ds_bertopt.model.unpadded import UnpaddedBert, sdpa_loop_attention, token_counts
 
 
 def _sdpa(q, k, v, p, mask=None):  # [n, L, heads, dim] in and out
-    return F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, dropout_p=p
-    ).transpose(1, 2)
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p).transpose(1, 2)
 
 
 def bucket_groups(lengths, overhead):
@@ -59,11 +61,10 @@ def bucketed(lengths, groups):
     }
 
     def attend(q, k, v, p):
-        qs, ks, vs = q.split(lengths), k.split(lengths), v.split(lengths)
-        outs = []
+        splits, outs = [x.split(lengths) for x in (q, k, v)], []
         for a, b in groups:
-            pad = lambda xs, a=a, b=b: torch.nn.utils.rnn.pad_sequence(xs[a:b], batch_first=True)  # noqa: E731
-            out = _sdpa(pad(qs), pad(ks), pad(vs), p, masks.get(a))
+            padded = (torch.nn.utils.rnn.pad_sequence(xs[a:b], batch_first=True) for xs in splits)
+            out = _sdpa(*padded, p, masks.get(a))
             outs.extend(out[r, : lengths[a + r]] for r in range(b - a))
         return torch.cat(outs)
 
@@ -74,11 +75,7 @@ def block_diagonal(lengths):
     """(b): one SDPA over the packed row, a [T, T] mask allowing only same-sequence pairs."""
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     mask = seq[:, None] == seq[None, :]
-
-    def attend(q, k, v, p):
-        return _sdpa(q[None], k[None], v[None], p, mask)[0]
-
-    return attend
+    return lambda q, k, v, p: _sdpa(q[None], k[None], v[None], p, mask)[0]
 
 
 def timed(loss, *inputs, model=None):
@@ -101,19 +98,15 @@ def main(reps: int = 5) -> None:
     heads, dim = 4, 64  # hidden 256
     for count, low, high in [(16, 20, 512), (64, 16, 128)]:
         lengths = sorted(np.random.default_rng(0).integers(low, high + 1, count).tolist(), reverse=True)
-        total = sum(lengths)
+        total, padded = sum(lengths), token_counts(lengths)["padded_tokens"]
         q0, k0, v0, weight = (torch.randn(total, heads, dim) for _ in range(4))
         reference = sdpa_loop_attention(q0, k0, v0, lengths)
-        padded = token_counts(lengths)["padded_tokens"]
         print(
             f"{count} sequences, lengths {low}..{high}: {total} real tokens; padded to the longest "
             f"{padded} ({1 - total / padded:.0%} of them padding)"
         )
-        candidates = {
-            "(c) per-sequence SDPA loop": lambda q, k, v, p, lengths=lengths: sdpa_loop_attention(
-                q, k, v, lengths, dropout_p=p
-            )
-        }
+        loop = lambda q, k, v, p, lengths=lengths: sdpa_loop_attention(q, k, v, lengths, dropout_p=p)
+        candidates = {"(c) per-sequence SDPA loop": loop}
         for overhead in (2_000, 20_000):
             groups = bucket_groups(lengths, overhead)
             pad = sum((b - a) * lengths[a] for a, b in groups) / total - 1
@@ -137,12 +130,6 @@ def main(reps: int = 5) -> None:
 def bench_model(reps: int = 3) -> None:
     """Whole model, training mode (dropout 0.1): UnpaddedBert on the packed batch vs the padded encoder with
     the sparse MLM head (``SparseMLMHead``'s math) and the stock padded model (dense head)."""
-    from transformers import BertConfig, BertForMaskedLM
-
-    from ds_bertopt.compat.transformers import set_attention_implementation
-    from ds_bertopt.data.collate import pack_sequences
-    from ds_bertopt.model.unpadded import UnpaddedBert
-
     torch.manual_seed(0)
     config = BertConfig(**bert_sizes(256, 4, 4, 1024, vocab_size=8192, max_position_embeddings=512))
     set_attention_implementation(config, "sdpa")
@@ -150,10 +137,8 @@ def bench_model(reps: int = 3) -> None:
     rng = np.random.default_rng(1)
     samples = []
     for n in rng.integers(20, 513, 16).tolist():
-        labels = np.where(rng.random(n) < 0.15, rng.integers(0, 8192, n), -100)
-        samples.append(
-            {"input_ids": rng.integers(5, 8192, n).tolist(), "token_type_ids": [0] * n, "labels": labels.tolist()}
-        )
+        labels = np.where(rng.random(n) < 0.15, rng.integers(0, 8192, n), -100).tolist()
+        samples.append(dict(input_ids=rng.integers(5, 8192, n).tolist(), token_type_ids=[0] * n, labels=labels))
     packed, padded = pack_sequences(samples), padded_batch(samples)
     wrapper = UnpaddedBert(model)
 
