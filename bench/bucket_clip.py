@@ -5,14 +5,13 @@
     python bench/bucket_clip.py --sweep 1000000 2500000 5000000 10000000 25000000   # bucket sizes, emulated link
     python bench/bucket_clip.py --convergence   # launch/pretrain.py on wiki_sample: hook vs global clipping
 
-Two gloo ranks, fp32, seq 128, random tokens, torch AdamW; both engines (``bertopt.bucket_clip`` on; off with
-``gradient_clipping: 1.0``, the norm after the allreduce) built side by side in the same processes from the same model,
-data and seed, stepped interleaved: median of ``--repeats`` steps after a warm-up step. At ZeRO 2 both use
-``reduce_bucket_size`` = the clip bucket size: only the clipping differs. Settings: loopback, and an emulated
-inter-node link (``ds_bertopt.testing.netns``: a rank per network namespace, ``tc tbf rate 1gbit burst 256kb latency
-50ms``; needs root and iproute2, else skipped with the reason). "Exposed communication": the time in
-``engine.allreduce_gradients`` (end of backward to gradients ready); at ZeRO 1/2 DeepSpeed reduces inside backward
-(synchronously on CPU), so the time in ``reduce_ipg_grads`` is reported too.
+Two gloo ranks (fp32, seq 128, random tokens, torch AdamW) build both engines from the same model, data and seed and
+step them interleaved (median of ``--repeats`` steps after a warm-up): ``bertopt.bucket_clip`` vs ``gradient_clipping:
+1.0`` (the norm after the allreduce), at ZeRO 2 with ``reduce_bucket_size`` = the clip bucket size. Over loopback and an
+emulated inter-node link (``ds_bertopt.testing.netns``: a rank per network namespace, ``tc tbf rate 1gbit burst 256kb
+latency 50ms``; needs root and iproute2, else skipped). "Exposed communication": the time in
+``engine.allreduce_gradients``, end of backward to gradients ready (and in ``reduce_ipg_grads``: ZeRO 1/2 reduce inside
+backward, synchronously on CPU).
 """
 
 from __future__ import annotations
@@ -84,10 +83,8 @@ def instrument(engine) -> dict[str, list[float]]:
 
 
 def measure(name: str, stage: int, bucket_size: int, repeats: int, warmup: int) -> dict:
-    micro, engines, timings = MODELS[name][1], {}, {}
-    for variant in VARIANTS:
-        engines[variant] = build_engine(name, stage, variant, bucket_size)
-        timings[variant] = instrument(engines[variant])
+    micro, engines = MODELS[name][1], {v: build_engine(name, stage, v, bucket_size) for v in VARIANTS}
+    timings = {variant: instrument(engine) for variant, engine in engines.items()}
     module = engines[VARIANTS[0]].module
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
     input_ids = torch.randint(5, module.config.vocab_size, (micro, SEQ), generator=gen)
@@ -127,30 +124,27 @@ def worker(args) -> int:
 def run_ranks(net, argv, log_dir: Path, tag: str, timeout: float) -> list[dict]:
     """Start rank 0 and 1 on loopback, or each in its network namespace of ``net``; return rank 0's RESULT lines."""
     master_addr, ifname = (net.addresses[0], net.ifname) if net else ("127.0.0.1", "lo")
-    port, procs, logs, results = str(free_port()), [], [], []
-    for rank in range(2):
-        ranks = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2")
-        env = cpu_env(MASTER_ADDR=master_addr, MASTER_PORT=port, GLOO_SOCKET_IFNAME=ifname, **ranks)
-        logs.append(open(log_dir / f"{tag}_rank{rank}.log", "w"))
-        stdout = subprocess.PIPE if rank == 0 else logs[-1]
-        options = dict(env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-        procs.append(net.run(rank, argv, **options) if net else subprocess.Popen(argv, **options))
-    deadline = time.time() + timeout
-    try:
-        for line in procs[0].stdout:
-            logs[0].write(line)
-            if line.startswith("RESULT "):
-                results.append(json.loads(line[len("RESULT ") :]))
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.time()))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
+    port, procs, results, deadline = str(free_port()), [], [], time.time() + timeout
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(open(log_dir / f"{tag}_rank{rank}.log", "w")) for rank in range(2)]
+        for rank, log in enumerate(logs):
+            ranks = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2")
+            env = cpu_env(MASTER_ADDR=master_addr, MASTER_PORT=port, GLOO_SOCKET_IFNAME=ifname, **ranks)
+            out = subprocess.PIPE if rank == 0 else log
+            options = dict(env=env, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+            procs.append(net.run(rank, argv, **options) if net else subprocess.Popen(argv, **options))
+        try:
+            for line in procs[0].stdout:
+                logs[0].write(line)
+                if line.startswith("RESULT "):
+                    results.append(json.loads(line[len("RESULT ") :]))
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.time()))
+        finally:
+            for proc in (p for p in procs if p.poll() is None):
                 proc.kill()
                 proc.wait()
-        for log in logs:
-            log.close()
-        remove_deepspeed_shm_buffers(master_addr, port)
+            remove_deepspeed_shm_buffers(master_addr, port)
     if any(proc.returncode for proc in procs):
         raise RuntimeError(f"{tag}: a rank failed (exit codes {[p.returncode for p in procs]}); logs in {log_dir}")
     return results
@@ -161,11 +155,9 @@ BREAKDOWN: list[dict] = []
 
 def report(setting: str, r: dict) -> None:
     """One measurement's ratio line and details; its bars in :data:`BREAKDOWN`."""
-    label = (
-        f"[{setting}, {'small BERT' if r['model'] == 'small' else 'BERT-base'} "
-        f"{r['params'] / 1e6:.1f}M, mb {r['micro_batch']}, ZeRO {r['stage']}, "
-        f"{r['buckets']} buckets of <= {r['bucket_size'] / 1e6:g}M]"
-    )
+    model = f"{'small BERT' if r['model'] == 'small' else 'BERT-base'} {r['params'] / 1e6:.1f}M"
+    buckets = f"{r['buckets']} buckets of <= {r['bucket_size'] / 1e6:g}M"
+    label = f"[{setting}, {model}, mb {r['micro_batch']}, ZeRO {r['stage']}, {buckets}]"
     ours, theirs = r["times"]["bucket_clip"], r["times"]["deepspeed_clip"]
     say(ratio_line(f"bucket_clip step time {label}", ours, theirs, "deepspeed clip"))
     exposed, inside = ({v: median(r[key][v]) for v in VARIANTS} for key in ("exposed", "reduce"))
@@ -267,10 +259,8 @@ def convergence(args) -> None:
     final = {key: runs["eval_loss"][-1]["eval_loss"] for key, runs in curves.items()}
     hook_final, global_final = ([final[hook, s] for s in args.seeds] for hook in (True, False))
     seeds = ", ".join(map(str, args.seeds))
-    finals = (
-        f"final eval loss bucket_clip {' / '.join(f'{x:.4f}' for x in hook_final)} vs global clip "
-        f"{' / '.join(f'{x:.4f}' for x in global_final)}"
-    )
+    texts = [" / ".join(f"{x:.4f}" for x in losses) for losses in (hook_final, global_final)]
+    finals = f"final eval loss bucket_clip {texts[0]} vs global clip {texts[1]}"
     print(f"convergence [wiki_sample.jsonl, {args.ds_config}, {args.steps} steps, seeds {seeds}]: {finals}", flush=True)
     spread = [abs(final[h, a] - final[h, b]) for h in (True, False) for a, b in zip(args.seeds, args.seeds[1:])]
     diff = statistics.fmean(hook_final) - statistics.fmean(global_final)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import bert_overrides, bert_sizes, checkpoint_weights, cpu_env, deepspeed_launcher, figure
 from bench._common import environment_line, first_crossing, interleaved, md_table, median, pretrain_argv, ratio_line
-from bench._common import read_metrics, record, say, status
+from bench._common import md_row, read_metrics, record, say, status
 from ds_bertopt.config import load_config
 from ds_bertopt.data.collate import MLMCollator, step_generator
 from ds_bertopt.data.pipeline import build_pretrain_data
@@ -113,13 +113,10 @@ def grid(optimizer: str, batch: int, kind: str) -> list[Point]:
 @dataclass
 class Result:
     point: Point
-    records: list
+    evals: list
+    """The run's records with ``eval_accuracy``."""
     diverged: bool
     minutes: float
-
-    @property
-    def evals(self) -> list[dict]:
-        return [r for r in self.records if "eval_accuracy" in r]
 
     @property
     def best(self) -> float:
@@ -129,10 +126,6 @@ class Result:
         """Samples at the first crossing of ``target``, linearly interpolated between evaluations; inf if never."""
         crossing = first_crossing([r["eval_accuracy"] for r in self.evals], target, [r["step"] for r in self.evals])
         return crossing[0] * self.point.batch if crossing else math.inf
-
-
-def samples_to(results: list[Result], target: float) -> list[float]:
-    return [r.samples_to(target) for r in results]
 
 
 def samples_text(samples: float) -> str:
@@ -159,20 +152,19 @@ def pretrain(point: Point, args, out: Path, save_every: int = 0) -> Result:
     for line in proc.stdout.splitlines():
         if "peak lr" in line:
             print(f"  {point.label}: {line.split('] ', 1)[-1]}", flush=True)
-    return Result(point, read_metrics(out), diverged, (time.perf_counter() - started) / 60)
+    return Result(point, read_metrics(out, "eval_accuracy"), diverged, (time.perf_counter() - started) / 60)
 
 
 def run_point(point: Point, args, tmp: Path, save_every: int = 0) -> Result:
     """:func:`pretrain` into ``tmp/runNNN``; its curve and table row are kept for the record."""
     result = pretrain(point, args, tmp / f"run{len(CURVES):03d}", save_every)
     label, evals = f"{point.label}, seed {point.seed}", result.evals
-    CURVES.append(
-        {"label": label, "x": [r["step"] * point.batch for r in evals], "y": [r["eval_accuracy"] for r in evals]}
-    )
+    xs, ys = [r["step"] * point.batch for r in evals], [r["eval_accuracy"] for r in evals]
+    CURVES.append({"label": label, "x": xs, "y": ys})
     samples, diverged = result.samples_to(args.target), " (diverged)" if result.diverged else ""
+    fields = (point.optimizer, point.batch, f"{point.lr:g}", point.scaling, f"{point.warmup_fraction:g}")
     TABLE.append(
-        f"| {point.optimizer} | {point.batch} | {point.lr:g} | {point.scaling} | {point.warmup_fraction:g} | "
-        f"{point.beta2:g} | {point.seed} | {samples_text(samples)}{diverged} | {result.best:.4f} |"
+        md_row([*fields, f"{point.beta2:g}", point.seed, samples_text(samples) + diverged, f"{result.best:.4f}"])
     )
     reached = f"accuracy {args.target} at {samples:,.0f} samples"
     if math.isinf(samples):
@@ -212,7 +204,7 @@ def convergence_study(args, tmp: Path) -> dict:
             say(f"{optimizer} batch {large}: best of {len(first)} grid points on seed {seeds[0]}: {best.point.label}")
         tuned[optimizer] = [best] + [run_point(replace(best.point, seed=s), args, tmp) for s in seeds[1:]]
     # samples to the target, per optimizer, per seed: at the small batch, at the large one
-    got = {o: (samples_to(small_runs[o], target), samples_to(tuned[o], target)) for o in ("adamw", "lamb")}
+    got = {o: tuple([r.samples_to(target) for r in runs[o]] for runs in (small_runs, tuned)) for o in small_runs}
     for optimizer, runs in got.items():
         for batch, samples, chosen in zip((small, large), runs, ("", f" ({tuned[optimizer][0].point.label})")):
             texts = " / ".join(samples_text(s) for s in samples)
@@ -266,10 +258,8 @@ def noise_scale(model, batches: list[dict], micro: int) -> tuple[float, float, f
         flat = torch.cat([p.grad.reshape(-1).double() for p in params if p.grad is not None])
         small_sq += float(flat @ flat)
         total = flat if total is None else total + flat
-    k = len(batches)
-    small_sq /= k
-    big_sq = float((total / k) @ (total / k))
-    b, big = float(micro), float(micro * k)
+    k, b, big = len(batches), float(micro), float(micro * len(batches))
+    small_sq, big_sq = small_sq / k, float((total / k) @ (total / k))
     g2 = (big * big_sq - b * small_sq) / (big - b)
     trace = (small_sq - big_sq) / (1 / b - 1 / big)
     return trace / g2, g2, trace
@@ -399,11 +389,9 @@ def step_time_study(repeats: int) -> None:
     torch.set_num_threads(1)
     started = time.perf_counter()
     ready = lamb_kernel.library() is not None
-    print(
-        f"fused CPU LAMB kernel: ready in {time.perf_counter() - started:.3f} s (built once per machine, then loaded)"
-        if ready
-        else f"fused CPU LAMB kernel: unavailable ({lamb_kernel.unavailable_reason()}); ours runs the multi-tensor path"
-    )
+    built = f"ready in {time.perf_counter() - started:.3f} s (built once per machine, then loaded)"
+    missing = f"unavailable ({lamb_kernel.unavailable_reason()}); ours runs the multi-tensor path"
+    print(f"fused CPU LAMB kernel: {built if ready else missing}")
 
     def model_with_grads():
         torch.manual_seed(0)
@@ -492,9 +480,7 @@ def main() -> None:
     add("--skip-step-time", action="store_true")
     add("--record-as", default="optim", help="name of the recorded results (report section)")
     args = parser.parse_args()
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    vars(args).update({k: v for k, v in (QUICK if args.quick else FULL).items() if getattr(args, k) is None})
     print(environment_line(), flush=True)
     study = {}
     if not args.skip_convergence:

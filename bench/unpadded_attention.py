@@ -2,14 +2,12 @@
 ds_bertopt/model/unpadded.py.
 
 Candidates, all exact: (a) length-bucketed SDPA (sequences sorted by length, contiguous groups chosen by a dynamic
-programme minimising ``groups × overhead + Σ n·L_max²``, each group padded to its own longest with a key mask), (b) one
-SDPA call with a block-diagonal boolean mask over the whole packed row, (c) the per-sequence SDPA loop
-(``unpadded.sdpa_loop_attention``), and for reference (d) everything padded to the longest sequence (what the padded
-model does). Medians of a few interleaved repeats; the CPU may be shared, so the numbers are indicative.
-
-    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/unpadded_attention.py [--model]
-
+programme minimising ``groups × overhead + Σ n·L_max²``, each padded to its own longest with a key mask), (b) one SDPA
+call with a block-diagonal mask over the packed row, (c) the per-sequence SDPA loop (``unpadded.sdpa_loop_attention``),
+and (d) everything padded to the longest (the padded model). Medians of a few interleaved repeats (indicative).
 ``--model``: the whole model, UnpaddedBert vs the stock padded BertForMaskedLM, 16 sequences of 20..512 tokens.
+
+    OMP_NUM_THREADS=1 python bench/unpadded_attention.py [--model]
 """
 
 from __future__ import annotations
