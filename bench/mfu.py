@@ -66,10 +66,8 @@ def seq128_sequences(seed: int = 0) -> list[list[int]]:
     datasets.disable_progress_bars()
     with tempfile.TemporaryDirectory() as cache:
         documents = load_documents(DataConfig(train_files=(str(corpus),)), cache)
-        built = build_sequences(
-            documents, load_tokenizer(model_dir), max_seq_length=128, short_seq_prob=0.1, nsp=False, seed=1234,
-            cache_dir=cache, split="train",
-        )  # fmt: skip
+        options = dict(max_seq_length=128, short_seq_prob=0.1, nsp=False, seed=1234, cache_dir=cache, split="train")
+        built = build_sequences(documents, load_tokenizer(model_dir), **options)
         return [list(row) for row in built["input_ids"]]
 
 
@@ -192,10 +190,8 @@ def epoch_recompiles(sequences: list[list[int]], per_batch: int, limit: int) -> 
 
 
 def report_precision(name: str, run: dict, peak: float, repeats: int, note: str, results: dict, bars: list) -> None:
-    say(
-        f"{name}: {run['sequences']} sequences of the seq-128 mix, {run['tokens']} real tokens "
-        f"({run['padded_tokens']} padded), {run['masked']} masked; GEMM peak {peak / 1e9:.1f} GFLOP/s{note}"
-    )
+    tokens = f"{run['tokens']} real tokens ({run['padded_tokens']} padded), {run['masked']} masked"
+    say(f"{name}: {run['sequences']} sequences of the seq-128 mix, {tokens}; GEMM peak {peak / 1e9:.1f} GFLOP/s{note}")
     rates = {}
     for contender, seconds in run["seconds"].items():
         rates[contender] = run["tokens"] / seconds
@@ -205,10 +201,8 @@ def report_precision(name: str, run: dict, peak: float, repeats: int, note: str,
         results.setdefault("mfu", {})[contender] = mfu
         results.setdefault("non_gemm_us_per_token", {})[contender] = non_gemm
         bars.append({"label": f"{name}, {contender}", "MFU": mfu})
-        say(
-            f"  {contender}: {rates[contender]:,.0f} tokens/s, MFU {mfu:.2f} ({seconds:.2f} s/step, median of "
-            f"{repeats}; first step {run['first_step_s'][contender]:.1f} s)"
-        )
+        timing = f"{seconds:.2f} s/step, median of {repeats}; first step {run['first_step_s'][contender]:.1f} s"
+        say(f"  {contender}: {rates[contender]:,.0f} tokens/s, MFU {mfu:.2f} ({timing})")
         say(
             f"    profiled step (medians of {repeats}): {split['total']:.2f} s; GEMMs {split['gemm']:.2f} s, "
             f"attention {split['attention']:.2f} s, rest {split['rest']:.2f} s; non-GEMM {non_gemm:.0f} us/real token"

@@ -26,7 +26,6 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -265,16 +264,14 @@ def noise_scale(model, batches: list[dict], micro: int) -> tuple[float, float, f
     return trace / g2, g2, trace
 
 
-def noise_study(checkpoints: Path, reference: Result, args, small: int, large: int) -> Optional[dict]:
+def noise_study(checkpoints: Path, reference: Result, args, small: int, large: int) -> dict | None:
     """B_simple on the batch-32 AdamW run's checkpoints; the samples ratio it predicts for ``large`` vs ``small``."""
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     overrides = [*SMALL_MODEL, f"data.train_files={json.dumps([str(DATA)])}", f"data.max_seq_length={args.seq}"]
     cfg = load_config(str(ROOT / "ds_configs" / CONFIGS["adamw"]), overrides).bertopt
     data = build_pretrain_data(cfg)
-    collator = MLMCollator(
-        data.tokenizer, mlm_probability=cfg.data.mlm_probability, pad_multiple=8,
-        max_length=cfg.model.max_position_embeddings,
-    )  # fmt: skip
+    probability, longest = cfg.data.mlm_probability, cfg.model.max_position_embeddings
+    collator = MLMCollator(data.tokenizer, mlm_probability=probability, pad_multiple=8, max_length=longest)
     rng, batches = np.random.default_rng(0), []
     for k in range(args.noise_micro_batches):
         rows = data.train[[int(i) for i in rng.choice(len(data.train), args.micro, replace=False)]]
@@ -343,23 +340,20 @@ def write_preset(point: Point, args) -> Path:
 def format_config(config: dict, width: int = 116) -> str:
     """The house layout of ds_configs/*.json: one line per top-level key and per ``bertopt`` section, long
     sections wrapped under their first key."""
-
-    def section(name: str, body: dict, end: str) -> str:
+    top = [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in config.items() if k != "bertopt"]
+    lines = ["{", *top, '  "bertopt": {']
+    for name, body in config["bertopt"].items():
         head = f"    {json.dumps(name)}: {{"
         fields = [f"{json.dumps(k)}: {json.dumps(v)}," for k, v in body.items()]
-        fields[-1] = fields[-1][:-1] + "}" + end
-        lines = [head + fields[0]]
+        fields[-1] = fields[-1][:-1] + "},"
+        lines.append(head + fields[0])
         for text in fields[1:]:
             if len(lines[-1]) + 1 + len(text) > width:
                 lines.append(" " * len(head) + text)
             else:
                 lines[-1] += " " + text
-        return "\n".join(lines)
-
-    sections = list(config["bertopt"].items())
-    bertopt = [section(name, body, "," if i < len(sections) - 1 else "") for i, (name, body) in enumerate(sections)]
-    top = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in config.items() if k != "bertopt"]
-    return "{\n" + ",\n".join([*top, '  "bertopt": {\n' + "\n".join(bertopt) + "\n  }"]) + "\n}\n"
+    lines[-1] = lines[-1][:-1]  # the last section takes no comma
+    return "\n".join([*lines, "  }", "}", ""])
 
 
 def cache_bytes() -> int:
