@@ -166,12 +166,9 @@ def report(setting: str, r: dict) -> None:
         bars = {"compute and optimizer": median(times) - comm, "exposed communication": comm}
         BREAKDOWN.append({"label": f"{setting.split()[0]} {r['model']} Z{r['stage']} {variant}", **bars})
     zero = f"; inside reduce_ipg_grads {inside['bucket_clip']:.3f} s vs {inside['deepspeed_clip']:.3f} s"
-    print(
-        f"    speedup {median(theirs) / median(ours):.2f}x; step median {median(ours):.3f} s vs "
-        f"{median(theirs):.3f} s; exposed comm (end of backward -> grads ready) "
-        f"{exposed['bucket_clip']:.3f} s vs {exposed['deepspeed_clip']:.3f} s{zero if r['stage'] else ''}",
-        flush=True,
-    )
+    steps = f"speedup {median(theirs) / median(ours):.2f}x; step median {median(ours):.3f} s vs {median(theirs):.3f} s"
+    comms = f"{exposed['bucket_clip']:.3f} s vs {exposed['deepspeed_clip']:.3f} s{zero if r['stage'] else ''}"
+    print(f"    {steps}; exposed comm (end of backward -> grads ready) {comms}", flush=True)
 
 
 def timings(args) -> None:
@@ -179,10 +176,8 @@ def timings(args) -> None:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_bucket_clip_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(environment_line())
-    print(
-        f"fp32, seq {SEQ}, 2 gloo ranks, torch AdamW, median of {args.repeats} steps after 1 warm-up; "
-        f"ratio < 1: bucket_clip is faster; logs in {log_dir}"
-    )
+    method = f"fp32, seq {SEQ}, 2 gloo ranks, torch AdamW, median of {args.repeats} steps after 1 warm-up"
+    print(f"{method}; ratio < 1: bucket_clip is faster; logs in {log_dir}")
     plans = {"emulated": [(m, 0, size) for m in args.models for size in args.sweep]} if args.sweep else {}
     for setting in [] if args.sweep else args.settings:
         # --quick: the small model on loopback, BERT-base on the emulated link (the target case)

@@ -248,10 +248,8 @@ def main(argv=None) -> int:
     mfu = fp32["mfu"][best]
     say(f"fp32 MFU, {best}: {mfu:.2f} (target >= {TARGETS['mfu_fp32']}: {status(mfu >= TARGETS['mfu_fp32'])})")
     non_gemm = fp32["non_gemm_us_per_token"]
-    say(
-        f"non-GEMM time per real token, fp32, this run: {FUSED} {non_gemm[FUSED]:.0f} vs {OURS} {non_gemm[OURS]:.0f} "
-        f"us = {non_gemm[FUSED] / non_gemm[OURS]:.2f}x (median of {args.repeats})"
-    )
+    pair = f"{FUSED} {non_gemm[FUSED]:.0f} vs {OURS} {non_gemm[OURS]:.0f} us = {non_gemm[FUSED] / non_gemm[OURS]:.2f}x"
+    say(f"non-GEMM time per real token, fp32, this run: {pair} (median of {args.repeats})")
     baseline = RAW / f"{args.baseline}.json"  # its eager unpadded fp32 step
     if args.baseline == args.record_as or not baseline.is_file():
         say(f"non-GEMM time per real token, fp32, {OURS} (eager): {non_gemm[OURS]:.0f} us (no recorded baseline "

@@ -178,13 +178,10 @@ def convergence_study(args, tmp: Path) -> dict:
         return {}
     small, large = args.micro * 2, args.micro * 2 * args.factor
     seeds, target = args.seeds, args.target
-    print(
-        f"convergence: small BERT (128 hidden, 2 layers), seq {args.seq}, 2 ranks ZeRO 1, {args.samples} samples per "
-        f"run, target held-out MLM accuracy {target}; batches {small} and {large} (×{args.factor} accumulation); "
-        f"MLPerf-style schedule (warmup, linear decay from step 0), LR scaled from batch {REFERENCE_BATCH}; seeds "
-        f"{seeds}; large-batch grid {args.grid}",
-        flush=True,
-    )
+    runs = f"{args.samples} samples per run, target held-out MLM accuracy {target}; batches {small} and {large}"
+    schedule = f"MLPerf-style schedule (warmup, linear decay from step 0), LR scaled from batch {REFERENCE_BATCH}"
+    print(f"convergence: small BERT (128 hidden, 2 layers), seq {args.seq}, 2 ranks ZeRO 1, {runs} (×{args.factor} "
+          f"accumulation); {schedule}; seeds {seeds}; large-batch grid {args.grid}", flush=True)  # fmt: skip
     small_runs: dict[str, list[Result]] = {"adamw": [], "lamb": []}
     checkpoints = None
     for i, seed in enumerate(seeds):
@@ -290,12 +287,9 @@ def noise_study(checkpoints: Path, reference: Result, args, small: int, large: i
         near = min(accuracy, key=lambda s: abs(s - step)) if accuracy else None
         row = {"step": step, "samples": step * small, "b_simple": b_simple, "g2": g2, "trace": trace}
         rows.append({**row, "predicted_ratio": predicted, "accuracy": accuracy.get(near)})
-        print(
-            f"  noise scale at step {step} ({step * small} samples, accuracy {accuracy.get(near, math.nan):.4f}): "
-            f"B_simple {b_simple:,.0f} sequences (|G|² {g2:.3g}, tr Σ {trace:.3g}); predicted samples ratio batch "
-            f"{large} / {small}: {predicted:.2f}",
-            flush=True,
-        )
+        where = f"step {step} ({step * small} samples, accuracy {accuracy.get(near, math.nan):.4f})"
+        scale = f"B_simple {b_simple:,.0f} sequences (|G|² {g2:.3g}, tr Σ {trace:.3g})"
+        print(f"  noise scale at {where}: {scale}; predicted samples ratio batch {large} / {small}: {predicted:.2f}")
     if not rows:
         return None
     crossing = reference.samples_to(args.target)
@@ -412,18 +406,14 @@ def step_time_study(repeats: int) -> None:
         variants["torch_optimizer"] = torch_optimizer.Lamb(param_groups(model_with_grads(), 0.01), lr=1e-3)
     times = interleaved({name: opt.step for name, opt in variants.items()}, repeats=repeats, warmup=2)
     n_params = sum(p.numel() for p in model_with_grads().parameters())
-    print(
-        f"step time, BERT {n_params / 1e6:.1f}M parameters, 1 thread: "
-        + ", ".join(f"{name} {median(t) * 1e3:.1f} ms" for name, t in times.items())
-    )
+    medians = ", ".join(f"{name} {median(t) * 1e3:.1f} ms" for name, t in times.items())
+    print(f"step time, BERT {n_params / 1e6:.1f}M parameters, 1 thread: {medians}")
     what = "LAMB optimizer step time (ours)"
     if "torch_optimizer" in times:
         say(ratio_line(what, times["ours"], times["torch_optimizer"], "torch_optimizer.Lamb"))
     else:
-        print(
-            f"{what} vs torch_optimizer.Lamb: not available (torch_optimizer is not installed in this environment; "
-            "see docs/optim.md for the separate bench venv)"
-        )
+        venv = "torch_optimizer is not installed in this environment; see docs/optim.md for the separate bench venv"
+        print(f"{what} vs torch_optimizer.Lamb: not available ({venv})")
     cache, groups = cache_bytes(), variants["ours"].param_groups
     adapted = [p.numel() for g in groups if g["adapt"] for p in g["params"]]
     plain = sum(p.numel() for g in groups if not g["adapt"] for p in g["params"])

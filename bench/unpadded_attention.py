@@ -99,10 +99,8 @@ def main(reps: int = 5) -> None:
         total, padded = sum(lengths), token_counts(lengths)["padded_tokens"]
         q0, k0, v0, weight = (torch.randn(total, heads, dim) for _ in range(4))
         reference = sdpa_loop_attention(q0, k0, v0, lengths)
-        print(
-            f"{count} sequences, lengths {low}..{high}: {total} real tokens; padded to the longest "
-            f"{padded} ({1 - total / padded:.0%} of them padding)"
-        )
+        share = f"{padded} ({1 - total / padded:.0%} of them padding)"
+        print(f"{count} sequences, lengths {low}..{high}: {total} real tokens; padded to the longest {share}")
         loop = lambda q, k, v, p, lengths=lengths: sdpa_loop_attention(q, k, v, lengths, dropout_p=p)
         candidates = {"(c) per-sequence SDPA loop": loop}
         for overhead in (2_000, 20_000):
@@ -119,10 +117,8 @@ def main(reps: int = 5) -> None:
         times = interleaved(variants, repeats=reps, warmup=1)
         for name, attend in candidates.items():
             error = (attend(q0, k0, v0, 0.0) - reference).abs().max().item()
-            print(
-                f"  {name:38s} fwd+bwd  dropout 0: {median(times[name, 0.0]) * 1e3:7.1f} ms   "
-                f"dropout 0.1: {median(times[name, 0.1]) * 1e3:7.1f} ms   max |diff| {error:.1e}"
-            )
+            cells = [f"dropout {p:g}: {median(times[name, p]) * 1e3:7.1f} ms" for p in (0.0, 0.1)]
+            print(f"  {name:38s} fwd+bwd  {cells[0]}   {cells[1]}   max |diff| {error:.1e}")
 
 
 def bench_model(reps: int = 3) -> None:
