@@ -6,12 +6,10 @@
     python bench/bucket_clip.py --convergence   # launch/pretrain.py on wiki_sample: hook vs global clipping
 
 Two gloo ranks (fp32, seq 128, random tokens, torch AdamW) build both engines from the same model, data and seed and
-step them interleaved (median of ``--repeats`` steps after a warm-up): ``bertopt.bucket_clip`` vs ``gradient_clipping:
-1.0`` (the norm after the allreduce), at ZeRO 2 with ``reduce_bucket_size`` = the clip bucket size. Over loopback and an
-emulated inter-node link (``ds_bertopt.testing.netns``: a rank per network namespace, ``tc tbf rate 1gbit burst 256kb
-latency 50ms``; needs root and iproute2, else skipped). "Exposed communication": the time in
-``engine.allreduce_gradients``, end of backward to gradients ready (and in ``reduce_ipg_grads``: ZeRO 1/2 reduce inside
-backward, synchronously on CPU).
+step them interleaved (median of ``--repeats`` after a warm-up), at ZeRO 2 with ``reduce_bucket_size`` = the clip
+bucket size; over loopback and an emulated link (``ds_bertopt.testing.netns``: ``tc tbf rate 1gbit burst 256kb latency
+50ms``; needs root and iproute2). "Exposed communication": the time in ``engine.allreduce_gradients`` (end of backward
+to gradients ready) and, as ZeRO 1/2 reduce inside backward (synchronously on CPU), in ``reduce_ipg_grads``.
 """
 
 from __future__ import annotations

@@ -4,17 +4,15 @@ the step's time goes (GEMMs, attention, the rest), in fp32 and, with native bf16
     flock /tmp/ds_heavy.lock .venv/bin/python bench/mfu.py        # ~6 min on 2 AVX2 cores
     .venv/bin/python bench/mfu.py --sequences 8 --layers 2 --epoch-batches 20   # a quick look
 
-One process, every core (or the GPU); 16 sequences (seed 0) of the seq-128 mix of ``wiki_sample.jsonl`` as pretraining
-builds it (a uniform 20–128 mix without the shared data), 15 % masked. Contenders, forward + backward of a random-init
-BERT-base-shaped ``BertForMaskedLM`` (dropout 0.1): **HF padded** (SDPA, the MLM head on every position: what
-``Trainer`` runs), **ours unpadded** (``UnpaddedMLM``: packed, the head on the masked positions only), **fused
-dropout** and **compiled** (``model.fused_dropout``; ``model.compile`` too, compared round by round with the former).
+16 sequences of wiki_sample's seq-128 mix as pretraining builds it (uniform 20–128 without the shared data), 15 %
+masked; a random-init BERT-base-shaped ``BertForMaskedLM``, every core: **HF padded** (SDPA, the MLM head on every
+position: what ``Trainer`` runs), **ours unpadded** (``UnpaddedMLM``: packed, the head on masked positions only),
+**fused dropout** and **compiled** (``model.fused_dropout``; ``model.compile`` too, compared round by round).
 **MFU** = model FLOPs (``3 × [layers × (2·T·(4h² + 2h·ffn) + 4h·ΣL²) + M·(2h² + 2h·vocab)]``, T real tokens, L the
 lengths, M masked) / step time / the GEMM peak measured in the same run and precision; medians of ``--repeats``
-interleaved steps after a warm-up step. **The split** (``ds_bertopt.testing.step_split``) of ``--repeats`` profiled
-steps: GEMMs, attention, the rest (host time and Inductor's fused kernels, which are no profiler events, included);
-non-GEMM time per real token is compared with the recorded run ``--baseline``. **Recompiles over an epoch**: the
-compiled model (tiny width, the same code) on every micro-batch of one shuffled epoch of the mix.
+interleaved steps after a warm-up. **The split** (``ds_bertopt.testing.step_split``) of ``--repeats`` profiled steps:
+GEMMs, attention, the rest (host time and Inductor's fused kernels included); its non-GEMM time per real token is
+compared with the recorded ``--baseline``. **Recompiles**: the compiled model (tiny width) over one shuffled epoch.
 """
 
 from __future__ import annotations
@@ -57,8 +55,7 @@ BF16_MFU_TARGETS = {"AVX512-BF16": 0.80, "AMX": 0.45}
 
 
 def seq128_sequences(seed: int = 0) -> list[list[int]]:
-    """Every training sequence (token ids) of wiki_sample at max_seq_length 128, as pretraining builds them (a uniform
-    20–128 stand-in of 4,000 sequences without the shared data)."""
+    """wiki_sample's training sequences at max_seq_length 128 as pretraining builds them (else 4,000 of 20–128)."""
     rng = random.Random(seed)
     corpus, model_dir = SHARED / "wiki_sample.jsonl", default_model_dir()
     if not corpus.is_file() or model_dir is None:
@@ -123,8 +120,7 @@ def contenders(samples: list[dict], layers: int, dtype: torch.dtype, device: tor
 
 
 def measure(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.device, repeats: int) -> dict:
-    """The contenders' medians of ``repeats`` interleaved steps, then each one's split: part by part the median of
-    ``repeats`` profiled steps (``split_step``)."""
+    """The contenders' medians of ``repeats`` interleaved steps, then of ``repeats`` profiled steps' splits."""
     steps = contenders(samples, layers, dtype, device)
     warm = {}
     for name, step in steps.items():
@@ -149,16 +145,10 @@ def measure(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.
     speedup = statistics.median(f / c for f, c in zip(times[FUSED], times[COMPILED])) if COMPILED in times else None
     lengths = [len(s["input_ids"]) for s in samples]
     masked = sum(label != -100 for s in samples for label in s["labels"])
-    return {
-        "tokens": sum(lengths),
-        "padded_tokens": len(lengths) * max(lengths),
-        "masked": masked,
-        "flops": model_flops(lengths, masked, layers),
-        "seconds": {k: statistics.median(v) for k, v in times.items()},
-        "compiled_speedup": speedup,
-        "first_step_s": warm,
-        "split": split,
-    }
+    sizes = {"tokens": sum(lengths), "padded_tokens": len(lengths) * max(lengths), "masked": masked}
+    seconds = {k: statistics.median(v) for k, v in times.items()}
+    timing = {"seconds": seconds, "compiled_speedup": speedup, "first_step_s": warm, "split": split}
+    return {**sizes, "flops": model_flops(lengths, masked, layers), **timing}
 
 
 def epoch_recompiles(sequences: list[list[int]], per_batch: int, limit: int) -> dict:
@@ -177,16 +167,10 @@ def epoch_recompiles(sequences: list[list[int]], per_batch: int, limit: int) -> 
         computed += int(packed["input_ids"].numel())  # the rows every compiled layer ran on
         model(**packed).loss.backward()
         model.zero_grad(set_to_none=True)
-    graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    return {
-        "micro_batches": len(batches),
-        "distinct_lengths": len(lengths),
-        "graphs": graphs,
-        "recompiles": max(0, graphs - 1),
-        "padding_tokens": computed - real,
-        "padding_share": (computed - real) / computed,
-        "seconds": time.perf_counter() - start,
-    }
+    graphs, padding = int(torch._dynamo.utils.counters["stats"]["unique_graphs"]), computed - real
+    counts = {"micro_batches": len(batches), "distinct_lengths": len(lengths), "graphs": graphs}
+    padded = {"padding_tokens": padding, "padding_share": padding / computed}
+    return {**counts, "recompiles": max(0, graphs - 1), **padded, "seconds": time.perf_counter() - start}
 
 
 def report_precision(name: str, run: dict, peak: float, repeats: int, note: str, results: dict, bars: list) -> None:
@@ -218,7 +202,7 @@ def compiled_line(precision: str, ratio: float, repeats: int, target: float, why
     )
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--layers", type=int, default=12, help="BERT-base: 12")
@@ -271,8 +255,7 @@ def main(argv=None) -> int:
             )
     if COMPILED in fp32["seconds"]:
         say(compiled_line("fp32", fp32["compiled_speedup"], args.repeats, 1.0, ", never slower"))
-        epoch = epoch_recompiles(sequences, args.sequences, args.epoch_batches)
-        results["epoch"] = epoch
+        epoch = results["epoch"] = epoch_recompiles(sequences, args.sequences, args.epoch_batches)
         say(
             f"recompiles over an epoch of the seq-128 mix ({epoch['micro_batches']} micro-batches of "
             f"{args.sequences}, {epoch['distinct_lengths']} distinct packed lengths; dynamic shapes, padding "
@@ -303,15 +286,10 @@ def main(argv=None) -> int:
     split = [{"label": c, **{key: s[part] for key, part in parts.items()}} for c, s in fp32["split"].items()]
     title = "Where a step's time goes, fp32 (profiled steps, medians, seconds)"
     figure("bars", "split", title, split, unit="seconds", stack=list(parts))
-    record(
-        args.record_as,
-        f"{args.sequences} sequences of the seq-128 mix, BERT-base shape, forward + backward, one process; "
-        "MFU = model FLOPs on real tokens / step time / the GEMM peak measured in the same run and precision; "
-        "split: the medians of profiled steps per contender (torch.profiler op self times)",
-        device=where,
-        results=results,
-    )
-    return 0
+    what = f"{args.sequences} sequences of the seq-128 mix, BERT-base shape, forward + backward, one process"
+    method = "MFU = model FLOPs on real tokens / step time / the GEMM peak measured in the same run and precision"
+    split_of = "split: the medians of profiled steps per contender (torch.profiler op self times)"
+    record(args.record_as, f"{what}; {method}; {split_of}", device=where, results=results)
 
 
 if __name__ == "__main__":

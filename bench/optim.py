@@ -1,16 +1,13 @@
 """Large-batch optimizer study, LAMB vs AdamW, on real text; the gradient noise scale behind it; LAMB's step time.
 
-Method of the convergence study and of the gradient noise scale (McCandlish et al. 2018, App. A): docs/time_to_train.md
-("Large batches"). Step time (``--skip-convergence``: only this part): ``optimizer.step()`` of our LAMB (the fused CPU
-kernel; with clipping; the multi-tensor and foreach paths) vs torch's fused AdamW (target ≤ 1.45×) and vs
-``torch_optimizer.Lamb`` when importable (a separate bench venv: docs/optim.md), on a 4 × 256 BERT's parameters, 1
-thread, interleaved, median of 25.
-
     python bench/optim.py [--quick]                  # full: batch 32 vs 1,024, 2 seeds, compact grid (~1.5 h)
     python bench/optim.py --grid full --write-presets  # 8-point grid per optimizer; rewrite the presets
 
-``--quick`` (about 4 min on 2 cores): batch 32 vs 256, one seed, no grid (the LRs sqrt-scaled), a tenth of the sample
-budget and a target at the unigram plateau (a smoke run of the study, not a result), and the step-time part.
+Method of the convergence study and of the noise scale (McCandlish et al. 2018, App. A): docs/time_to_train.md ("Large
+batches"); ``--quick`` (~4 min) is a smoke run of it (batch 32 vs 256, one seed, no grid, a tenth of the samples, the
+unigram plateau as target). Step time (``--skip-convergence``: only this part): ``optimizer.step()`` of our LAMB (fused
+CPU kernel; with clipping; multi-tensor and foreach paths) vs torch's fused AdamW (target ≤ 1.45×) and
+``torch_optimizer.Lamb`` when importable (docs/optim.md), on a 4 × 256 BERT's parameters, 1 thread, median of 25.
 """
 
 from __future__ import annotations
@@ -100,8 +97,7 @@ class Point:
 
 
 def grid(optimizer: str, batch: int, kind: str) -> list[Point]:
-    """The large-batch tuning grid: LR scaling rule × warmup × β₂ (``compact``: two (warmup, β₂) pairs; ``none``: the
-    shipped LR, sqrt-scaled)."""
+    """The large-batch grid: LR scaling × warmup × β₂ (``compact``: 2 (warmup, β₂) pairs; ``none``: the shipped LR)."""
     if kind == "none":
         return [Point(optimizer, batch, SHIPPED_LR[optimizer])]
     pairs = [(0.1, 0.999), (0.3, 0.95)] if kind == "compact" else [(w, b) for w in (0.1, 0.3) for b in (0.999, 0.95)]
@@ -127,12 +123,9 @@ class Result:
         return crossing[0] * self.point.batch if crossing else math.inf
 
 
-def samples_text(samples: float) -> str:
-    return "not reached" if math.isinf(samples) else f"{samples:,.0f}"
-
-
-def ratio_text(ratio: float) -> str:
-    return "not reached" if math.isinf(ratio) else f"{ratio:.2f}x"
+def reach_text(value: float, spec: str = ",.0f", unit: str = "") -> str:
+    """``value`` formatted (samples; ``".2f", "x"``: a ratio), or "not reached" where it is infinite."""
+    return "not reached" if math.isinf(value) else f"{value:{spec}}{unit}"
 
 
 def pretrain(point: Point, args, out: Path, save_every: int = 0) -> Result:
@@ -162,9 +155,8 @@ def run_point(point: Point, args, tmp: Path, save_every: int = 0) -> Result:
     CURVES.append({"label": label, "x": xs, "y": ys})
     samples, diverged = result.samples_to(args.target), " (diverged)" if result.diverged else ""
     fields = (point.optimizer, point.batch, f"{point.lr:g}", point.scaling, f"{point.warmup_fraction:g}")
-    TABLE.append(
-        md_row([*fields, f"{point.beta2:g}", point.seed, samples_text(samples) + diverged, f"{result.best:.4f}"])
-    )
+    cells = [*fields, f"{point.beta2:g}", point.seed, reach_text(samples) + diverged, f"{result.best:.4f}"]
+    TABLE.append(md_row(cells))
     reached = f"accuracy {args.target} at {samples:,.0f} samples"
     if math.isinf(samples):
         reached = f"did not reach {args.target}" + (" (diverged: non-finite gradients)" if result.diverged else "")
@@ -203,7 +195,7 @@ def convergence_study(args, tmp: Path) -> dict:
     got = {o: tuple([r.samples_to(target) for r in runs[o]] for runs in (small_runs, tuned)) for o in small_runs}
     for optimizer, runs in got.items():
         for batch, samples, chosen in zip((small, large), runs, ("", f" ({tuned[optimizer][0].point.label})")):
-            texts = " / ".join(samples_text(s) for s in samples)
+            texts = " / ".join(reach_text(s) for s in samples)
             say(f"{optimizer} batch {batch}{chosen}: samples to {target}: {texts} (seeds {seeds})")
     ratios = {}
     for optimizer, (ref, big) in got.items():
@@ -224,8 +216,8 @@ def convergence_study(args, tmp: Path) -> dict:
     own, against_best = ratios[best_large], median(got[best_large][1]) / min(median(got[o][0]) for o in got)
     say(
         f"[target] at batch ~{large} the best optimizer ({best_large}) needs ≤ 1.3× the samples of batch {small}: "
-        f"{status(own <= 1.3 and against_best <= 1.3)} ({ratio_text(own)} of its own batch-{small} run, "
-        f"{ratio_text(against_best)} of the best batch-{small} run)"
+        f"{status(own <= 1.3 and against_best <= 1.3)} ({reach_text(own, '.2f', 'x')} of its own batch-{small} run, "
+        f"{reach_text(against_best, '.2f', 'x')} of the best batch-{small} run)"
     )
     noise = noise_study(checkpoints, small_runs["adamw"][0], args, small, large) if checkpoints else None
     if args.write_presets and (args.grid == "none" or large != 1024):
@@ -309,15 +301,11 @@ def write_preset(point: Point, args) -> Path:
     """``ds_configs/bert_large_batch_<optimizer>.json``: the study's model, data and chosen optimizer/schedule."""
     base = json.loads((ROOT / "ds_configs" / CONFIGS[point.optimizer]).read_text())
     name = f"bert_large_batch_{point.optimizer}"
-    config = {
-        "train_micro_batch_size_per_gpu": args.micro,
-        "gradient_accumulation_steps": point.batch // (args.micro * 2),
-        **{k: base[k] for k in ("gradient_clipping", "zero_allow_untested_optimizer") if k in base},
-        "steps_per_print": 1000000,
-        "wall_clock_breakdown": False,
-        "zero_optimization": {"stage": 1},
-        "csv_monitor": {"enabled": True, "job_name": name},
-    }
+    accumulation = point.batch // (args.micro * 2)
+    batching = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": accumulation}
+    copied = {k: base[k] for k in ("gradient_clipping", "zero_allow_untested_optimizer") if k in base}
+    quiet = {"steps_per_print": 1000000, "wall_clock_breakdown": False, "zero_optimization": {"stage": 1}}
+    config = {**batching, **copied, **quiet, "csv_monitor": {"enabled": True, "job_name": name}}
     train = {"max_steps": max(1, args.samples // point.batch), "eval_every": max(1, args.eval_samples // point.batch)}
     config["bertopt"] = {
         "model": bert_sizes(128, 2, 2, 512, max_position_embeddings=512, objective="mlm"),
@@ -332,8 +320,7 @@ def write_preset(point: Point, args) -> Path:
 
 
 def format_config(config: dict, width: int = 116) -> str:
-    """The house layout of ds_configs/*.json: one line per top-level key and per ``bertopt`` section, long
-    sections wrapped under their first key."""
+    """ds_configs' house layout: a line per top-level key and per ``bertopt`` section, wrapped under its first key."""
     top = [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in config.items() if k != "bertopt"]
     lines = ["{", *top, '  "bertopt": {']
     for name, body in config["bertopt"].items():
@@ -393,13 +380,9 @@ def step_time_study(repeats: int) -> None:
         return Lamb(groups, lr=1e-3, max_grad_norm=max_grad_norm, kernel=kernel)
 
     # torch_optimizer.Lamb does no global-norm clipping: "ours" matches that work, "ours+clip" adds ours
-    variants = {
-        "ours": ours(0.0),
-        "ours+clip": ours(1.0),
-        "ours (multi-tensor)": ours(0.0, "multi_tensor"),
-        "ours (foreach)": ours(0.0, "foreach"),
-        "adamw": torch.optim.AdamW(param_groups(model_with_grads(), 0.01), lr=1e-3, fused=True),
-    }
+    variants = {"ours": ours(0.0), "ours+clip": ours(1.0), "ours (multi-tensor)": ours(0.0, "multi_tensor")}
+    adamw = torch.optim.AdamW(param_groups(model_with_grads(), 0.01), lr=1e-3, fused=True)
+    variants.update({"ours (foreach)": ours(0.0, "foreach"), "adamw": adamw})
     with contextlib.suppress(ImportError):
         import torch_optimizer
 
@@ -430,15 +413,12 @@ def step_time_study(repeats: int) -> None:
     ops = multi_tensor_ops(variants["ours (multi-tensor)"])
     passes = [name for name in ops if name.startswith(("_foreach_", "_fused_"))]
     kernel = "fused CPU kernel" if ready else "multi-tensor path: the fused kernel is unavailable"
+    multi = "LAMB step (ours, multi-tensor: the step on CUDA without apex, here on torch's CPU fused Adam kernel)"
+    launches = f"; per step of the 2 param groups {len(ops)} launching ops, {len(passes)} of them over the parameters"
     lines = {  # variant: (what, baseline, what follows the ratio)
         "ours": (f"LAMB step ({kernel})", " on CPU", f"; target <= {STEP_TARGET}x: {status(ratio <= STEP_TARGET)}"),
         "ours+clip": ("LAMB step (ours, with global-norm clipping)", "", ""),
-        "ours (multi-tensor)": (
-            "LAMB step (ours, multi-tensor: the step on CUDA without apex, here on torch's CPU fused Adam kernel)",
-            "",
-            f"; per step of the 2 param groups {len(ops)} launching ops, {len(passes)} of them over the parameters "
-            f"({', '.join(passes)})",
-        ),
+        "ours (multi-tensor)": (multi, "", f"{launches} ({', '.join(passes)})"),
         "ours (foreach)": ("LAMB step (ours, foreach path: the step before the fused kernels, for reference)", "", ""),
     }
     for name, (what, on_cpu, tail) in lines.items():
@@ -483,13 +463,10 @@ def main() -> None:
         labels = {"xlabel": "training samples (batch 32, AdamW)", "ylabel": "B_simple (sequences)"}
         figure("curves", "noise_scale", title, series, reference=study["noise"]["needed"], **labels)
     columns = ["optimizer", "batch", "lr @ 32", "scaling", "warmup", "β₂", "seed", "samples to target", "best accuracy"]
-    record(
-        args.record_as,
-        f"2 ranks ZeRO 1, small BERT, seq {args.seq}, seeds {args.seeds}, {args.samples} samples per run, "
-        f"target {args.target}, MLPerf-style schedule, LR scaled from batch {REFERENCE_BATCH}, grid {args.grid}",
-        tables=["\n".join(md_table(columns, TABLE))] if TABLE else [],
-        study=study,
-    )
+    runs = f"2 ranks ZeRO 1, small BERT, seq {args.seq}, seeds {args.seeds}, {args.samples} samples per run"
+    method = f"target {args.target}, MLPerf-style schedule, LR scaled from batch {REFERENCE_BATCH}, grid {args.grid}"
+    tables = ["\n".join(md_table(columns, TABLE))] if TABLE else []
+    record(args.record_as, f"{runs}, {method}", tables=tables, study=study)
 
 
 if __name__ == "__main__":
