@@ -24,7 +24,6 @@ from transformers import BertConfig, BertForMaskedLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from bench._common import bert_sizes, interleaved, median, padded_batch
-from ds_bertopt.compat.transformers import set_attention_implementation
 from ds_bertopt.data.collate import pack_sequences
 from ds_bertopt.model.unpadded import UnpaddedBert, sdpa_loop_attention, token_counts
 
@@ -125,9 +124,8 @@ def bench_model(reps: int = 3) -> None:
     """Whole model, training mode (dropout 0.1): UnpaddedBert on the packed batch vs the padded encoder with
     the sparse MLM head (``SparseMLMHead``'s math) and the stock padded model (dense head)."""
     torch.manual_seed(0)
-    config = BertConfig(**bert_sizes(256, 4, 4, 1024, vocab_size=8192, max_position_embeddings=512))
-    set_attention_implementation(config, "sdpa")
-    model = BertForMaskedLM(config).train()
+    sizes = bert_sizes(256, 4, 4, 1024, vocab_size=8192, max_position_embeddings=512)
+    model = BertForMaskedLM(BertConfig(**sizes, attn_implementation="sdpa")).train()
     rng = np.random.default_rng(1)
     samples = []
     for n in rng.integers(20, 513, 16).tolist():
