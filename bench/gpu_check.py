@@ -115,9 +115,9 @@ def main(argv: Optional[list] = None) -> int:
     signal.signal(signal.SIGTERM, on_terminate)
     start = time.monotonic()
     gpus, why = cuda_gpus() if args.device == "cuda" else (1, None)
-    for name in args.sections if why else ():
-        say(f"{name}: SKIPPED({why})")
     if why:
+        for name in args.sections:
+            say(f"{name}: SKIPPED({why})")
         return 0
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_"))
     workdir.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ import math
 
 from .apex_lamb import apex_checks
 from .runner import Ctx, Result, rank0_env, run_jobs, test_script, worker_job
+from .workers import LAMB_STEPS
 
 
 def judge_lamb(results: dict, world: int, steps: int) -> list:
@@ -98,7 +99,7 @@ def run_lamb_checks(ctx: Ctx, world: int, checks: tuple, label: str) -> tuple:
         ctx.detail(f"{label}: worker {job.status()}: {job.tail()}")
         return (["worker " + job.status()] if job.started else ["not run (time)"]), 0, job.seconds
     results = torch.load(out / "optim_zero_check.pt", map_location="cpu", weights_only=False)
-    verdict = judge_lamb(results, world, 4)
+    verdict = judge_lamb(results, world, LAMB_STEPS)
     return ctx.verdicts(label, verdict), len(verdict), job.seconds
 
 

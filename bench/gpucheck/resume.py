@@ -44,18 +44,12 @@ def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, k
     cut = run("killed", cut_dir, "--overwrite_output_dir", multi or ctx.cuda, DS_BERTOPT_FAULT=fault)
     extra = [cublas_probe_job(ctx)] if ctx.cuda and world == 1 else []
     run_jobs(ctx, [ref, cut, *extra], parallel=3)
-    for job in extra:
-        if job.ok:
-            ctx.detail(
-                "train.deterministic=true without CUBLAS_WORKSPACE_CONFIG: a CUDA GEMM runs (torch does not "
-                "demand it here)"
-            )
-        elif job.started:
-            ctx.detail(
-                f"NOTE train.deterministic=true without CUBLAS_WORKSPACE_CONFIG: a CUDA GEMM fails "
-                f"({job.tail(2)}); these runs set CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS}, the loop "
-                "does not"
-            )
+    for job in (job for job in extra if job.started):  # does torch demand CUBLAS_WORKSPACE_CONFIG here?
+        fails = (
+            f"fails ({job.tail(2)}); these runs set CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS}, the loop does not"
+        )
+        note, verdict = ("", "runs (torch does not demand it here)") if job.ok else ("NOTE ", fails)
+        ctx.detail(f"{note}train.deterministic=true without CUBLAS_WORKSPACE_CONFIG: a CUDA GEMM {verdict}")
     if not ref.ok:
         return [f"reference run {ref.status()}: {ref.tail()}"], ""
     expected_tag = f"step{(kill_step - 1) // 2 * 2:08d}"

@@ -8,6 +8,9 @@ from pathlib import Path
 from .recorder import SyncRecorder
 from .runner import TINY_BERT, test_script, timed
 
+LAMB_STEPS = 4
+"""Steps of each optimizer check (``worker_lamb``; the section's judgement expects them)."""
+
 
 def worker_loop(argv: list) -> int:
     """A task's ``main`` with our instrumentation patched onto ``Trainer`` (in this process only).
@@ -60,18 +63,18 @@ def worker_loop(argv: list) -> int:
     return loop.main(TASKS[os.environ.get("GPU_CHECK_TASK", "pretrain")](), argv)
 
 
-def _start(argv: list, *options: tuple) -> tuple:
-    """(arguments, accelerator): ``--out`` (required), ``--local_rank`` (the launcher passes it) and ``(flag,
-    add_argument keywords)`` each parsed; ``deepspeed.init_distributed`` on this machine's accelerator, the rank's
-    device bound first (NCCL binds to the current device at the first collective)."""
+def _start(argv: list, **options: dict) -> tuple:
+    """(arguments, accelerator): ``--out`` (required), ``--local_rank`` (the launcher passes it) and ``--<name>``
+    (``add_argument`` keywords) per option parsed; ``deepspeed.init_distributed`` on this machine's accelerator, the
+    rank's device bound first (NCCL binds to the current device at the first collective)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
-    for flag, keywords in options:
-        parser.add_argument(flag, **keywords)
+    for name, keywords in options.items():
+        parser.add_argument(f"--{name}", **keywords)
     args = parser.parse_args(argv)
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
@@ -85,13 +88,11 @@ def worker_lamb(argv: list) -> int:
     which the CPU accelerator takes as they are)."""
     import torch
 
-    args, accelerator = _start(
-        argv, ("--checks", dict(nargs="+", default=None)), ("--steps", dict(type=int, default=4))
-    )
+    args, accelerator = _start(argv, checks=dict(nargs="+", required=True))
     ozc = test_script("optim_zero_check")
     device, host_batch = accelerator.current_device_name(), ozc.batch
     ozc.batch = lambda step, rank: {k: v.to(device) for k, v in host_batch(step, rank).items()}
-    ozc.run_checks(args.out, tuple(args.checks or ozc.ALL_CHECKS), args.steps)
+    ozc.run_checks(args.out, tuple(args.checks), LAMB_STEPS)
     torch.distributed.destroy_process_group()
     return 0
 
@@ -99,8 +100,7 @@ def worker_lamb(argv: list) -> int:
 def worker_clip(argv: list) -> int:
     """Step time of the bucket-clip hook vs DeepSpeed's ``gradient_clipping``: both engines in these processes,
     stepped interleaved (warm-up, then ``--rounds`` A/B rounds in alternating order); rank 0 writes JSON."""
-    options = ("--rounds", dict(type=int, default=3)), ("--tiny", dict(action="store_true"))
-    args, accelerator = _start(argv, *options, ("--stage", dict(type=int, default=0)))
+    args, accelerator = _start(argv, rounds=dict(type=int, required=True), tiny=dict(action="store_true"))
     import torch
     import torch.distributed as dist
     from transformers import BertConfig, BertForMaskedLM
@@ -111,13 +111,13 @@ def worker_clip(argv: list) -> int:
     device = torch.device(accelerator.current_device_name())
     sizes = {**TINY_BERT, "num_hidden_layers": 1} if args.tiny else {}  # {}: BERT-base
     micro, seq, bucket = (2, 16, 10_000) if args.tiny else (16, 128, 5_000_000)
-    precision = "bf16" if device.type != "cpu" else "fp32"
+    precision, stage = "bf16" if device.type != "cpu" else "fp32", 0
 
     def engine(hook: bool):
         torch.manual_seed(0)
         model = BertForMaskedLM(BertConfig(**sizes, attn_implementation="sdpa"))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-        zero = {"stage": args.stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": bucket}
+        zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": bucket}
         cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
         cfg.update(steps_per_print=10**9, zero_optimization=zero, bertopt={"train": {"precision": precision}})
         if hook:
@@ -140,7 +140,7 @@ def worker_clip(argv: list) -> int:
     steps = {name: lambda eng=eng: timed(lambda: step(eng), device, dist.barrier) for name, eng in engines.items()}
     times = interleaved(steps, repeats=args.rounds)
     if dist.get_rank() == 0:
-        facts = dict(precision=precision, stage=args.stage, micro=micro, seq=seq, world=dist.get_world_size())
+        facts = dict(precision=precision, stage=stage, micro=micro, seq=seq, world=dist.get_world_size())
         Path(args.out).write_text(json.dumps({"times": times, **facts}))
     dist.barrier()
     dist.destroy_process_group()
@@ -154,7 +154,7 @@ def worker_conformance(argv: list) -> int:
 
     from ds_bertopt.testing.gpu_paths import APEX_ROWS, all_rows
 
-    args, accelerator = _start(argv, ("--rows", dict(nargs="+", required=True)))
+    args, accelerator = _start(argv, rows=dict(nargs="+", required=True))
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     rows = [row for row in (*all_rows(), *APEX_ROWS) if row.id in set(args.rows)]  # the apex rows are not in all_rows
     results = test_script("conformance_worker").run_rows(rank, world, rows, args.out, accelerator.device_name())

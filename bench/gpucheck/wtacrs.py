@@ -176,9 +176,8 @@ def section_wtacrs(ctx: Ctx) -> Result:
             problems.append(f"{precision} training: finite {finite}, {drops} loss-scale reductions")
     script = SCRIPTS / "wtacrs_cuda_sync_check.py"
     if ctx.cuda and script.exists():
-        job = run_jobs(
-            ctx, [Job(script.stem, [sys.executable, "-u", script], ctx.env(), ctx.dir(f"{script.stem}.log"), 90)]
-        )[0]
+        job = Job(script.stem, [sys.executable, "-u", script], ctx.env(), ctx.dir(f"{script.stem}.log"), 90)
+        run_jobs(ctx, [job])
         ctx.detail(f"tests/scripts/wtacrs_cuda_sync_check.py: {job.status()}")
         for line in job.output().splitlines()[-12:]:
             if line.strip():
