@@ -217,8 +217,7 @@ def pretrain_job(ctx: Ctx, name: str, out: Path, steps: int, overrides=(), *, fl
 
 
 def losses_by_step(out: Path) -> dict:
-    """Per-step training loss of a run's ``metrics.jsonl`` (``log_every 1``); a later line for a step (after a
-    resume) wins."""
+    """Per-step training loss in a run's ``metrics.jsonl`` (``log_every 1``); after a resume a later line wins."""
     return {r["step"]: r["loss"] for r in read_metrics(out, "loss") if "eval_loss" not in r}
 
 

@@ -64,9 +64,8 @@ def worker_loop(argv: list) -> int:
 
 
 def _start(argv: list, **options: dict) -> tuple:
-    """(arguments, accelerator): ``--out`` (required), ``--local_rank`` (the launcher passes it) and ``--<name>``
-    (``add_argument`` keywords) per option parsed; ``deepspeed.init_distributed`` on this machine's accelerator, the
-    rank's device bound first (NCCL binds to the current device at the first collective)."""
+    """(arguments, accelerator): ``--out``, ``--local_rank`` (the launcher passes it) and ``--<name>`` per option; the
+    rank's device bound before ``deepspeed.init_distributed`` (NCCL binds to the current device)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -128,9 +127,8 @@ def worker_clip(argv: list) -> int:
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
     ids = torch.randint(5, engines["bucket_clip"].module.config.vocab_size, (micro, seq), generator=gen)
     labels = torch.where(torch.rand(micro, seq, generator=gen) < 0.15, ids, torch.full_like(ids, -100))
-    batch = {
-        k: v.to(device) for k, v in dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).items()
-    }
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    batch = {k: v.to(device) for k, v in batch.items()}
 
     def step(eng) -> None:
         eng.backward(eng(**batch).loss)
