@@ -162,12 +162,8 @@ def check_dropout(ctx: Ctx, dtype, lengths, heads: int, dim: int, tolerance: flo
         drop = attention_dropout(ctx, dtype, lengths, heads, dim, p=0.1, draws=200)
     except Exception as exc:  # noqa: BLE001
         return [f"{name} dropout: {brief(exc, first_line=True)}"]
-    ok = (
-        drop["applied"] > 0.05
-        and drop["bias_beyond_6se"] <= tolerance
-        and drop["reproducible"]
-        and drop["finite_grads"]
-    )
+    ok = drop["applied"] > 0.05 and drop["bias_beyond_6se"] <= tolerance
+    ok = ok and drop["reproducible"] and drop["finite_grads"]
     ctx.detail(
         f"{name} varlen dropout 0.1: changes the output by {drop['applied']:.2f} of max |out|, mean "
         f"of 200 draws within 6 SE + {drop['bias_beyond_6se']:.1e}, same seed same output "
