@@ -125,6 +125,7 @@ def unpadded_throughput(ctx: Ctx) -> str:
     with torch.device(device):
         model = BertForMaskedLM(config)
     model = model.to(dtype=dtype).train()
+    padded_model, unpadded_model = SparseMLMHead(model), UnpaddedBert(model, attention="auto")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     samples = make_samples(count, low, high, sizes["vocab_size"])
     real = sum(len(s["input_ids"]) for s in samples)
@@ -138,7 +139,7 @@ def unpadded_throughput(ctx: Ctx) -> str:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    variants = {"padded": (SparseMLMHead(model), padded), "unpadded": (UnpaddedBert(model, attention="auto"), packed)}
+    variants = {"padded": (padded_model, padded), "unpadded": (unpadded_model, packed)}
     steps = {name: lambda v=v: timed(lambda: step(*v), device) for name, v in variants.items()}
     med = {name: statistics.median(t) for name, t in interleaved(steps, repeats=rounds, warmup=2).items()}
     computed = padded["input_ids"].numel()
