@@ -42,7 +42,7 @@ def run_scenario(scenario: ttt.Scenario, args, work: Path, baseline_hint: Option
     else:
         ablations = args.ablations and scenario.name == "wiki128"
         ours, aliases = ttt.ours_contenders(prep.cfg.bertopt.model.hidden_size, args.all_on_optimizer, ablations)
-        hf_names = [n for n in args.hf if n in ttt.HF_CONTENDERS]
+        hf_names = ["hf_group_texts"] if args.quick else list(ttt.HF_CONTENDERS)
     for alias, source in aliases.items():
         print(f"[{scenario.name}] {alias}: the same config as {source} (bert.json turns it on): not run twice")
     if scenario.nodes > 1 and baseline_hint:
@@ -134,13 +134,14 @@ def summarise(scenario: ttt.Scenario, prep, runs: dict[str, list[ttt.Run]], base
         )
     TABLES.append("\n".join(table))
     ratios: dict[str, float] = {}
-
-    def compare(contender: str, reference: str, key: str) -> None:
+    pairs = [(c, baseline, c) for c in ours_names]  # (contender, reference, key)
+    pairs += [(c, "ours_off", f"{c}_vs_off") for c in ours_names if c != "ours_off" and "ours_off" in runs]
+    for contender, reference, key in pairs:
         ours_s, ref_s = per[contender][0], per[reference][0]
         if any(math.isinf(v) for v in ours_s + ref_s):
             say(f"[{name}] time to target {contender} vs {reference}: n/a (not reached in every run)")
             ratios[key] = math.inf
-            return
+            continue
         say(ratio_line(f"[{name}] time to target {contender}", ours_s, ref_s, reference))
         ratios[key] = median(ours_s) / median(ref_s)
         # what the start-up hides, and what the samples say (printed, not judged)
@@ -149,12 +150,6 @@ def summarise(scenario: ttt.Scenario, prep, runs: dict[str, list[ttt.Run]], base
         what = f"[{name}] training time to target (extrapolated start-up taken out) {contender}"
         print(ratio_line(what, *training, reference))
         print(ratio_line(f"[{name}] samples to target {contender}", per[contender][1], per[reference][1], reference))
-
-    for contender in ours_names:
-        compare(contender, baseline, contender)
-    for contender in ours_names:
-        if contender != "ours_off" and "ours_off" in runs:
-            compare(contender, "ours_off", f"{contender}_vs_off")
     curves = [{"label": r.label, "x": r.times, "y": r.accuracy} for c in runs if c not in aliases for r in runs[c]]
     figure(
         "curves",
@@ -254,7 +249,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.seeds = args.seeds or ([1] if quick else [1, 2])
     args.points = args.points or (10 if quick else 15)
     args.masks = args.masks or (2 if quick else 4)
-    args.hf = ["hf_group_texts"] if quick else list(ttt.HF_CONTENDERS)  # the Hugging Face contenders
     args.ablations = (not quick) if args.ablations is None else args.ablations
     print(environment_line(), flush=True)
     if not (ttt.SHARED / ttt.WIKI).exists():

