@@ -1,19 +1,16 @@
-"""The one harness every benchmark script shares: its summary lines, timing, records, the CPU run environment and the
-CPU it ran on, child command lines and runs, the optional timing lock (plots are drawn from the records by
-bench/_report.py).
+"""The one harness every benchmark script shares: summary lines, timing, records, the CPU run environment, child
+command lines and runs, the optional timing lock (``bench/_report.py`` draws the plots from the records).
 
-A benchmark runs as its own process (``bench/run_all.py``), so the module-level :data:`SUMMARY` and :data:`FIGURES`
-are that benchmark's: it ``say``s the lines that matter, adds its figures with :func:`figure` and hands both to
-:func:`record` for the report.
-Timing (:func:`interleaved`, :func:`median`, :func:`ratio_line`) and records (:func:`record_results`,
-:func:`environment_line`) are re-exported here from ``ds_bertopt.testing.measure``, so that a script imports one
-module whatever becomes of the package's test helpers.
+A benchmark runs as its own process (``bench/run_all.py``): it ``say``s the lines that matter into :data:`SUMMARY`,
+adds figures with :func:`figure` and hands both to :func:`record`. Timing and records are re-exported from
+``ds_bertopt.testing.measure``, so that a script imports one module whatever becomes of the package's test helpers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import platform
 import signal
@@ -27,13 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ds_bertopt.testing.measure import (  # noqa: E402, F401 - the harness's timing and records
-    environment_line,
-    interleaved,
-    median,
-    ratio_line,
-    record_results,
-)
+from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402,F401
 
 SUMMARY: list[str] = []
 """The lines this benchmark said (its report section's summary)."""
@@ -55,6 +46,12 @@ def figure(kind: str, file: str, title: str, series: list, **fields) -> None:
     FIGURES.append({"kind": kind, "file": file, "title": title, "series": series, **fields})
 
 
+def bar_figure(file: str, title: str, key: str, values: dict, unit: str, **fields) -> None:
+    """Record a ``bars`` figure of one value, ``key``, per label (``values``: label -> value)."""
+    series = [{"label": label, key: value} for label, value in values.items()]
+    figure("bars", file, title, series, stack=[key], unit=unit, **fields)
+
+
 def record(name: str, note: str, **payload) -> None:
     """Record this benchmark's summary and figures, then ``payload``, then ``note`` (``record_results``)."""
     record_results(name, {"summary": SUMMARY, "figures": FIGURES, **payload, "note": note})
@@ -67,16 +64,9 @@ def status(ok: bool) -> str:
 
 def cpu_env(**extra: str) -> dict:
     """Environment of a benchmark's training run: the checkout importable, offline, CPU, one thread per rank."""
-    env = {
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env.update(TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env.pop("DS_BERTOPT_FAULT", None)  # a fault injected into the caller is never the benchmark's
     env.update(extra)
     return env
@@ -101,10 +91,7 @@ def maybe_lock(path: Optional[str]) -> Iterator[None]:
         return
     with open(path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        yield  # closing the file releases the lock
 
 
 def bert_sizes(hidden: int, layers: int, heads: int, ffn: int, **extra) -> dict:
@@ -115,7 +102,12 @@ def bert_sizes(hidden: int, layers: int, heads: int, ffn: int, **extra) -> dict:
 
 def bert_overrides(hidden: int, layers: int, heads: int, ffn: int) -> list[str]:
     """The config overrides (``-o``) of a BERT of these sizes."""
-    return [f"model.{key}={value}" for key, value in bert_sizes(hidden, layers, heads, ffn).items()]
+    return config_overrides(model=bert_sizes(hidden, layers, heads, ffn))
+
+
+def config_overrides(**sections: dict) -> list[str]:
+    """Config overrides (``-o``): ``section.key=value`` per key of each section, the value as JSON."""
+    return [f"{section}.{key}={json.dumps(value)}" for section, keys in sections.items() for key, value in keys.items()]
 
 
 def argv(*args, overrides: Iterable[str] = (), **options) -> list[str]:
@@ -142,16 +134,8 @@ def run_streamed(cmd: list[str], on_line: Callable[[str], object], timeout: floa
     """Run a child in the checkout, in its own process group (:func:`cpu_env` unless ``env``), handing each line of
     its output (stderr merged) to ``on_line``; past ``timeout`` seconds a watchdog kills the whole group, a silent hang
     too. Returns the exit status (negative: killed by that signal)."""
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env or cpu_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-        start_new_session=True,
-    )
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or cpu_env(), start_new_session=True, **pipes)
 
     def kill() -> None:
         with contextlib.suppress(ProcessLookupError):  # the group ended as the watchdog fired
@@ -177,6 +161,14 @@ def checkpoint_weights(path) -> dict:
     return {k[len("model.") :]: v for k, v in raw.items() if k.startswith("model.")}
 
 
+ISA = (  # CPU flags -> what ``cpu_kind`` says, the first that matches
+    ({"amx_bf16", "amx_tile"}, "AMX (native bf16)"),
+    ({"avx512_bf16"}, "AVX512-BF16 (native bf16)"),
+    ({"avx512f"}, "AVX512 (bf16 emulated)"),
+    ({"avx2"}, "AVX2 (bf16 emulated)"),
+)
+
+
 def cpu_kind() -> str:
     """``CPU: <model name>, <n> cores available, <ISA>``, from ``/proc/cpuinfo`` (Linux; bf16 is emulated without
     AVX512-BF16 / AMX: ~15x slower)."""
@@ -191,20 +183,8 @@ def cpu_kind() -> str:
                     flags = set(value.split())
     except OSError:
         pass
-    if {"amx_bf16", "amx_tile"} & flags:
-        isa = "AMX (native bf16)"
-    elif "avx512_bf16" in flags:
-        isa = "AVX512-BF16 (native bf16)"
-    elif "avx512f" in flags:
-        isa = "AVX512 (bf16 emulated)"
-    elif "avx2" in flags:
-        isa = "AVX2 (bf16 emulated)"
-    else:
-        isa = "no AVX2"
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
+    isa = next((label for need, label in ISA if need & flags), "no AVX2")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return f"CPU: {name}, {cores} cores available, {isa}"
 
 
@@ -295,8 +275,6 @@ def pretrain_argv(out, config: str = "ds_configs/bert.json", overrides: Iterable
 
 def read_metrics(out, key: Optional[str] = None) -> list[dict]:
     """The records of a run's ``out/metrics.jsonl`` that hold ``key`` (all without it); none if it is absent."""
-    import json
-
     path = Path(out, "metrics.jsonl")
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     return [r for r in records if key is None or key in r]

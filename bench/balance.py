@@ -6,36 +6,22 @@
     python bench/balance.py --part packed --peer-budget 0   # ~12 min: one BatchRebalanceSampler step per layout
     python bench/balance.py --lock /tmp/ds_bertopt_cpu.lock   # take this flock around every timed run
 
-**Planner** (no training): 1,024 ranks × 16 samples, 8 ranks per node, cost ``L + L²/6144`` (BERT-large), on the
-length mixes of ``../shared/data``'s wiki_sample and linux_docs at sequence length 128 and 512 (as pretraining builds
-them, MiniLM's vocabulary) and on the MLPerf phase-2 mix (bins 1–128/129–256/257–384/385–512 as 6:3:2:5, 80 % of the
-last at 512; there the paper's bins and counts too); one micro-batch of 16 (MLPerf's setting) and 2 × 8 accumulation.
-
-**Packed** (micro-batches of varying size, next to other libraries' planners): the MLPerf mix at the issue's layouts
-(``ISSUE_LAYOUTS``: ranks × micro-batch × accumulation, ≤ 8 ranks per node) and 1,024 ranks × 16 × 1 and × 2 × 8 on
-the corpora at 512: ``random``, ``group_by_length``, transformers' ``BatchRebalanceSampler`` (at 1,024 ranks
-``--peer-budget`` seconds of its ``_assign`` per layout, ≥ 1 step), DeepSpeed's ``batch_by_seqlens`` (its packing
-rule, checked against DeepSpeed's own on a small sample), ``stratified_node_balance``, ``packed_node_balance``
-(unpadded kernels) and ``padded_node_balance``. Step time: the busiest rank's work per step, per global batch,
-relative to ``random`` on padded kernels.
-
-**Scale** (``--part scale``, ~20 min): MLPerf phase 2's setting on synthetic lengths of 10M, 30M and 100M sequences:
-rank 0's sampler per strategy in a fresh process (``ds-bertopt balance --sequences``: first step, time per window,
-steps waiting behind a 50 ms step, peak RSS), and the global plan where it fits (``SCALE_GLOBAL``): rows identical?
-
-**Measured** (``launch/pretrain.py`` under the ``deepspeed`` launcher, gloo, fp32): the same model, data, seed and
-global batch for every contender, interleaved for ``--repeats`` rounds; real tokens/s: ``metrics.jsonl``'s mean after
-the first window; ratio of medians. ``random`` and ``BatchRebalanceSampler`` on the padded Hugging Face BERT,
-``packed_node_balance`` with ``model.unpadded``; 4 layers × 256 (``--quick``: 2 × 128), seq 512, ``linux_docs``'s wide
-length mix, micro 16 × 1 and 4 × 4, on 2 ranks and on 2 simulated nodes × 2 ranks. **Convergence**: held-out MLM loss
-at equal samples, unpadded vs padded ``random``, 2 seeds, wiki seq 128, 2 ranks, against the seed-to-seed spread.
+**Planner**: 1,024 ranks × 16 × 1 and × 2 × 8, 8 per node, cost ``L + L²/6144`` (BERT-large), on ``../shared/data``'s
+corpora at 128 and 512 tokens and on the MLPerf phase-2 mix (there with the paper's bins 6:3:2:5 too). **Packed**:
+every planner, ours and other libraries' (transformers' ``BatchRebalanceSampler``, ``--peer-budget`` s per 1,024-rank
+layout; DeepSpeed's ``batch_by_seqlens`` rule, checked against DeepSpeed's), on the issue's layouts and at 1,024
+ranks: the busiest rank's work per global batch / ``random``'s on padded kernels. **Scale**: rank 0's sampler per
+strategy in a fresh process on 10M–100M synthetic lengths, next to the global plan where it fits. **Measured**:
+``launch/pretrain.py`` under the ``deepspeed`` launcher (gloo, fp32), every contender on the same model, data, seed
+and global batch, interleaved ``--repeats`` rounds: real tokens/s after the first window, ratio of medians, on 2 ranks
+and 2 simulated nodes × 2. **Convergence**: held-out MLM loss at equal samples, unpadded vs padded ``random``, 2
+seeds, against the seed-to-seed spread.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -48,8 +34,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import SUMMARY, bert_overrides, cpu_env, deepspeed_launcher, environment_line, figure, interleaved
-from bench._common import maybe_lock, median, pretrain_argv, ratio_line, read_metrics, record, run_checked, say, status
+from bench._common import SUMMARY, bar_figure, bert_overrides, config_overrides, cpu_env, deepspeed_launcher, figure
+from bench._common import environment_line, interleaved, maybe_lock, median, pretrain_argv, ratio_line, read_metrics
+from bench._common import record, run_checked, say, status
 from ds_bertopt.cli.balance import corpus_lengths, format_table
 from ds_bertopt.data.config import PEER_STRATEGIES, STRATEGIES as STRATEGIES_ALL, SamplerConfig
 from ds_bertopt.data.cost import CostModel, padded_lengths, slot_lengths
@@ -78,26 +65,22 @@ def layout(world: int, rpn: int, micro: int, accum: int) -> dict:
 
 def record_planner_figures(mix: str, micro: int, accum: int, figures: dict) -> None:
     """Figures for the report: per-strategy imbalance and padding, and one step's work per rank."""
-    names, shape, key = list(figures), f"{micro}×{accum}", f"{micro}x{accum}"
+    shape, key = f"{micro}×{accum}", f"{micro}x{accum}"
     note = f"{WORLD} ranks × {shape}, {RPN} ranks/node, {mix}, cost L + L²/6144, seed 0, {SIM_STEPS} steps"
-    series = [{"label": n, "work_max_over_mean": figures[n].imbalance_mean} for n in names]
-    unit = "max/mean work (1 = perfect)"
+    imbalance, unit = {n: f.imbalance_mean for n, f in figures.items()}, "max/mean work (1 = perfect)"
     title = f"Work max/mean per step by strategy ({shape})"
-    figure(
-        "bars", f"imbalance_{key}", title, series, stack=["work_max_over_mean"], unit=unit, reference=1.02, note=note
-    )
-    series = [{"label": n, "padding_percent": 100 * figures[n].padding} for n in names]
-    unit = "% of computed tokens that are padding"
-    title = f"Padding by strategy ({shape})"
-    figure("bars", f"padding_{key}", title, series, stack=["padding_percent"], unit=unit, note=note)
+    bar_figure(f"imbalance_{key}", title, "work_max_over_mean", imbalance, unit, reference=1.02, note=note)
+    padding, unit = {n: 100 * f.padding for n, f in figures.items()}, "% of computed tokens that are padding"
+    bar_figure(f"padding_{key}", f"Padding by strategy ({shape})", "padding_percent", padding, unit, note=note)
     series = [
-        {"label": n, "x": list(range(WORLD)), "y": sorted(map(float, figures[n].work_per_rank[0]))} for n in names
+        {"label": n, "x": list(range(WORLD)), "y": sorted(map(float, f.work_per_rank[0]))} for n, f in figures.items()
     ]
     axes = {"xlabel": "ranks, sorted by work", "ylabel": "work / mean work"}
     figure("curves", f"work_per_rank_{key}", f"Work per rank in step 0 ({shape})", series, **axes, note=note)
 
 
 def planner_mixes(seqs: tuple[int, ...] = (128, 512)) -> list[tuple[str, int, np.ndarray]]:
+    """(name, sequence length, lengths) of the corpora at each of ``seqs``, then of the MLPerf phase-2 mix."""
     mixes = []
     for name in ("wiki_sample.jsonl", "linux_docs.jsonl.gz"):
         if not (SHARED / name).exists():
@@ -113,12 +96,18 @@ def rounding_floor(lengths: np.ndarray, pad_multiple: int = 8) -> float:
     return float(1 - lengths.sum() / padded_lengths(lengths, pad_multiple).sum())
 
 
+def span(values, spec: str) -> str:
+    """``min–max`` of ``values``, each in the format ``spec``."""
+    values = list(values)
+    return f"{min(values):{spec}}–{max(values):{spec}}"
+
+
 def planner_part() -> None:
     rng = np.random.default_rng(0)
-    single, accumulated = [], []  # (mix, figures of stratified_node_balance, of the paper's scheme, of random)
+    single, accumulated = [], []  # (mix, figures of stratified_node_balance, of the paper's scheme, of random, floor)
     for name, seq, corpus in planner_mixes():
         lengths = simulation_lengths(corpus, WORLD * LOCAL, SIM_STEPS, rng)
-        mix = f"{name} seq {seq}"
+        mix, floor = f"{name} seq {seq}", rounding_floor(lengths)
         for micro, accum in ((16, 1), (2, 8)):
             shape = dict(**layout(WORLD, RPN, micro, accum), cost=CostModel())
             f = {k: r.figures for k, r in evaluate(lengths, cfg=SamplerConfig(), **shape).items()}
@@ -132,44 +121,35 @@ def planner_part() -> None:
                 paper = evaluate(lengths, cfg=PAPER, strategies=("stratified_node_sort",), **shape)
                 paper = paper["stratified_node_sort"].figures
                 line += f" ({paper.imbalance_mean:.3f} with the paper's bins 6/3/2/5)"
-            line += (
-                f", stratified {f['stratified'].imbalance_mean:.3f}, "
-                f"global_sort {f['global_sort'].imbalance_mean:.3f}, "
-                f"sorted_megabatch {f['sorted_megabatch'].imbalance_mean:.3f}, "
-                f"random {f['random'].imbalance_mean:.3f}; "
-                f"padding {100 * ours.padding:.1f} % (random {100 * f['random'].padding:.1f} %, rounding to 8 "
-                f"alone {100 * rounding_floor(lengths):.1f} %); predicted speed-up over random with padded kernels "
+            others = ("stratified", "global_sort", "sorted_megabatch", "random")
+            line += "".join(f", {s} {f[s].imbalance_mean:.3f}" for s in others) + (
+                f"; padding {100 * ours.padding:.1f} % (random {100 * f['random'].padding:.1f} %, rounding to 8 "
+                f"alone {100 * floor:.1f} %); predicted speed-up over random with padded kernels "
                 f"{f['random'].padded_step_time / ours.padded_step_time:.2f}x"
             )
             print(line, flush=True)
             if name.startswith("MLPerf"):
                 record_planner_figures(mix, micro, accum, f)
                 SUMMARY.append(line)
-            (single if accum == 1 else accumulated).append((mix, ours, paper, f["random"], rounding_floor(lengths)))
+            (single if accum == 1 else accumulated).append((mix, ours, paper, f["random"], floor))
     worst = max(single, key=lambda r: r[1].imbalance_mean)
-    spans = [
-        f"{min(r[i].imbalance_mean for r in single):.3f}–{max(r[i].imbalance_mean for r in single):.3f}" for i in (2, 3)
-    ]
     say(
         f"[planner] target stratified_node_balance max/mean work ≤ 1.02 at {WORLD} ranks × 16: "
-        f"{status(worst[1].imbalance_mean <= 1.02)} on {len(single)} mixes (worst "
-        f"{worst[1].imbalance_mean:.3f}, {worst[0]}); the paper's scheme {spans[0]}, random {spans[1]}"
+        f"{status(worst[1].imbalance_mean <= 1.02)} on {len(single)} mixes (worst {worst[1].imbalance_mean:.3f}, "
+        f"{worst[0]}); the paper's scheme {span((r[2].imbalance_mean for r in single), '.3f')}, random "
+        f"{span((r[3].imbalance_mean for r in single), '.3f')}"
     )
     pads = [r[1].padding for r in accumulated]
     say(
         f"[planner] target padding ≤ 3 %: NOT reachable with one micro-batch of 16 (equal sample counts: every "
-        f"stratified local batch spans the whole mix; {100 * min(r[1].padding for r in single):.0f}–"
-        f"{100 * max(r[1].padding for r in single):.0f} %, as random); with 2 × 8 accumulation "
-        f"{status(max(pads) <= 0.03)}: {100 * min(pads):.1f}–{100 * max(pads):.1f} % (rounding to "
-        f"multiples of 8 alone: {100 * min(r[4] for r in accumulated):.1f}–"
-        f"{100 * max(r[4] for r in accumulated):.1f} %), "
+        f"stratified local batch spans the whole mix; {span((100 * r[1].padding for r in single), '.0f')} %, as "
+        f"random); with 2 × 8 accumulation {status(max(pads) <= 0.03)}: {span((100 * p for p in pads), '.1f')} % "
+        f"(rounding to multiples of 8 alone: {span((100 * r[4] for r in accumulated), '.1f')} %), "
         f"padded-cost max/mean ≤ {max(r[1].padded_imbalance_mean for r in accumulated):.3f}"
     )
 
 
-# ------------------------------------------------------------------------------------------------
-# packed micro-batches, next to other libraries' planners
-# ------------------------------------------------------------------------------------------------
+# --- packed micro-batches, next to other libraries' planners
 ISSUE_LAYOUTS = ((16, 16, 1), (1024, 16, 1), (2, 4, 4), (16, 2, 8))  # ranks, micro, accumulation (MLPerf mix)
 SCALE_LAYOUTS = ((1024, 16, 1), (1024, 2, 8))
 PACKED_PLANNERS = ("random", "sorted_megabatch", "stratified_node_balance", OURS, "padded_node_balance")
@@ -184,9 +164,7 @@ PADDED_SHOWN = {  # figure label of each planner drawn on padded kernels, in the
 SMALL_WORLD_STEPS = 200  # steps simulated below 1,024 ranks (global batches of 32-256 are noisy)
 
 
-def packed_layout(
-    mix: str, corpus: np.ndarray, world: int, micro: int, accum: int, budget: float, rng: np.random.Generator
-) -> dict:
+def packed_layout(mix: str, corpus: np.ndarray, world: int, micro: int, accum: int, budget: float, rng) -> dict:
     """Every planner on one layout: figures relative to random on padded kernels, printed as a table."""
     rpn, global_batch = min(RPN, world), world * micro * accum
     steps = SIM_STEPS if world >= WORLD else SMALL_WORLD_STEPS
@@ -225,18 +203,11 @@ def packed_layout(
         f"{rel['stratified_node_balance'][1]:.3f} (unpadded {rel['stratified_node_balance'][0]:.3f}); plan CPU "
         f"s/step packed {res['packed_node_balance'].seconds:.4f}, padded {res['padded_node_balance'].seconds:.4f}"
     )
-    ours = {"label": "packed_node_balance (unpadded kernels)", "step_time_vs_random": rel["packed_node_balance"][0]}
-    series = [ours, *({"label": shown, "step_time_vs_random": rel[n][1]} for n, shown in PADDED_SHOWN.items())]
-    figure(
-        "bars",
-        f"packed_{mix.split()[0]}_{world}x{micro}x{accum}",
-        f"Step time by planner, {label}",
-        series,
-        stack=["step_time_vs_random"],
-        unit="busiest rank's work / random's (padded kernels)",
-        reference=bound,
-        note=f"cost L + L²/6144, seed 0, {res['random'].plan.steps} steps; line: mean work (bound)",
-    )
+    steps = {"packed_node_balance (unpadded kernels)": rel["packed_node_balance"][0]}
+    steps.update({shown: rel[n][1] for n, shown in PADDED_SHOWN.items()})
+    note = f"cost L + L²/6144, seed 0, {res['random'].plan.steps} steps; line: mean work (bound)"
+    unit, file = "busiest rank's work / random's (padded kernels)", f"packed_{mix.split()[0]}_{world}x{micro}x{accum}"
+    bar_figure(file, f"Step time by planner, {label}", "step_time_vs_random", steps, unit, reference=bound, note=note)
     return {"label": label, "world": world, "rel": rel, "bound": bound, "results": res, "lengths": lengths}
 
 
@@ -311,9 +282,7 @@ def packed_waste(indices: np.ndarray, lengths: np.ndarray) -> float:
     return 1.0 - real / int(slot_lengths(indices, lengths).sum())  # every micro-batch computes its samples' slots
 
 
-# ------------------------------------------------------------------------------------------------
-# the seed's scale: one rank's windowed plan, next to the global one where it fits
-# ------------------------------------------------------------------------------------------------
+# --- the seed's scale: one rank's windowed plan, next to the global one where it fits
 SCALE_SIZES = (10_000_000, 30_000_000, 100_000_000)
 SCALE_GLOBAL = {10_000_000: STRATEGIES_ALL, 30_000_000: ("stratified_node_balance", "packed_node_balance")}
 """Where the global plan runs too: every strategy at 10M; at 30M the two of the issue's table (4.0 and 6.5 GiB,
@@ -328,26 +297,20 @@ def scale_part(lock: str | None) -> None:
             np.save(path, synthetic_lengths(n, 0))
             results = []
             for strategy in STRATEGIES_ALL:
-                reference = strategy in SCALE_GLOBAL.get(n, ())
+                view = dict(**layout(WORLD, RPN, LOCAL, 1), reference=strategy in SCALE_GLOBAL.get(n, ()))
                 with maybe_lock(lock):
-                    results += scale_view(
-                        path, strategies=(strategy,), **layout(WORLD, RPN, LOCAL, 1), reference=reference
-                    )
+                    results += scale_view(path, strategies=(strategy,), **view)
                 say(scale_lines(results[-1:], label, SCALE_STEP_TIME)[0])
         for line in scale_lines(results, label, SCALE_STEP_TIME)[len(results) :]:
             say(line)
-        rss = [{"label": r.strategy, "peak_rss_mib": r.window.get("rss_mib", float("nan"))} for r in results]
+        rss = {r.strategy: r.window.get("rss_mib", float("nan")) for r in results}
         unit = "MiB (the process: python, numpy, torch and the planner)"
         note = "windowed sampler in a fresh process; 1 GiB line: the issue's target"
         title = f"Peak RSS of one rank's planner, {label}"
-        figure(
-            "bars", f"scale_{n // 1_000_000}M", title, rss, stack=["peak_rss_mib"], unit=unit, reference=1024, note=note
-        )
+        bar_figure(f"scale_{n // 1_000_000}M", title, "peak_rss_mib", rss, unit, reference=1024, note=note)
 
 
-# ------------------------------------------------------------------------------------------------
-# measured on real ranks: tokens/s under the deepspeed launcher, convergence at equal samples
-# ------------------------------------------------------------------------------------------------
+# --- measured on real ranks: tokens/s under the deepspeed launcher, convergence at equal samples
 def kernel_overrides(strategy: str) -> list[str]:
     """``model.unpadded`` set for every strategy, never left to the config: bert.json turns it on, so a "padded" peer
     left to it runs unpadded too (the ratio then measures the sampler alone)."""
@@ -355,21 +318,12 @@ def kernel_overrides(strategy: str) -> list[str]:
 
 
 def run_overrides(model: str, micro: int, accum: int, steps: int) -> list[str]:
-    return [
-        f"data.train_files={json.dumps([str(SHARED / 'linux_docs.jsonl.gz')])}",
-        f"data.tokenizer={json.dumps(TOKENIZER)}",
-        "data.max_seq_length=512",
-        "data.short_seq_prob=0.7",  # a wide length mix, close to the MLPerf one
-        f"train.max_steps={steps}",
-        "train.log_every=2",
-        "train.eval_every=0",
-        "train.save_model=false",
-        "train.save_every=0",
-        *MODELS[model][1],
-        f"deepspeed.train_micro_batch_size_per_gpu={micro}",
-        f"deepspeed.gradient_accumulation_steps={accum}",
-        "deepspeed.csv_monitor.enabled=false",
-    ]
+    data = dict(train_files=[str(SHARED / "linux_docs.jsonl.gz")], tokenizer=TOKENIZER, max_seq_length=512)
+    data["short_seq_prob"] = 0.7  # a wide length mix, close to the MLPerf one
+    train = dict(max_steps=steps, log_every=2, eval_every=0, save_model=False, save_every=0)
+    batches = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum}
+    deepspeed = {**batches, "csv_monitor.enabled": False}
+    return [*config_overrides(data=data, train=train), *MODELS[model][1], *config_overrides(deepspeed=deepspeed)]
 
 
 def one_run(strategy: str, nodes: int, overrides: list[str], lock: str | None) -> float:
@@ -401,10 +355,8 @@ def predicted(overrides: list[str], world: int, micro: int, accum: int, hidden: 
     cfg = load_config(str(ROOT / "ds_configs" / "bert.json"), [o for o in overrides if not o.startswith("deepspeed.")])
     lengths = build_pretrain_data(cfg.bertopt).lengths
     strategies = tuple(dict.fromkeys(["random", *(s for s in MEASURED if s not in PEER_STRATEGIES)]))
-    cost, seed = CostModel.for_hidden_size(hidden), cfg.bertopt.train.seed
-    res = evaluate(
-        lengths, **layout(world, 2, micro, accum), cfg=cfg.bertopt.sampler, cost=cost, seed=seed, strategies=strategies
-    )
+    shape = dict(**layout(world, 2, micro, accum), cfg=cfg.bertopt.sampler, cost=CostModel.for_hidden_size(hidden))
+    res = evaluate(lengths, **shape, seed=cfg.bertopt.train.seed, strategies=strategies)
     f = {s: r.figures for s, r in res.items()}
     return {s: f["random"].padded_step_time / (f[s].step_time if s == OURS else f[s].padded_step_time) for s in f}
 
@@ -422,61 +374,40 @@ def measured_part(part: str, quick: bool, micro: int, accum: int, repeats: int, 
     def run(strategy: str) -> float:
         started = time.perf_counter()
         tokens[strategy].append(one_run(strategy, nodes, overrides, lock))
-        print(
-            f"  [{label}] round {len(tokens[strategy])}: {strategy} {tokens[strategy][-1]:.0f} tokens/s "
-            f"({time.perf_counter() - started:.0f} s)",
-            flush=True,
-        )
-        return tokens[strategy][-1]
+        took, value = time.perf_counter() - started, tokens[strategy][-1]
+        print(f"  [{label}] round {len(tokens[strategy])}: {strategy} {value:.0f} tokens/s ({took:.0f} s)", flush=True)
+        return value
 
     interleaved({s: functools.partial(run, s) for s in MEASURED}, repeats=repeats, warmup=0)  # alternating order
     what = f"{label}, {model} model, linux_docs seq 512 wide mix, micro {micro} × accum {accum}"
-    for strategy in MEASURED:
-        for base in ("random", "hf_batch_rebalance"):
-            if strategy == base:
-                continue
-            ratio = median(tokens[strategy]) / median(tokens[base])
-            extra = f"; planner predicts {guess[strategy]:.2f}x" if base == "random" and strategy in guess else ""
-            goal = targets.get((strategy, base))
-            verdict = f" (target >= {goal:.1f}x: {status(ratio >= goal)})" if goal else ""
-            say(
-                f"tokens/s {strategy} ({'unpadded' if strategy == OURS else 'padded'}) "
-                + ratio_line(what, tokens[strategy], tokens[base], PEER_NAMES.get(base, base))
-                + f"{verdict}{extra}; medians {median(tokens[strategy]):.0f} vs {median(tokens[base]):.0f}"
-            )
-    figure(
-        "bars",
-        f"tokens_{label.replace(' ', '_').replace('×', 'x')}_{micro}x{accum}",
-        f"Real tokens/s, {what}",
-        [{"label": s, "tokens/s": median(tokens[s])} for s in MEASURED],
-        unit="real tokens/s (median)",
-        stack=["tokens/s"],
-    )
+    for strategy, base in [(s, b) for s in MEASURED for b in ("random", "hf_batch_rebalance") if s != b]:
+        ratio = median(tokens[strategy]) / median(tokens[base])
+        extra = f"; planner predicts {guess[strategy]:.2f}x" if base == "random" and strategy in guess else ""
+        goal = targets.get((strategy, base))
+        verdict = f" (target >= {goal:.1f}x: {status(ratio >= goal)})" if goal else ""
+        say(
+            f"tokens/s {strategy} ({'unpadded' if strategy == OURS else 'padded'}) "
+            + ratio_line(what, tokens[strategy], tokens[base], PEER_NAMES.get(base, base))
+            + f"{verdict}{extra}; medians {median(tokens[strategy]):.0f} vs {median(tokens[base]):.0f}"
+        )
+    medians = {s: median(tokens[s]) for s in MEASURED}
+    file = f"tokens_{label.replace(' ', '_').replace('×', 'x')}_{micro}x{accum}"
+    bar_figure(file, f"Real tokens/s, {what}", "tokens/s", medians, "real tokens/s (median)")
 
 
 def convergence_part(seeds: list[int], steps: int, quick: bool) -> None:
     """Held-out MLM loss at equal samples: unpadded (packed_node_balance) vs padded ``random``, per seed."""
-    overrides = [
-        f"data.train_files={json.dumps([str(SHARED / 'wiki_sample.jsonl')])}",
-        "data.max_seq_length=128",
-        f"train.max_steps={steps}",
-        f"train.eval_every={max(1, steps // 4)}",
-        "train.log_every=10",
-        "train.save_model=false",
-        "deepspeed.csv_monitor.enabled=false",
-        'train.precision="fp32"',
-        *(["data.max_documents=60"] if quick else []),
-    ]
+    data = dict(train_files=[str(SHARED / "wiki_sample.jsonl")], max_seq_length=128)
+    data.update({"max_documents": 60} if quick else {})
+    train = dict(max_steps=steps, eval_every=max(1, steps // 4), log_every=10, save_model=False, precision="fp32")
+    overrides = config_overrides(data=data, train=train, deepspeed={"csv_monitor.enabled": False})
     finals: dict[str, list[float]] = {"random": [], OURS: []}
     for seed in seeds:
         for strategy in finals:
             with tempfile.TemporaryDirectory(prefix="bench_converge_") as out:
                 runs = [*overrides, *kernel_overrides(strategy)]
-                run_checked(
-                    [*deepspeed_launcher(2), *pretrain_argv(out, sampler=strategy, seed=seed, overrides=runs)],
-                    strategy,
-                    timeout=3600,
-                )
+                args = pretrain_argv(out, sampler=strategy, seed=seed, overrides=runs)
+                run_checked([*deepspeed_launcher(2), *args], strategy, timeout=3600)
                 evals = read_metrics(out, "eval_loss")
             finals[strategy].append(evals[-1]["eval_loss"])
             losses = ", ".join(f"{e['step']}:{e['eval_loss']:.3f}" for e in evals)

@@ -3,24 +3,22 @@
     flock /tmp/ds_heavy.lock .venv/bin/python bench/corpus_scale.py        # 25, 100, 400, 1000 MB: about an hour
     .venv/bin/python bench/corpus_scale.py --sizes 5 10 --warm-repeats 1     # a quick look
 
-Each size is a synthetic corpus made of ``../shared/data``'s documents, their sentences reshuffled into documents of
-the real ones' shapes (no two repeat), written outside the checkout (``--work``, removed at the end). Per size:
-**first run**, 1 node x 2 ranks (``launch/pretrain.py``, ``ds_configs/bert.json``, 1 step) on an empty
-``data.cache_dir``, ``train.dist_timeout_s`` at its default: completed?, wall and build seconds, the waiting rank's
-progress lines (the longest gap); **the build over nodes**: 2 simulated nodes x 1 rank on one shared cache against
-1 node x 1 rank (``data.num_proc`` 1): build seconds, equal stored digests?; **build throughput per process**
-(``data.num_proc`` 1, in this process) against the Hugging Face fast tokenizer alone on the same slice and vocabulary,
-interleaved, the best of ``--repeats`` (another job only ever slows a run down); **warm start-up**: a second run,
-2 ranks, minus the package's embedded corpus's, medians of ``--warm-repeats``, with each rank's peak private
-(anonymous) and mapped (file and shared) memory from ``/proc/self/smaps_rollup``. Then the slopes of warm start-up
-and private memory against the training sequences, extrapolated to 40M (Wikipedia at 128 tokens) and 156.7M
-sequences (MLPerf phase 2).
+Each size is a synthetic corpus of ``../shared/data``'s sentences reshuffled into documents of the real ones' shapes,
+outside the checkout (``--work``, removed at the end). Per size: the **first run**, 1 node x 2 ranks
+(``launch/pretrain.py``, ``ds_configs/bert.json``, 1 step, an empty ``data.cache_dir``, the default
+``train.dist_timeout_s``): completed?, wall and build seconds, the waiting rank's longest gap between progress lines;
+**the build over nodes**: 2 simulated nodes x 1 rank on one shared cache vs 1 node x 1 rank (``data.num_proc`` 1):
+build seconds, equal stored digests?; **build throughput per process** vs the Hugging Face fast tokenizer alone on the
+same slice, interleaved, the best of ``--repeats`` (another job only ever slows a run down); **warm start-up**: a second
+2-rank run minus the embedded corpus's, medians of ``--warm-repeats``, with each rank's peak private (anonymous) and
+mapped memory (``/proc/self/smaps_rollup``). Then both extrapolated to 40M and 156.7M sequences.
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import os
 import shutil
@@ -47,12 +45,6 @@ GAP_SLACK_S = 2.0
 
 
 # --------------------------------------------------------------------------------------- the synthetic corpora
-def _sources():
-    for name, opener in (("wiki_sample.jsonl", open), ("linux_docs.jsonl.gz", gzip.open)):
-        with opener(SHARED / name, "rt", encoding="utf-8") as fh:
-            yield from (json.loads(line)["text"] for line in fh)
-
-
 def synthesize(path: Path, megabytes: float, seed: int) -> Path:
     """A jsonl corpus of about ``megabytes`` MB: documents shaped as the real ones (paragraphs of so many
     sentences), filled with sentences drawn at random from all of them."""
@@ -63,24 +55,20 @@ def synthesize(path: Path, megabytes: float, seed: int) -> Path:
     if path.exists():
         return path
     pool, shapes = [], []
-    for text in _sources():
-        shape = []
-        for paragraph in _PARAGRAPH.split(text):
-            sentences = split_sentences(paragraph)
-            pool.extend(sentences)
-            shape += [len(sentences)] if sentences else []
-        shapes += [shape] if shape else []
+    for name, opener in (("wiki_sample.jsonl", open), ("linux_docs.jsonl.gz", gzip.open)):
+        with opener(SHARED / name, "rt", encoding="utf-8") as fh:
+            for line in fh:
+                paragraphs = [s for p in _PARAGRAPH.split(json.loads(line)["text"]) if (s := split_sentences(p))]
+                pool += [sentence for sentences in paragraphs for sentence in sentences]
+                shapes += [[len(sentences) for sentences in paragraphs]] if paragraphs else []
     rng, written, target = np.random.default_rng(seed), 0, int(megabytes * 1e6)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         while written < target:
             shape = shapes[rng.integers(len(shapes))]
-            drawn, at, paragraphs = rng.integers(len(pool), size=sum(shape)), 0, []
-            for count in shape:
-                paragraphs.append(" ".join(pool[i] for i in drawn[at : at + count]))
-                at += count
-            line = json.dumps({"text": "\n\n".join(paragraphs)}) + "\n"
-            written += fh.write(line)
+            drawn = iter(rng.integers(len(pool), size=sum(shape)))  # each paragraph takes the next ``count``
+            text = "\n\n".join(" ".join(pool[i] for i in itertools.islice(drawn, count)) for count in shape)
+            written += fh.write(json.dumps({"text": text}) + "\n")
     tmp.rename(path)
     return path
 
@@ -104,8 +92,7 @@ def as_rank(argv: list[str]) -> int:
 
     def sample():
         while True:
-            for key, value in _memory().items():
-                peak[key] = max(peak[key], value)
+            peak.update({key: max(peak[key], value) for key, value in _memory().items()})
             if stop.wait(0.2):
                 return
 
@@ -162,11 +149,10 @@ def two_nodes(args: list[str], timeout: float) -> bool:
     """2 simulated nodes x 1 rank (``ds_bertopt.testing.multinode``); whether both completed."""
     from ds_bertopt.testing.multinode import run_local_multinode
 
-    results = run_local_multinode(2, 1, args, env=cpu_env(), timeout=timeout, cwd=str(ROOT))
-    for r in results:
-        if r.returncode != 0:
-            print(r.output[-3000:])
-    return all(r.returncode == 0 for r in results)
+    failed = [r for r in run_local_multinode(2, 1, args, env=cpu_env(), timeout=timeout, cwd=str(ROOT)) if r.returncode]
+    for r in failed:
+        print(r.output[-3000:])
+    return not failed
 
 
 def throughput(corpus: Path, tokenizer_dir: str, work: Path, megabytes: float, repeats: int) -> dict:
@@ -185,14 +171,12 @@ def throughput(corpus: Path, tokenizer_dir: str, work: Path, megabytes: float, r
     documents = load_documents(DataConfig(train_files=(str(piece),)), str(work / "slice_cache"))
     texts, tokenizer = list(documents["text"]), load_tokenizer(tokenizer_dir)
     cache, tokens = work / "throughput_cache", 0
+    options = dict(max_seq_length=128, short_seq_prob=0.1, nsp=False, seed=1, split="train", num_proc=1)
 
     def build() -> float:
         shutil.rmtree(cache, ignore_errors=True)  # every build from scratch, its removal not timed
         start = time.perf_counter()
-        build_sequences(
-            documents, tokenizer, max_seq_length=128, short_seq_prob=0.1, nsp=False, seed=1,
-            cache_dir=str(cache), split="train", num_proc=1,
-        )  # fmt: skip
+        build_sequences(documents, tokenizer, cache_dir=str(cache), **options)
         return time.perf_counter() - start
 
     def hf_tokenizer() -> None:
@@ -210,44 +194,42 @@ def measure_size(mb: float, work: Path, args) -> dict:
     corpus = synthesize(work / f"corpus_{mb:g}MB.jsonl", mb, seed=int(mb * 10))
     cache, row = work / f"cache_{mb:g}MB", {"mb": mb, "bytes": corpus.stat().st_size}
     first = run_job(2, pretrain_args(corpus, cache, work / "out"), work / "memory", args.timeout)
-    waits, gap = progress_gaps(first["lines"]) if first["rc"] == 0 else (0, float("inf"))
+    completed = first["rc"] == 0
+    waits, gap = progress_gaps(first["lines"]) if completed else (0, float("inf"))
     timed_out = any("lost contact" in line or "Timed out" in line for _, line in first["lines"])
-    record = stored(cache) if first["rc"] == 0 else {}
+    built = stored(cache) if completed else {}
     row["first"] = {"rc": first["rc"], "wall": first["wall"], "waits": waits, "gap": gap, "timed_out": timed_out}
-    row["first"]["build_s"] = record.get("build_seconds")
-    row["sequences"] = record.get("train", {}).get("rows", 0)
+    row["first"]["build_s"] = built.get("build_seconds")
+    row["sequences"] = built.get("train", {}).get("rows", 0)
     say(
         f"{mb:g} MB ({row['sequences']:,} training sequences): first run, 1 node x 2 ranks: "
-        f"{'completed' if first['rc'] == 0 else 'FAILED (exit %s)' % first['rc']} in {first['wall']:.0f} s (build "
+        f"{'completed' if completed else 'FAILED (exit %s)' % first['rc']} in {first['wall']:.0f} s (build "
         f"{row['first']['build_s']} s); {waits} progress lines while rank 1 waited, longest gap {gap:.0f} s"
     )
-    if first["rc"] != 0:
+    if not completed:
         print("".join(line for _, line in first["lines"][-40:]))
         return row
-    one_cache, two_cache = work / "one_node", work / "two_nodes"
-    extra = ("-o", "data.num_proc=1")
+    one_cache, two_cache, extra = work / "one_node", work / "two_nodes", ("-o", "data.num_proc=1")
     one = run_job(1, pretrain_args(corpus, one_cache, work / "out1", *extra), work / "memory", args.timeout)
     ok = two_nodes(pretrain_args(corpus, two_cache, work / "out2", *extra), args.timeout)
-    digests = {json.dumps([stored(c)["vocabulary"], stored(c)["samples"]]) for c in (cache, one_cache, two_cache)}
-    row["nodes"] = {
-        "one_s": stored(one_cache)["build_seconds"] if one["rc"] == 0 else None,
-        "two_s": stored(two_cache)["build_seconds"] if ok else None,
+    one_built, two_built = stored(one_cache), stored(two_cache)
+    digests = {json.dumps([b["vocabulary"], b["samples"]]) for b in (built, one_built, two_built)}
+    row["nodes"] = n = {
+        "one_s": one_built["build_seconds"] if one["rc"] == 0 else None,
+        "two_s": two_built["build_seconds"] if ok else None,
         "identical": len(digests) == 1,
-        "stages_one": stored(one_cache).get("stage_seconds"),
-        "stages_two": stored(two_cache).get("stage_seconds"),
+        "stages_one": one_built.get("stage_seconds"),
+        "stages_two": two_built.get("stage_seconds"),
     }
     for folder in (one_cache, two_cache):
         shutil.rmtree(folder, ignore_errors=True)
-    n = row["nodes"]
     speedup = n["one_s"] / n["two_s"] if n["one_s"] and n["two_s"] else 0.0  # 0: one of the builds failed
     say(
         f"{mb:g} MB: build on 2 simulated nodes (one shared data.cache_dir, 1 process each) vs 1 node: "
         f"{speedup:.2f}x faster ({n['two_s']} s vs {n['one_s']} s); identical result "
         f"(stored digests of the 2-node, 1-node and 2-rank builds): {'yes' if n['identical'] else 'NO'}"
     )
-    tokenizer_dir = str(cache / record["tokenizer"])
-    row["throughput"] = throughput(corpus, tokenizer_dir, work, args.slice_mb, args.repeats)
-    t = row["throughput"]
+    row["throughput"] = t = throughput(corpus, str(cache / built["tokenizer"]), work, args.slice_mb, args.repeats)
     say(
         f"{mb:g} MB: build (tokenize + sequences) per process vs HF fast tokenizer alone: "
         f"{t['build_tps'] / t['hf_tps']:.2f}x (best of {args.repeats} each: {t['build_tps']:,.0f} vs "
@@ -273,8 +255,8 @@ def warm_starts(rows: list[dict], work: Path, args) -> dict:
             out[name]["memory"].append(job["memory"])
     for result in out.values():
         result["median"] = statistics.median(result["wall"])
-        result["private"] = max(m["private"] for memory in result["memory"] for m in memory)
-        result["mapped"] = max(m["mapped"] for memory in result["memory"] for m in memory)
+        for key in ("private", "mapped"):
+            result[key] = max(m[key] for memory in result["memory"] for m in memory)
     return out
 
 
@@ -312,13 +294,9 @@ def main(argv=None) -> int:
                 f"{w['private'] / 2**20:,.0f} MiB, mapped {w['mapped'] / 2**20:,.0f} MiB (peaks)"
             )
         summarize(rows, done, base, args)
-        record(
-            "corpus_scale",
-            f"synthetic corpora from ../shared/data; ds_configs/bert.json, 1 step; warm: medians of "
-            f"{args.warm_repeats}; throughput: best of {args.repeats} on {args.slice_mb:g} MB; one machine",
-            sizes=rows,
-            embedded={k: v for k, v in base.items() if k != "memory"},
-        )
+        note = "synthetic corpora from ../shared/data; ds_configs/bert.json, 1 step; warm: medians of "
+        note += f"{args.warm_repeats}; throughput: best of {args.repeats} on {args.slice_mb:g} MB; one machine"
+        record("corpus_scale", note, sizes=rows, embedded={k: v for k, v in base.items() if k != "memory"})
         return 0 if len(done) == len(rows) else 1
     finally:
         if not args.keep:
@@ -380,9 +358,8 @@ def summarize(rows: list[dict], done: list[dict], base: dict, args) -> None:
     )
     millions, axis = [float(x) / 1e6 for x in n], {"xlabel": "training sequences (millions)"}
     warm = [{"label": "measured", "x": millions, "y": [float(a) for a in added]}]
-    figure(
-        "curves", "warm_start", "Warm start-up over the embedded corpus, 2 ranks", warm, **axis, ylabel="seconds added"
-    )
+    title = "Warm start-up over the embedded corpus, 2 ranks"
+    figure("curves", "warm_start", title, warm, **axis, ylabel="seconds added")
     memory = [
         {"label": "private (anonymous)", "x": millions, "y": [float(p) / 2**20 for p in private]},
         {"label": "mapped (files)", "x": millions, "y": [r["memory"]["mapped"] / 2**20 for r in done]},

@@ -12,8 +12,8 @@ hyper-parameters, seed and micro-batch (16 examples per rank; NER 32: at 16 the 
 costs); a task's contenders run one after another; NER averages ``--ner-seeds``.
 
 * **speed**: examples (NER: real tokens) per second from every optimizer step's wall time (loading and collating
-  included), the run after its first step cut into 10 windows: the median of their rates. MFU = model FLOPs on the
-  real tokens / time / the GEMM peak (``bench/mfu.py``'s, one thread, times 2 ranks) measured in the same run.
+  included), the run after its first step (a one-step run: that step) cut into 10 windows: the median of their rates.
+  MFU = model FLOPs on the real tokens / time / the GEMM peak (``bench/mfu.py``'s, one thread, times 2 ranks).
 * **peak** (the targets): one training step on the same random batches of 16 BoolQ training examples (their real
   lengths, padded to the longest or packed), a fresh child per setup as ``ds-bertopt memory`` measures it; the median
   of the per-batch ratios. Printed without a target: each training process's RSS high-water mark during the epoch
@@ -21,8 +21,6 @@ costs); a task's contenders run one after another; NER averages ``--ner-seeds``.
 * **scores**: on the dev files (BoolQ accuracy, entity F1 with seqeval semantics) or on the 20 % of ``disfl_qa.jsonl``
   held out (EM and F1 by the SQuAD v2 rules). BoolQ runs one seed: its accuracy on 1,640 dev questions has a standard
   error near 1.2 points, more than the 0.5-point target resolves.
-
-``--boolq-train N`` trains BoolQ on the first N training examples (the same for every contender; the output says so).
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import figure, ROOT, cpu_kind, deepspeed_launcher, environment_line, median, record, run_checked
-from bench._common import say, status
+from bench._common import say, status, trainer_ds_config
 
 SHARED = ROOT.parent / "shared" / "data"
 OURS = {"model": {"unpadded": True}, "sampler": {"strategy": "packed_node_balance"}}
@@ -54,6 +52,7 @@ COMMON = [
 ]  # fmt: skip
 WINDOWS = 10
 MINILM = dict(hidden=384, ffn=1536, layers=6)
+GiB, MiB = 2**30, 2**20
 
 
 def task_arguments(task: str, quick: bool, boolq_train: int | None) -> list[str]:
@@ -82,17 +81,21 @@ def task_arguments(task: str, quick: bool, boolq_train: int | None) -> list[str]
     return args + (["--max_train_samples", "192", "--max_eval_samples", "64"] if quick else [])
 
 
+def windows(step_s: list[float], batch: int) -> tuple[list[float], list[float]]:
+    """``(examples/s, s/step)`` of :data:`WINDOWS` windows of the optimizer steps after the first (all of them when
+    there is only one); none when there is no step."""
+    steps = step_s[1:] or step_s
+    size = max(1, -(-len(steps) // WINDOWS))
+    chunks = [steps[i : i + size] for i in range(0, len(steps), size)]
+    return [len(c) * batch / sum(c) for c in chunks], [sum(c) / len(c) for c in chunks]
+
+
 def run(task: str, name: str, work: Path, script_args: list[str], seed: int, stage: int) -> dict:
     """One contender under the deepspeed launcher; its ranks' measurements, merged."""
     trainer, section, extra = CONTENDERS[name]
     out = work / f"{task}_{name.replace(' ', '_').replace('+', 'and')}_{seed}"
-    config = {
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-        "gradient_clipping": "auto", "zero_optimization": {"stage": stage}, "bf16": {"enabled": False},
-        "steps_per_print": 1_000_000, **({"bertopt": section} if section else {}),
-    }  # fmt: skip
     out.mkdir(parents=True)
-    (out / "ds.json").write_text(json.dumps(config))
+    (out / "ds.json").write_text(json.dumps(trainer_ds_config(stage, **({"bertopt": section} if section else {}))))
     cmd = [
         *deepspeed_launcher(2), str(ROOT / "bench" / "finetune_tasks_run.py"), "--task", task, "--trainer", trainer,
         "--out", str(out), *script_args, *extra, "--seed", str(seed), "--deepspeed", str(out / "ds.json"),
@@ -101,20 +104,12 @@ def run(task: str, name: str, work: Path, script_args: list[str], seed: int, sta
     print(f"[{task}] {name} ...", flush=True)
     run_checked(cmd, f"{task} {name}", timeout=14400)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    steps = [max(times) for times in zip(*(r["step_s"] for r in ranks))][1:]  # a step ends when both ranks are done
-    size = -(-len(steps) // WINDOWS)
-    chunks = [steps[i : i + size] for i in range(0, len(steps), size)]
-    result = {
-        "rates": [len(c) * ranks[0]["batch"] / sum(c) for c in chunks],
-        "step_s": [sum(c) / len(c) for c in chunks],
-        "train_s": max(r["train_s"] for r in ranks),
-        "steps": ranks[0]["steps"],
-        "batch": ranks[0]["batch"],
-        "peak": max(r["peak"] for r in ranks),
-        "exact_peak": all(r["exact_peak"] for r in ranks),
-        "eval": ranks[0]["eval"],
-    }
-    print(f"[{task}] {name}: {speed(result):.2f} examples/s, peak {result['peak'] / 2**30:.2f} GiB, {result['eval']}")
+    steps = [max(times) for times in zip(*(r["step_s"] for r in ranks))]  # a step ends when both ranks are done
+    rates, step_s = windows(steps, ranks[0]["batch"])
+    result = {"rates": rates, "step_s": step_s, "train_s": max(r["train_s"] for r in ranks)}
+    result.update(steps=ranks[0]["steps"], batch=ranks[0]["batch"], peak=max(r["peak"] for r in ranks))
+    result.update(exact_peak=all(r["exact_peak"] for r in ranks), eval=ranks[0]["eval"])
+    print(f"[{task}] {name}: {speed(result):.2f} examples/s, peak {result['peak'] / GiB:.2f} GiB, {result['eval']}")
     return result
 
 
@@ -160,34 +155,13 @@ def flops_per_token(lengths: list[int]) -> float:
     return total / sum(lengths)
 
 
+def mid(values: list[float]) -> float:
+    """The median; NaN for none (a run without an optimizer step)."""
+    return median(values) if values else float("nan")
+
+
 def speed(result: dict) -> float:
-    return median(result["rates"])
-
-
-def bars(file: str, title: str, values: dict[str, float], unit: str) -> None:
-    """A figure of one bar per label, in ``unit``."""
-    figure("bars", file, title, [{"label": k, unit: v} for k, v in values.items()], unit=unit, stack=[unit])
-
-
-def ratio_line(what: str, ours: str, theirs: str, results: dict, target: float, unit: str, scale: float = 1.0):
-    a, b = speed(results[ours]) * scale, speed(results[theirs]) * scale
-    ratio = a / b
-    say(
-        f"{what}, {ours} vs {theirs}: {ratio:.2f}x (median of {len(results[ours]['rates'])}); {a:.1f} vs {b:.1f} "
-        f"{unit}; target >= {target}x: {status(ratio >= target)}"
-    )
-
-
-def score_line(what: str, key: str, ours: str, theirs: str, results: dict, within: float) -> None:
-    a, b = 100 * results[ours]["eval"][key], 100 * results[theirs]["eval"][key]
-    seeds = ""
-    if "seeds" in results[ours]:
-        each = ["/".join(f"{100 * s[key]:.2f}" for s in results[n]["seeds"]) for n in (ours, theirs)]
-        seeds = f"; mean of {len(results[ours]['seeds'])} seeds: {each[0]} vs {each[1]}"
-    say(
-        f"{what}, {ours} vs {theirs}: {a:.2f} vs {b:.2f} ({a - b:+.2f} points{seeds}; target within {within} "
-        f"points): {status(a >= b - within)}"
-    )
+    return mid(result["rates"])
 
 
 STEP_SETUPS = {  # the one-step peak at the same batch: (packed, wtacrs)
@@ -215,29 +189,8 @@ def step_peaks(lengths: list[int], batches: int) -> dict[str, list[float]]:
             spec.update(lengths=batch, batch=16, seq=max(batch), threads=1)
             peaks[name].append(measure_step_in_child(spec)["step_peak"])
         print(f"[glue] step peaks, a batch of {sum(batch)} real tokens, longest {max(batch)}: "
-              + ", ".join(f"{n} {p[-1] / 2**20:.0f} MiB" for n, p in peaks.items()), flush=True)  # fmt: skip
+              + ", ".join(f"{n} {p[-1] / MiB:.0f} MiB" for n, p in peaks.items()), flush=True)  # fmt: skip
     return peaks
-
-
-def peak_line(what: str, ours: str, theirs: str, peaks: dict, target: float) -> None:
-    ratios = [b / a for a, b in zip(peaks[ours], peaks[theirs])]
-    ratio = median(ratios)
-    a, b = (median(peaks[n]) / 2**20 for n in (ours, theirs))
-    say(
-        f"{what}: {theirs} / {ours} = {ratio:.2f}x (median of {len(ratios)}) lower one-step peak ({a:.0f} vs {b:.0f} "
-        f"MiB: weights, gradients, AdamW state, activations; the same random batches of 16); target >= {target}x: "
-        f"{status(ratio >= target)}"
-    )
-
-
-def run_peak_line(ours: str, theirs: str, results: dict) -> None:
-    """The whole training process's high-water mark (context, no target: allocator and loading leftovers included)."""
-    a, b = results[ours]["peak"], results[theirs]["peak"]
-    exact = "" if results[ours]["exact_peak"] and results[theirs]["exact_peak"] else " (high-water mark not reset)"
-    say(
-        f"BoolQ training process peak, {theirs} / {ours}: {b / a:.2f}x ({a / 2**30:.2f} vs {b / 2**30:.2f} GiB: RSS "
-        f"high-water mark of the epoch above the bare process, the larger rank{exact})"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,34 +251,67 @@ def report(results: dict, args, peak: float) -> None:
             scores = {k: round(v, 4) for k, v in result["eval"].items() if isinstance(v, float)}
             say(
                 f"{task} {name}: {speed(result):.2f} examples/s ({speed(result) * tokens:.0f} real tokens/s, MFU "
-                f"{mfu:.3f}), {median(result['step_s']):.3f} s/step, peak {result['peak'] / 2**30:.2f} "
+                f"{mfu:.3f}), {mid(result['step_s']):.3f} s/step, peak {result['peak'] / GiB:.2f} "
                 f"GiB, {result['steps']} steps, scores {json.dumps(scores)}"
             )
-            rates[f"{task}: {name}"], memory[f"{task}: {name}"] = speed(result), result["peak"] / 2**30
+            rates[f"{task}: {name}"], memory[f"{task}: {name}"] = speed(result), result["peak"] / GiB
+
+    def ratio(what: str, ours: str, theirs: str, r: dict, target: float, unit: str, scale: float = 1.0) -> None:
+        a, b = speed(r[ours]) * scale, speed(r[theirs]) * scale
+        say(
+            f"{what}, {ours} vs {theirs}: {a / b:.2f}x (median of {len(r[ours]['rates'])}); {a:.1f} vs {b:.1f} "
+            f"{unit}; target >= {target}x: {status(a / b >= target)}"
+        )
+
+    def score(what: str, key: str, ours: str, theirs: str, r: dict, within: float) -> None:
+        a, b = 100 * r[ours]["eval"][key], 100 * r[theirs]["eval"][key]
+        seeds = ""
+        if "seeds" in r[ours]:
+            each = ["/".join(f"{100 * s[key]:.2f}" for s in r[n]["seeds"]) for n in (ours, theirs)]
+            seeds = f"; mean of {len(r[ours]['seeds'])} seeds: {each[0]} vs {each[1]}"
+        say(
+            f"{what}, {ours} vs {theirs}: {a:.2f} vs {b:.2f} ({a - b:+.2f} points{seeds}; target within {within} "
+            f"points): {status(a >= b - within)}"
+        )
+
     if "glue" in results:
-        r = results["glue"]
+        r, peaks = results["glue"], results["glue"]["_step_peaks"]
         subset = f"first {args.boolq_train} of 9,427 training examples" if args.boolq_train else "all 9,427 training"
         subset = "quick subset" if args.quick else subset
         say(f"BoolQ, max length 256, one epoch ({subset}; {r['_examples']} examples, {r['_tokens_per_example']:.0f} "
             "real tokens each on average):")  # fmt: skip
-        score_line("BoolQ dev accuracy", "accuracy", "ours unpadded", "HF padded", r, 0.5)
-        ratio_line("BoolQ training examples/s", "ours unpadded", "HF padded", r, 1.5, "examples/s")
-        ratio_line("BoolQ training examples/s", "ours unpadded", "HF group_by_length", r, 1.15, "examples/s")
-        peak_line("BoolQ peak memory at the same batch", "ours unpadded", "HF padded", r["_step_peaks"], 1.5)
-        peak_line("BoolQ preset balanced, peak", "ours + preset balanced", "HF padded", r["_step_peaks"], 2.5)
-        for name in ("ours unpadded", "ours + preset balanced"):
-            run_peak_line(name, "HF padded", r)
-        score_line("BoolQ preset balanced, dev accuracy", "accuracy", "ours + preset balanced", "HF padded", r, 1.0)
-        a, b = (median(r[n]["step_s"]) for n in ("ours + preset balanced", "HF padded"))
+        score("BoolQ dev accuracy", "accuracy", "ours unpadded", "HF padded", r, 0.5)
+        ratio("BoolQ training examples/s", "ours unpadded", "HF padded", r, 1.5, "examples/s")
+        ratio("BoolQ training examples/s", "ours unpadded", "HF group_by_length", r, 1.15, "examples/s")
+        for what, ours, target in (
+            ("BoolQ peak memory at the same batch", "ours unpadded", 1.5),
+            ("BoolQ preset balanced, peak", "ours + preset balanced", 2.5),
+        ):
+            ratios = [b / a for a, b in zip(peaks[ours], peaks["HF padded"])]
+            a, b = (median(peaks[n]) / MiB for n in (ours, "HF padded"))
+            say(
+                f"{what}: HF padded / {ours} = {median(ratios):.2f}x (median of {len(ratios)}) lower one-step peak "
+                f"({a:.0f} vs {b:.0f} MiB: weights, gradients, AdamW state, activations; the same random batches of "
+                f"16); target >= {target}x: {status(median(ratios) >= target)}"
+            )
+        for ours in ("ours unpadded", "ours + preset balanced"):  # context, no target: allocator and loading included
+            a, b = r[ours]["peak"], r["HF padded"]["peak"]
+            exact = "" if r[ours]["exact_peak"] and r["HF padded"]["exact_peak"] else " (high-water mark not reset)"
+            say(
+                f"BoolQ training process peak, HF padded / {ours}: {b / a:.2f}x ({a / GiB:.2f} vs {b / GiB:.2f} GiB: "
+                f"RSS high-water mark of the epoch above the bare process, the larger rank{exact})"
+            )
+        score("BoolQ preset balanced, dev accuracy", "accuracy", "ours + preset balanced", "HF padded", r, 1.0)
+        a, b = (mid(r[n]["step_s"]) for n in ("ours + preset balanced", "HF padded"))
         say(
             f"BoolQ preset balanced, step time vs HF padded: {a / b:.2f}x (median of {WINDOWS}); {a:.3f} vs {b:.3f} "
             f"s/step; target <= 1.0x: {status(a / b <= 1.0)}"
         )
     if "ner" in results:
         r = results["ner"]
-        score_line("Twitter NER entity F1", "f1", "ours unpadded", "HF padded", r, 0.5)
+        score("Twitter NER entity F1", "f1", "ours unpadded", "HF padded", r, 0.5)
         scale = r["_tokens_per_example"]
-        ratio_line("Twitter NER training tokens/s", "ours unpadded", "HF padded", r, 1.3, "real tokens/s", scale)
+        ratio("Twitter NER training tokens/s", "ours unpadded", "HF padded", r, 1.3, "real tokens/s", scale)
     if "qa" in results:
         r = results["qa"]
         ours, theirs = r["ours unpadded"]["eval"], r["HF padded"]["eval"]
@@ -335,12 +321,14 @@ def report(results: dict, args, peak: float) -> None:
             f"{100 * ours['exact_match']:.2f} F1 {100 * ours['f1']:.2f}, HF run_qa-style EM "
             f"{100 * theirs['exact_match']:.2f} F1 {100 * theirs['f1']:.2f}; whole path runs: {status(ran)}"
         )
-        ratio_line("QA training examples/s", "ours unpadded", "HF padded", r, 1.3, "windows/s")
-    bars("speed", "Training examples/s (median of windows)", rates, "examples/s")
+        ratio("QA training examples/s", "ours unpadded", "HF padded", r, 1.3, "windows/s")
+    bars = {"speed": ("Training examples/s (median of windows)", rates, "examples/s")}
     if "glue" in results:
-        steps = {n: median(p) / 2**20 for n, p in results["glue"]["_step_peaks"].items()}
-        bars("step_peak", "BoolQ one-step peak at the same batches of 16 (median)", steps, "MiB")
-    bars("peak", "Training process peak memory (RSS above the bare process)", memory, "GiB")
+        steps = {n: median(p) / MiB for n, p in results["glue"]["_step_peaks"].items()}
+        bars["step_peak"] = ("BoolQ one-step peak at the same batches of 16 (median)", steps, "MiB")
+    bars["peak"] = ("Training process peak memory (RSS above the bare process)", memory, "GiB")
+    for file, (title, values, unit) in bars.items():
+        figure("bars", file, title, [{"label": k, unit: v} for k, v in values.items()], unit=unit, stack=[unit])
 
 
 if __name__ == "__main__":

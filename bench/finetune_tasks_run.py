@@ -1,10 +1,8 @@
 """One contender of ``bench/finetune_tasks.py``: ``examples/run_glue.py``, ``run_ner.py`` or ``run_qa.py`` as written
-(``BertOptTrainer``: ours) or with transformers' ``Trainer`` (the stock script), trained and evaluated under the
-``deepspeed`` launcher, measured by a callback. Each rank writes ``<out>/rank<N>.json``: ``step_s``, every optimizer
-step's wall time (``on_step_end`` to ``on_step_end``, loading and collating included; the first from
-``on_train_begin``); ``train_s``; ``steps``; ``batch`` (examples per optimizer step, all ranks); ``peak``, the RSS
-high-water mark of training (reset as it begins: ``/proc/self/clear_refs``) above the RSS after the imports;
-``eval``, the script's scores after training.
+(``BertOptTrainer``: ours) or with transformers' ``Trainer``, under the ``deepspeed`` launcher, measured by a callback.
+Each rank writes ``<out>/rank<N>.json``: ``step_s`` (every optimizer step's wall time, step end to step end, the first
+from ``on_train_begin``), ``train_s``, ``steps``, ``batch`` (examples per optimizer step, all ranks), ``peak`` (the RSS
+high-water mark of training, reset as it begins, above the RSS after the imports) and ``eval`` (the script's scores).
 
     deepspeed --num_gpus 2 bench/finetune_tasks_run.py --task glue --trainer hf --out DIR -- <script arguments>
 """
@@ -19,8 +17,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT)]
 
 import deepspeed  # noqa: E402,F401  - import cost belongs to the bare RSS, not the training
 import torch  # noqa: E402
@@ -36,10 +33,9 @@ SCRIPTS = {"glue": "run_glue", "ner": "run_ner", "qa": "run_qa"}
 class Meter(transformers.TrainerCallback):
     def __init__(self):
         self.step_s: list[float] = []
-        self.exact_peak = False
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.exact_peak = _reset_peak()
+        self.exact_peak = _reset_peak()  # /proc/self/clear_refs
         self.begin = self.last = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -59,8 +55,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
     args, script_argv = parser.parse_known_args(argv)
-    script = importlib.import_module(SCRIPTS[args.task])
-    meter = Meter()
+    script, meter = importlib.import_module(SCRIPTS[args.task]), Meter()
     trainer_class = BertOptTrainer if args.trainer == "ours" else transformers.Trainer
     built = script.build_trainer(script_argv, trainer_class=trainer_class, callbacks=[meter])
     trainer, evaluation = built if isinstance(built, tuple) else (built, None)
@@ -73,9 +68,8 @@ def main(argv: list[str]) -> int:
     result = {"step_s": meter.step_s, "train_s": meter.train_s, "steps": trainer.state.global_step}
     result["batch"] = training.per_device_train_batch_size * training.gradient_accumulation_steps * training.world_size
     result.update(peak=meter.peak, exact_peak=meter.exact_peak, eval=scores, threads=torch.get_num_threads())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{training.process_index}.json").write_text(json.dumps(result))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, f"rank{training.process_index}.json").write_text(json.dumps(result))
     if torch.distributed.is_initialized():  # a clean exit: gloo's threads torn down before the interpreter's
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -82,19 +82,15 @@ def run_section(name: str, ctx: Ctx) -> Result:
     return result
 
 
-def cuda_gpus(sections: list) -> Optional[int]:
-    """The GPUs torch sees; None (each section SKIPPED, said) when torch does not import or sees none."""
+def cuda_gpus() -> tuple:
+    """(the GPUs torch sees, None) or (None, why each section is SKIPPED) when torch does not import or sees none."""
     try:
         import torch
     except Exception as exc:  # noqa: BLE001 - a broken install is reported per section, not as a traceback
-        why = f"torch not importable: {brief(exc, 120)}"
-    else:
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
-        why = f"torch {torch.__version__} sees no CUDA device; use --device cpu for a smoke run"
-    for name in sections:
-        say(f"{name}: SKIPPED({why})")
-    return None
+        return None, f"torch not importable: {brief(exc, 120)}"
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), None
+    return None, f"torch {torch.__version__} sees no CUDA device; use --device cpu for a smoke run"
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -118,16 +114,15 @@ def main(argv: Optional[list] = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGTERM, on_terminate)
     start = time.monotonic()
-    gpus = args.gpus
-    if args.device == "cuda":
-        visible = cuda_gpus(args.sections)
-        if visible is None:
-            return 0
-        gpus = visible if gpus is None else gpus
+    gpus, why = cuda_gpus() if args.device == "cuda" else (1, None)
+    if why:
+        for name in args.sections:
+            say(f"{name}: SKIPPED({why})")
+        return 0
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_"))
     workdir.mkdir(parents=True, exist_ok=True)
     jobs = max(1, min(6, (os.cpu_count() or 4) // 3)) if args.device == "cuda" else 2  # runs at once on one GPU
-    ctx = Ctx(args.device, args.tiny, 1 if gpus is None else gpus, workdir, start + args.budget, jobs)
+    ctx = Ctx(args.device, args.tiny, args.gpus or gpus, workdir, start + args.budget, jobs)
     results = [run_section(name, ctx) for name in args.sections]
     failed = [n for n, r in zip(args.sections, results) if r.status == "FAIL"]
     if len(args.sections) > 1:

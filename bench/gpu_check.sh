@@ -11,8 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
 limit=${GPU_CHECK_LIMIT_S:-470}
-deadline=$((started + limit))
-left() { echo $((deadline - SECONDS)); }
+left() { echo $((started + limit - SECONDS)); }
 
 sections="conformance precision lamb_equal resume wtacrs memory syncs unpadded nccl"
 WHEELS="${WHEELS:-}"
@@ -46,9 +45,7 @@ install() {  # offline from $WHEELS, with dependencies from the same directory, 
     || timeout 120 "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-deps "$@" \
     || echo "[gpu_check] could not install all of: $* (sections needing them will say so)"
 }
-if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  install torch
-fi
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || install torch
 missing=$("$PY" - <<'PY'
 import importlib.util
 need = {"deepspeed": "deepspeed>=0.16,<0.20", "transformers": "transformers", "datasets": "datasets",
@@ -75,12 +72,12 @@ for section in $sections; do
   timeout -k 10 "$budget" "$PY" bench/gpu_check.py --sections "$section" --budget $((budget - 5)) \
       --workdir "$work" ${GPU_CHECK_ARGS:-} 2>&1 | tee "$log"
   status=${PIPESTATUS[0]}
-  if ! grep -Eq "$(summary_re "$section")" "$log"; then
-    if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
-      echo "[gpu_check] $section: FAIL timed out after its ${budget} s budget" | tee -a "$log"
-    else
-      echo "[gpu_check] $section: FAIL exit status $status without a summary line (see $log)" | tee -a "$log"
-    fi
+  if grep -Eq "$(summary_re "$section")" "$log"; then
+    continue
+  elif [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+    echo "[gpu_check] $section: FAIL timed out after its ${budget} s budget" | tee -a "$log"
+  else
+    echo "[gpu_check] $section: FAIL exit status $status without a summary line (see $log)" | tee -a "$log"
   fi
 done
 

@@ -19,7 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from functools import partial
+from typing import Iterator, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,7 +42,7 @@ def run_scenario(scenario: ttt.Scenario, args, work: Path, baseline_hint: Option
     else:
         ablations = args.ablations and scenario.name == "wiki128"
         ours, aliases = ttt.ours_contenders(prep.cfg.bertopt.model.hidden_size, args.all_on_optimizer, ablations)
-        hf_names = [n for n in args.hf if n in ttt.HF_CONTENDERS]
+        hf_names = ["hf_group_texts"] if args.quick else list(ttt.HF_CONTENDERS)
     for alias, source in aliases.items():
         print(f"[{scenario.name}] {alias}: the same config as {source} (bert.json turns it on): not run twice")
     if scenario.nodes > 1 and baseline_hint:
@@ -66,23 +67,18 @@ def run_scenario(scenario: ttt.Scenario, args, work: Path, baseline_hint: Option
             remove_stale()
             net = stack.enter_context(NetNamespaces(scenario.nodes, rate=scenario.rate, burst="256kb", latency="50ms"))
 
-        def runner(name: str, seeds_left: list[int]):
-            seed_iter = iter(seeds_left)
-
-            def go() -> float:
-                run = ttt.run_one(scenario, prep, name, ours.get(name), next(seed_iter), args, net)
-                runs.setdefault(name, []).append(run)
-                return run.wall_s
-
-            return go
+        def go(name: str, todo: Iterator[int]) -> float:  # the contender's next seed
+            run = ttt.run_one(scenario, prep, name, ours.get(name), next(todo), args, net)
+            runs.setdefault(name, []).append(run)
+            return run.wall_s
 
         # First seed: every contender. The baseline is chosen on it; it and ours run the other seeds, interleaved
         # round by round with alternating order (``interleaved``), so drift on a shared machine hits all alike.
-        interleaved({name: runner(name, seeds[:1]) for name in [*hf_names, *ours]}, repeats=1, warmup=0)
+        interleaved({name: partial(go, name, iter(seeds[:1])) for name in [*hf_names, *ours]}, repeats=1, warmup=0)
         # the stronger way, and MLPerf's fixed high quality: the HF contender whose final accuracy is highest
         baseline = max(hf_names, key=lambda name: runs[name][0].final)
         if len(seeds) > 1:
-            later = {name: runner(name, seeds[1:]) for name in [*ours, baseline]}  # ours first this round
+            later = {name: partial(go, name, iter(seeds[1:])) for name in [*ours, baseline]}  # ours first this round
             interleaved(later, repeats=len(seeds) - 1, warmup=0)
     runs.update({alias: runs[source] for alias, source in aliases.items()})
     return summarise(scenario, prep, runs, baseline, hf_names, aliases)
@@ -138,13 +134,14 @@ def summarise(scenario: ttt.Scenario, prep, runs: dict[str, list[ttt.Run]], base
         )
     TABLES.append("\n".join(table))
     ratios: dict[str, float] = {}
-
-    def compare(contender: str, reference: str, key: str) -> None:
+    pairs = [(c, baseline, c) for c in ours_names]  # (contender, reference, key)
+    pairs += [(c, "ours_off", f"{c}_vs_off") for c in ours_names if c != "ours_off" and "ours_off" in runs]
+    for contender, reference, key in pairs:
         ours_s, ref_s = per[contender][0], per[reference][0]
         if any(math.isinf(v) for v in ours_s + ref_s):
             say(f"[{name}] time to target {contender} vs {reference}: n/a (not reached in every run)")
             ratios[key] = math.inf
-            return
+            continue
         say(ratio_line(f"[{name}] time to target {contender}", ours_s, ref_s, reference))
         ratios[key] = median(ours_s) / median(ref_s)
         # what the start-up hides, and what the samples say (printed, not judged)
@@ -153,12 +150,6 @@ def summarise(scenario: ttt.Scenario, prep, runs: dict[str, list[ttt.Run]], base
         what = f"[{name}] training time to target (extrapolated start-up taken out) {contender}"
         print(ratio_line(what, *training, reference))
         print(ratio_line(f"[{name}] samples to target {contender}", per[contender][1], per[reference][1], reference))
-
-    for contender in ours_names:
-        compare(contender, baseline, contender)
-    for contender in ours_names:
-        if contender != "ours_off" and "ours_off" in runs:
-            compare(contender, "ours_off", f"{contender}_vs_off")
     curves = [{"label": r.label, "x": r.times, "y": r.accuracy} for c in runs if c not in aliases for r in runs[c]]
     figure(
         "curves",
@@ -237,8 +228,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--points", type=int, help="snapshots per run (default 15, quick 10)")
     p.add_argument("--masks", type=int, help="most fixed mask sets per held-out sequence (default 4, quick 2)")
     p.add_argument("--yardstick-tokens", type=int, default=10000, help="add mask sets until this many masked tokens")
-    hf = sorted(ttt.HF_CONTENDERS)
-    p.add_argument("--hf", nargs="+", choices=hf, help="Hugging Face contenders (default: all; quick: hf_group_texts)")
     p.add_argument("--all-on-optimizer", choices=sorted(ttt.ALL_ON_OPTIMIZERS), default="adamw")
     ablations = "wiki128: also each capability alone (default: in full mode)"
     p.add_argument("--ablations", action=argparse.BooleanOptionalAction, help=ablations)
@@ -260,7 +249,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.seeds = args.seeds or ([1] if quick else [1, 2])
     args.points = args.points or (10 if quick else 15)
     args.masks = args.masks or (2 if quick else 4)
-    args.hf = args.hf or (["hf_group_texts"] if quick else list(ttt.HF_CONTENDERS))
     args.ablations = (not quick) if args.ablations is None else args.ablations
     print(environment_line(), flush=True)
     if not (ttt.SHARED / ttt.WIKI).exists():
@@ -288,14 +276,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"[{name}] {time.perf_counter() - begun:.0f} s", flush=True)
         targets(results)
     print(f"done in {time.perf_counter() - started:.0f} s")
-    record(
-        args.record_as,
+    note = (
         f"{'quick' if quick else 'full'} mode; seeds {args.seeds}; {args.points} snapshots per run; yardstick: up to "
         f"{args.masks} mask set(s) per held-out sequence, until {args.yardstick_tokens} masked tokens; all-on "
-        f"optimizer {args.all_on_optimizer}; fp32, gloo, one thread per rank",
-        tables=TABLES,
-        results=results,
+        f"optimizer {args.all_on_optimizer}; fp32, gloo, one thread per rank"
     )
+    record(args.record_as, note, tables=TABLES, results=results)
     return 0
 
 

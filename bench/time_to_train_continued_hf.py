@@ -1,7 +1,6 @@
-"""The ``Trainer`` runs of ``bench/time_to_train.py``'s continued scenarios, under the ``deepspeed`` launcher:
-``tests/scripts/hf_mlm_train.py``'s data, snapshots and timing, from a released checkpoint instead of a random model,
-under transformers' ``Trainer`` (``--trainer hf``: the baselines) or ``BertOptTrainer`` (``--trainer bertopt``: ours,
-with the ``"bertopt"`` section of the DeepSpeed JSON, e.g. ``ds_configs/continued_mlm.json``)."""
+"""The ``Trainer`` runs of ``bench/time_to_train.py``'s continued scenarios: ``tests/scripts/hf_mlm_train.py``'s data,
+snapshots and timing, from a released checkpoint instead of a random model, under transformers' ``Trainer`` (``--trainer
+hf``: the baselines) or ``BertOptTrainer`` (``--trainer bertopt``: ours, with the DeepSpeed JSON's ``"bertopt"``)."""
 
 from __future__ import annotations
 
@@ -35,14 +34,10 @@ def main(argv: list[str]) -> int:
     set_seed(training_args.seed)  # the new MLM head's initialisation, as run_mlm.py seeds before building the model
     model = AutoModelForMaskedLM.from_pretrained(continued.model_name_or_path)
     trainer_class = BertOptTrainer if continued.trainer == "bertopt" else Trainer
-    trainer = trainer_class(
-        model=model,
-        args=training_args,
-        train_dataset=dataset,
-        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=script.mlm_probability),
-        processing_class=tokenizer,
-        callbacks=[SnapshotCallback(script.snapshot_every, script.snapshot_dir, script.timing_file)],
-    )
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=script.mlm_probability)
+    snapshots = SnapshotCallback(script.snapshot_every, script.snapshot_dir, script.timing_file)
+    parts = {"data_collator": collator, "processing_class": tokenizer, "callbacks": [snapshots]}
+    trainer = trainer_class(model=model, args=training_args, train_dataset=dataset, **parts)
     if is_main():
         print(
             f"[continued] {trainer_class.__name__} from {continued.model_name_or_path}: {len(dataset)} training "

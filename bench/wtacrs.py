@@ -12,14 +12,11 @@ the frontier at fp32 64 × 128 only and no ``budget``; named or in full mode, ``
 bare interpreter in a fresh child per setup (``MALLOC_MMAP_THRESHOLD_=65536``); a time is the median of interleaved
 rounds. Each figure is printed as one line, its target next to it, met or not.
 
-* memory — saved-for-backward bytes by category and the step peak at batch 64 × seq 128, fp32 and bf16 autocast:
-  full fine-tuning, WTA@0.3 on the linears only, each kit part alone, kit + WTA, bf16 GELU, LoRA, LoRA + kit.
+* memory — saved-for-backward bytes by category and the step peak at batch 64 × seq 128, fp32 and bf16 autocast.
 * frontier — step peak against step time of what a fine-tuner picks first (full, HF gradient checkpointing, the kit
-  + WTA@0.3 with and without it, presets ``exact`` / ``balanced`` / ``max_saving``, LoRA with checkpointing or
-  ``balanced``), the Pareto front marked, at every ``--frontier-cells`` (bf16 weights as DeepSpeed's bf16 mode holds
-  them; full mode adds BERT-base-shaped random init at 16 × 128 and 4 × 512). Targets: checkpointing's saving at
-  <= 1.10x full step time; ``exact`` <= 1.10x saving as much, ``balanced`` <= 1.15x; ``max_saving``; issue 40's for
-  the presets as a run resolves them (``…, as run``: 16 × 64 <= 1.05x; 64 × 128 >= 3.1x lower at <= 0.80x).
+  + WTA@0.3, the presets, LoRA), the Pareto front marked, per ``--frontier-cells`` (bf16 weights as DeepSpeed's bf16
+  mode holds them; full mode adds BERT-base-shaped random init at 16 × 128 and 4 × 512); targets in
+  bench/wtacrs_frontier.py.
 * time — step time (forward, backward, AdamW) at equal batch.
 * budget — ``ds-bertopt memory --compare``'s choice under ``--budget-gb`` at seq 128; every setup that fits re-timed
   at its own batch: the same rule on the re-timed rates must choose it again.
@@ -33,7 +30,6 @@ rounds. Each figure is printed as one line, its target next to it, met or not.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -43,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import figure, ROOT, TABLES, argv, bert_sizes, cpu_env, cpu_kind, environment_line, md_row, median
-from bench._common import md_table, ratio_line, record, run_checked, say, status
+from bench._common import md_table, ratio_line, read_metrics, record, run_checked, say, status
 from bench.wtacrs_frontier import EMULATED_BF16_TOKENS, FRONTIER_CELLS, FRONTIER_QUICK, QUICK_CELLS, budget_section
 from bench.wtacrs_frontier import frontier_section, locked, minilm_cells, timed
 from ds_bertopt.model.local import default_model_dir
@@ -72,22 +68,25 @@ CORE_VARIANTS = ("full", "WTA@0.3 linears only", "exact kit + WTA@0.3", "LoRA", 
 """The variants of bf16 memory and of step time."""
 QUICK_MEMORY = [name for name in MEMORY_VARIANTS if name in CORE_VARIANTS or name == "exact kit + WTA@0.1"]
 TARGETS = {"exact kit + WTA@0.3": 2.0, "LoRA + exact kit + WTA@0.3": 2.7}
+STACK = ["saved for backward", "rest of the step's peak"]
 
 
 def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, names) -> None:
     dtype = "bf16 autocast" if bf16 else "fp32"
     base = {"model": model, "batch": batch, "seq": seq, "threads": threads, "bf16_autocast": bf16}
     results = {name: locked(measure_step_in_child, {**base, "wtacrs": MEMORY_VARIANTS[name]}) for name in names}
-    full = results["full"]
+    full, bars = results["full"], []
     header = " ".join(f"{c[:10]:>10s}" for c in CATEGORIES)
     print(f"\n== memory, batch {batch} × seq {seq}, {dtype} (MiB saved for backward by category; whole-step peak) ==")
     print(f"{'variant':48s} {header} {'saved':>8s} {'peak':>8s} {'peak x':>7s} {'saved x':>7s}")
     for name, r in results.items():
+        saved, peak = r["saved"]["total"], r["step_peak"]
         cats = " ".join(f"{r['saved'][c] / MiB:10.0f}" for c in CATEGORIES)
         print(
-            f"{name:48s} {cats} {r['saved']['total'] / MiB:8.0f} {r['step_peak'] / MiB:8.0f} "
-            f"{full['step_peak'] / r['step_peak']:6.2f}x {full['saved']['total'] / r['saved']['total']:6.2f}x"
+            f"{name:48s} {cats} {saved / MiB:8.0f} {peak / MiB:8.0f} "
+            f"{full['step_peak'] / peak:6.2f}x {full['saved']['total'] / saved:6.2f}x"
         )
+        bars.append({"label": name, STACK[0]: saved / MiB, STACK[1]: max(0.0, (peak - saved) / MiB)})
     for name in [n for n in names if n != "full"]:
         lower, target = full["step_peak"] / results[name]["step_peak"], TARGETS.get(name)
         verdict = f" (target >= {target:.1f}x: {status(lower >= target)})" if target else ""
@@ -95,22 +94,9 @@ def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, n
             f"whole-step peak, {name} vs full fine-tuning ({dtype}): {lower:.2f}x lower{verdict}; saved-for-backward "
             f"{full['saved']['total'] / results[name]['saved']['total']:.2f}x lower"
         )
-    figure(
-        "bars",
-        f"memory_{dtype.split()[0]}",
-        f"MiniLM-L6 fine-tuning step peak memory, batch {batch} × seq {seq}, {dtype}",
-        [
-            {
-                "label": name,
-                "saved for backward": r["saved"]["total"] / MiB,
-                "rest of the step's peak": max(0.0, (r["step_peak"] - r["saved"]["total"]) / MiB),
-            }
-            for name, r in results.items()
-        ],
-        unit="MiB",
-        stack=["saved for backward", "rest of the step's peak"],
-        note="whole-step peak RSS above the bare interpreter, one fresh child process per variant",
-    )
+    title = f"MiniLM-L6 fine-tuning step peak memory, batch {batch} × seq {seq}, {dtype}"
+    note = "whole-step peak RSS above the bare interpreter, one fresh child process per variant"
+    figure("bars", f"memory_{dtype.split()[0]}", title, bars, unit="MiB", stack=STACK, note=note)
 
 
 # random-init, base-sized configs (``transformers.AutoConfig.for_model``): the shapes of the public checkpoints
@@ -155,13 +141,10 @@ def _tiny(config: dict) -> dict:
 
 def families_section(minilm: str | None, batch: int, seq: int, threads: int, tiny: bool) -> None:
     """Whole-step peak per family and variant at equal batch; a markdown table for the report."""
-    models: dict[str, dict] = {
-        f"{name} (tiny)" if tiny else name: {"model_config": _tiny(cfg) if tiny else cfg}
-        for name, cfg in FAMILY_MODELS.items()
-    }
+    models = {f"{n} (tiny)" if tiny else n: {"model_config": _tiny(c) if tiny else c} for n, c in FAMILY_MODELS.items()}
     if minilm and not tiny:
         models["MiniLM-L6 (real weights)"] = {"model": minilm}
-    results: dict[str, dict[str, dict]] = {}
+    results = {}
     for model_name, source in models.items():
         spec = {**source, "batch": batch, "seq": seq, "threads": threads}
         results[model_name] = {
@@ -174,7 +157,7 @@ def families_section(minilm: str | None, batch: int, seq: int, threads: int, tin
     )
     columns = ["model", *(f"{name} peak" for name in FAMILY_VARIANTS), "saved for backward full → kit + WTA@0.3"]
     columns.append("sampled / trainable (kit + WTA@0.3)")
-    rows = []
+    rows, bars = [], []
     for model_name, by_variant in results.items():
         full, kit, cells = by_variant["full"], by_variant["kit + WTA@0.3"], [model_name]
         for name, r in by_variant.items():
@@ -185,6 +168,7 @@ def families_section(minilm: str | None, batch: int, seq: int, threads: int, tin
                     f"whole-step peak, {model_name}-shaped, {name} vs full fine-tuning (fp32, batch {batch} × {seq}): "
                     f"{ratio:.2f}x lower"
                 )
+                bars.append({"label": f"{model_name}: {name}", "x lower": ratio})
         cells.append(f"{full['saved']['total'] / MiB:.1f} → {kit['saved']['total'] / MiB:.1f} MiB")
         cells.append(f"{kit['sampled']} / {kit['trainable'] / 1e6:.1f}M")
         rows.append(md_row(cells))
@@ -196,21 +180,9 @@ def families_section(minilm: str | None, batch: int, seq: int, threads: int, tin
         f"real weights. LoRA r=8 on each family's query/value projections (ModernBERT: the fused Wqkv)."
     )
     TABLES.append("\n".join([f"**Memory by model family.** {note}", "", *md_table(columns, rows)]))
-    figure(
-        "bars",
-        "families",
-        f"Whole-step peak reduction by model family, batch {batch} × seq {seq}, fp32",
-        [
-            {"label": f"{model_name}: {name}", "x lower": by_variant["full"]["step_peak"] / r["step_peak"]}
-            for model_name, by_variant in results.items()
-            for name, r in by_variant.items()
-            if name != "full"
-        ],
-        unit="x lower whole-step peak than full fine-tuning",
-        stack=["x lower"],
-        reference=1.0,
-        note=note,
-    )
+    title = f"Whole-step peak reduction by model family, batch {batch} × seq {seq}, fp32"
+    unit = "x lower whole-step peak than full fine-tuning"
+    figure("bars", "families", title, bars, unit=unit, stack=["x lower"], reference=1.0, note=note)
 
 
 def time_section(model_dir: str, batch: int, seq: int, repeats: int) -> None:
@@ -277,8 +249,7 @@ def _finetune_run(name: str, seed: int, epochs: int, threads: int, limits: dict)
     )
     env = cpu_env(OMP_NUM_THREADS=str(threads))
     locked(run_checked, cmd, f"finetune run {name} seed {seed}", env=env, timeout=7200)
-    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval_accuracy" in line]
-    return 100.0 * evals[-1]["eval_accuracy"]
+    return 100.0 * read_metrics(out, "eval_accuracy")[-1]["eval_accuracy"]
 
 
 def accuracy_section(seeds: list[int], epochs: int, threads: int, names, max_train=None, max_eval=None) -> None:
@@ -293,23 +264,15 @@ def accuracy_section(seeds: list[int], epochs: int, threads: int, names, max_tra
             print(f"accuracy run: {name}, seed {seed}: {scores[name][-1]:.2f}", flush=True)
     subset = f"{max_train} training examples" if max_train else "all 10,451 training examples"
     subset += f", first {max_eval} dev examples" if max_eval else ""
-    figure(
-        "errorbars",
-        "accuracy",
-        f"rt_polarity dev accuracy, MiniLM-L6, {epochs} epoch(s), {subset}",
-        [
-            {"label": name, "mean": statistics.mean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0, "runs": v}
-            for name, v in scores.items()
-        ],
-        ylabel="dev accuracy (%)",
-        note=f"seeds {seeds}; bars: mean, whiskers: standard deviation, dots: runs",
-    )
+    spread = {name: statistics.stdev(v) if len(v) > 1 else 0.0 for name, v in scores.items()}
+    series = [{"label": n, "mean": statistics.mean(v), "std": spread[n], "runs": v} for n, v in scores.items()]
+    title = f"rt_polarity dev accuracy, MiniLM-L6, {epochs} epoch(s), {subset}"
+    note = f"seeds {seeds}; bars: mean, whiskers: standard deviation, dots: runs"
+    figure("errorbars", "accuracy", title, series, ylabel="dev accuracy (%)", note=note)
     print(f"\n== dev accuracy (rt_polarity, {epochs} epoch(s), {subset}, seeds {seeds}) ==")
-    for name in names:
-        spread = f" ± {statistics.stdev(scores[name]):.2f}" if len(scores[name]) > 1 else ""
-        print(
-            f"{name:30s} {statistics.mean(scores[name]):6.2f}{spread}  ({', '.join(f'{s:.2f}' for s in scores[name])})"
-        )
+    for name, v in scores.items():
+        std = f" ± {spread[name]:.2f}" if len(v) > 1 else ""
+        print(f"{name:30s} {statistics.mean(v):6.2f}{std}  ({', '.join(f'{s:.2f}' for s in v)})")
     for ours, base in ACCURACY_PAIRS:
         if ours in scores and base in scores:
             say(accuracy_verdict(ours, base, scores[ours], scores[base]))
@@ -349,12 +312,8 @@ def main() -> int:
     parser.add_argument("--frontier-cells", help=f"frontier: precision:batchxseq, ... (default {FRONTIER_CELLS})")
     parser.add_argument("--frontier-repeats", type=int, help="frontier: timed rounds (default 3, full mode 5)")
     parser.add_argument("--frontier-bf16-repeats", type=int, help="frontier: bf16 rounds (emulated bf16: 2)")
-    parser.add_argument(
-        "--frontier-bf16-tokens",
-        type=int,
-        default=EMULATED_BF16_TOKENS,
-        help="frontier: on a CPU that emulates bf16, skip bf16 cells of more tokens (batch x seq)",
-    )
+    tokens = "frontier: on a CPU that emulates bf16, skip bf16 cells of more tokens (batch x seq)"
+    parser.add_argument("--frontier-bf16-tokens", type=int, default=EMULATED_BF16_TOKENS, help=tokens)
     parser.add_argument("--frontier-setups", help="frontier: comma-separated setups (default: per mode)")
     parser.add_argument("--frontier-no-budget", action="store_true", help="frontier: without the budget check")
     parser.add_argument("--frontier-bert-base", action="store_true", help="frontier, quick: add BERT-base 16 × 128")
@@ -391,11 +350,7 @@ def main() -> int:
         if not args.quick:
             memory_section(model, 64, 128, args.threads, True, CORE_VARIANTS)
     if "frontier" in sections:
-        cells = args.frontier_cells or (FRONTIER_CELLS if everything else QUICK_CELLS)
-        repeats = args.frontier_repeats or (3 if args.quick else 5)
-        bf16 = (args.frontier_bf16_repeats, args.frontier_bf16_tokens)
-        setups = args.frontier_setups.split(",") if args.frontier_setups else None
-        minilm_cells(model, cells, args.threads, args.quick, repeats, *bf16, setups=setups)
+        minilm_cells(model, args, args.frontier_cells or (FRONTIER_CELLS if everything else QUICK_CELLS))
         if not args.quick or args.frontier_bert_base:
             bert, label = FAMILY_MODELS["BERT-base"], "BERT-base (random init)"
             for batch, seq in ((16, 128),) if args.quick else ((16, 128), (4, 512)):

@@ -25,8 +25,8 @@ TARGET_S = 180.0
 CHOICE = re.compile(r"^recommended: (.+?) \(batch (\d+),")
 
 
-def answer(extra: list[str], lock: str) -> tuple[float, str, list[str]]:
-    """``(seconds, "<setup> at batch <n>", output lines)`` of one run of :data:`COMMAND`."""
+def answer(extra: list[str], lock: str) -> dict:
+    """One run of :data:`COMMAND`: ``seconds``, ``recommended`` ("<setup> at batch <n>"), ``output`` (its lines)."""
     lines: list[str] = []
     cmd = [sys.executable, "-u", "-c", "import sys; from ds_bertopt.cli import main; sys.exit(main())", *COMMAND]
     with maybe_lock(lock):
@@ -36,7 +36,7 @@ def answer(extra: list[str], lock: str) -> tuple[float, str, list[str]]:
     chosen = next((m for m in map(CHOICE.match, lines) if m), None)
     if code or chosen is None:
         raise RuntimeError(f"ds-bertopt {' '.join(COMMAND + extra)} failed (exit {code}): {lines[-5:]}")
-    return seconds, f"{chosen.group(1)} at batch {chosen.group(2)}", lines
+    return {"seconds": seconds, "recommended": f"{chosen.group(1)} at batch {chosen.group(2)}", "output": lines}
 
 
 def main() -> int:
@@ -45,23 +45,20 @@ def main() -> int:
     parser.add_argument("--exhaustive", action="store_true", help="also run the reference (every setup timed)")
     parser.add_argument("--lock", default="", help="hold this flock around each run (a shared machine)")
     args = parser.parse_args()
-    cpu = cpu_kind()
+    cpu, command = cpu_kind(), f"ds-bertopt {' '.join(COMMAND)}"
     runs = [answer([], args.lock) for _ in range(args.repeats)]
     reference = answer(["--exhaustive"], args.lock) if args.exhaustive else None
-    for index, (seconds, chosen, _) in enumerate(runs, 1):
-        say(f"ds-bertopt {' '.join(COMMAND)}, run {index}: {seconds:.0f} s, recommended {chosen}")
+    for index, run in enumerate(runs, 1):
+        say(f"{command}, run {index}: {run['seconds']:.0f} s, recommended {run['recommended']}")
     if reference is not None:
-        say(f"ds-bertopt {' '.join(COMMAND)} --exhaustive: {reference[0]:.0f} s, recommended {reference[1]}")
-    slowest, choices = max(s for s, _, _ in runs), {c for _, c, _ in runs}
-    same = "not checked (run with --exhaustive)" if reference is None else status(choices == {reference[1]})
+        say(f"{command} --exhaustive: {reference['seconds']:.0f} s, recommended {reference['recommended']}")
+    slowest, choices = max(run["seconds"] for run in runs), {run["recommended"] for run in runs}
+    same = "not checked (run with --exhaustive)" if reference is None else status(choices == {reference["recommended"]})
     say(
         f"[target] {' '.join(COMMAND)} on {cpu}: <= {TARGET_S:.0f} s with the exhaustive recommendation: "
         f"{status(slowest <= TARGET_S)} ({slowest:.0f} s, slowest of {len(runs)}; same recommendation: {same})"
     )
-    keys = ("seconds", "recommended", "output")
-    exhaustive = None if reference is None else dict(zip(keys, reference))
-    recorded = [dict(zip(keys, run)) for run in runs]
-    record("wtacrs_budget", f"{cpu}; every core per child", runs=recorded, exhaustive=exhaustive)
+    record("wtacrs_budget", f"{cpu}; every core per child", runs=runs, exhaustive=reference)
     return 0
 
 

@@ -48,17 +48,13 @@ def isa(precision: str) -> str:
     return kind if precision != "fp32" else kind.split(" (")[0]
 
 
-def setup_step(model_dir, spec: dict, batch: int, seq: int, model_config=None, precision: str = "fp32"):
-    """One training step of setup ``spec`` (``ds_bertopt.wtacrs.memory.step_fn``), built once, to time."""
-    setup = {"model": model_dir, "model_config": model_config, "wtacrs": spec, "batch": batch, "seq": seq}
-    return step_fn({**setup, "precision": precision})
-
-
 def timed(model_dir, specs: dict, batches: dict, seq: int, repeats: int, model_config=None, precision="fp32"):
-    """Each setup's step times at its batch, interleaved in this process under the lock."""
+    """Each setup's step times at its batch (``ds_bertopt.wtacrs.memory.step_fn``, built once), interleaved in this
+    process under the lock."""
+    setup = {"model": model_dir, "model_config": model_config, "seq": seq, "precision": precision}
 
     def measure():
-        fns = {n: setup_step(model_dir, spec, batches[n], seq, model_config, precision) for n, spec in specs.items()}
+        fns = {n: step_fn({**setup, "wtacrs": spec, "batch": batches[n]}) for n, spec in specs.items()}
         return interleaved(fns, repeats=repeats, warmup=1)
 
     return locked(measure)
@@ -79,71 +75,63 @@ def frontier_section(
     """Step peak (fresh child each) and step time (interleaved, in process) per setup; the Pareto front; how each
     setup sits against HF gradient checkpointing. ``precision``: the weights' dtype (bf16: as DeepSpeed's bf16 mode
     holds them, fp32 master weights and AdamW state)."""
-    specs = {name: FRONTIER_VARIANTS[name] for name in names}
     resolved = resolved_presets(model_dir, model_config, names, batch, seq, precision)
+    specs = {name: FRONTIER_VARIANTS[name] for name in names}
     specs.update({name: spec for name, (spec, _) in resolved.items()})
-    names = list(specs)
     base = {"model": model_dir, "model_config": model_config, "batch": batch, "seq": seq, "threads": threads}
     base["precision"] = precision
-    peaks = {n: locked(measure_step_in_child, {**base, "wtacrs": specs[n]})["step_peak"] for n in names}
-    times = timed(model_dir, specs, dict.fromkeys(names, batch), seq, repeats, model_config, precision)
-    full_peak, full_time = peaks["full"], median(times["full"])
-    points = {name: (peaks[name] / full_peak, median(times[name]) / full_time) for name in names}
-    front = pareto_front(points)
-    cell, cpu = f"{label} {batch}x{seq} {precision}", isa(precision)
-    gc_memory, gc_time = points["HF gradient checkpointing"]
+    peaks = {n: locked(measure_step_in_child, {**base, "wtacrs": spec})["step_peak"] for n, spec in specs.items()}
+    times = timed(model_dir, specs, dict.fromkeys(specs, batch), seq, repeats, model_config, precision)
+    points = {n: (peaks[n] / peaks["full"], median(times[n]) / median(times["full"])) for n in specs}
+    front, (gc_memory, gc_time) = pareto_front(points), points["HF gradient checkpointing"]
+    target, gc = f"[target] {label} {batch}x{seq} {precision} on {isa(precision)}:", f"{1 / gc_memory:.2f}x"
     print(
         f"\n== memory–time frontier, {label}, batch {batch} × seq {seq}, {precision}, {threads} threads "
         f"(peak: fresh child; time: median of {repeats}, interleaved); {cpu_kind()} =="
     )
     print(f"{'setup':40s} {'peak MiB':>9s} {'saving':>7s} {'time':>6s}  front")
-    for name in names:
-        memory, step = points[name]
+    rows, series = [], []
+    for name, (memory, step) in points.items():
         print(f"{name:40s} {peaks[name] / MiB:9.0f} {1 / memory:6.2f}x {step:5.2f}x  {'*' if name in front else ''}")
-    ours = [n for n in names if n not in BASELINES]
-    dominating = [n for n in ours if points[n][0] <= gc_memory and points[n][1] <= FRONTIER_TIME_LIMIT]
-    for name in ours:
-        memory, step = points[name]
+        mark = " *" if name in front else ""
+        rows.append(md_row([f"{name}{mark}", f"{peaks[name] / MiB:.0f}", f"{1 / memory:.2f}x", f"{step:.2f}x"]))
+        series.append({"label": name, "x": memory, "y": step, "front": name in front})
+    ours = {n: p for n, p in points.items() if n not in BASELINES}
+    for name, (memory, step) in ours.items():
         say(
-            f"{cell}: {name}: peak {1 / memory:.2f}x lower than full (HF gradient checkpointing "
-            f"{1 / gc_memory:.2f}x), step time {step:.2f}x full (checkpointing {gc_time:.2f}x; median of {repeats})"
+            f"{label} {batch}x{seq} {precision}: {name}: peak {1 / memory:.2f}x lower than full (HF gradient "
+            f"checkpointing {gc}), step time {step:.2f}x full (checkpointing {gc_time:.2f}x; median of {repeats})"
         )
+    dominating = [n for n, (memory, step) in ours.items() if memory <= gc_memory and step <= FRONTIER_TIME_LIMIT]
     say(
-        f"[target] {cell} on {cpu}: a setup saving at least HF gradient checkpointing's memory "
-        f"({1 / gc_memory:.2f}x) at <= {FRONTIER_TIME_LIMIT:.2f}x full step time: "
-        f"{'met by ' + ', '.join(dominating) if dominating else 'NOT met'}"
+        f"{target} a setup saving at least HF gradient checkpointing's memory ({gc}) at <= {FRONTIER_TIME_LIMIT:.2f}x "
+        f"full step time: {'met by ' + ', '.join(dominating) if dominating else 'NOT met'}"
     )
     for name, limit in PRESET_TIME_LIMITS.items():
         if name in points:
             (memory, step), also = points[name], name == "preset exact"  # exact must also save what checkpointing saves
             say(
-                f"[target] {cell} on {cpu}: {name} <= {limit:.2f}x full step time"
-                f"{' saving at least checkpointing' if also else ''}: "
+                f"{target} {name} <= {limit:.2f}x full step time{' saving at least checkpointing' if also else ''}: "
                 f"{status(step <= limit and (not also or memory <= gc_memory))} "
-                f"({step:.2f}x, peak {1 / memory:.2f}x lower vs checkpointing's {1 / gc_memory:.2f}x at {gc_time:.2f}x)"
+                f"({step:.2f}x, peak {1 / memory:.2f}x lower vs checkpointing's {gc} at {gc_time:.2f}x)"
             )
-    fallback_targets(cell, cpu, resolved, points, (batch, seq), repeats)
+    fallback_targets(target, resolved, points, (batch, seq), repeats)
     if "preset max_saving" in points:
-        memory, step = points["preset max_saving"]
-        ok = 1 / memory >= MAX_SAVING_TARGET[0] and step <= MAX_SAVING_TARGET[1]
+        (memory, step), (lowest, limit) = points["preset max_saving"], MAX_SAVING_TARGET
         say(
-            f"[target] {cell} on {cpu}: preset max_saving >= {MAX_SAVING_TARGET[0]}x lower peak than full at "
-            f"<= {MAX_SAVING_TARGET[1]}x step time: {status(ok)} ({1 / memory:.2f}x at {step:.2f}x)"
+            f"{target} preset max_saving >= {lowest}x lower peak than full at <= {limit}x step time: "
+            f"{status(1 / memory >= lowest and step <= limit)} ({1 / memory:.2f}x at {step:.2f}x)"
         )
     figure(
         "scatter",
         f"frontier_{label.split()[0].lower()}_{batch}x{seq}_{precision}",
         f"Fine-tuning memory vs step time, {label}, batch {batch} x seq {seq}, {precision}",
-        [{"label": n, "x": points[n][0], "y": points[n][1], "front": n in front} for n in names],
+        series,
         xlabel="whole-step peak / full fine-tuning",
         ylabel="step time / full fine-tuning",
         note="one point per setup; ringed: the Pareto front; dashed: 1.10x full step time",
         reference=FRONTIER_TIME_LIMIT,
     )
-    rows = [
-        md_row([f"{n}{' *' if n in front else ''}", f"{peaks[n] / MiB:.0f}", f"{1 / x:.2f}x", f"{y:.2f}x"])
-        for n, (x, y) in points.items()
-    ]
     columns = ["setup", "step peak (MiB)", "saving vs full", "step time vs full"]
     heading = f"**{label}, batch {batch} × seq {seq}** ({precision}; * = on the Pareto front)"
     TABLES.append("\n".join([heading, "", *md_table(columns, rows)]))
@@ -157,15 +145,14 @@ def resolved_presets(model_dir, model_config, names, batch: int, seq: int, preci
 
     from ds_bertopt.configlib import load_section
     from ds_bertopt.wtacrs.config import WtaCrsConfig
-    from ds_bertopt.wtacrs.fallback import FALLBACK_PRESETS, model_shape, preset_decision
+    from ds_bertopt.wtacrs.fallback import FALLBACK_PRESETS, checkpoint_shape, model_shape, preset_decision
 
-    if model_config is not None:
-        kwargs = dict(model_config)
-        config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    if model_config is None:
+        shape = checkpoint_shape(model_dir)
     else:
-        config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        shape = model_shape(AutoModel.from_config(config))
+        kwargs = dict(model_config)
+        with torch.device("meta"):
+            shape = model_shape(AutoModel.from_config(AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)))
     out = {}
     for name in names:
         spec = FRONTIER_VARIANTS[name]
@@ -176,7 +163,7 @@ def resolved_presets(model_dir, model_config, names, batch: int, seq: int, preci
     return out
 
 
-def fallback_targets(cell: str, cpu: str, resolved: dict, points: dict, shape: tuple[int, int], repeats: int) -> None:
+def fallback_targets(target: str, resolved: dict, points: dict, shape: tuple[int, int], repeats: int) -> None:
     """Issue 40's lines for the presets as a run resolves them: never slower than full where they cannot save
     (16 × 64), the savings kept where they matter (64 × 128)."""
     if shape not in PRESET_FALLBACK_TARGETS or not resolved:
@@ -184,15 +171,15 @@ def fallback_targets(cell: str, cpu: str, resolved: dict, points: dict, shape: t
     lowest, limit = PRESET_FALLBACK_TARGETS[shape]
     got = {name: points[name] for name in resolved}
     ok = all(step <= limit and (lowest is None or 1 / memory >= lowest) for memory, step in got.values())
-    what = f">= {lowest}x lower peak at " if lowest else ""
     shown = "; ".join(
         f"{name.split(', ')[0]} {'kept' if resolved[name][0].get('preset') else 'ran full'}: "
         f"peak {1 / memory:.2f}x lower, {step:.2f}x step time"
         for name, (memory, step) in got.items()
     )
+    what = f">= {lowest}x lower peak at " if lowest else ""
     say(
-        f"[target] {cell} on {cpu}: presets as a run resolves them (fallback_min_saving), {what}<= {limit:.2f}x full "
-        f"step time: {status(ok)} ({shown}; median of {repeats}; preset auto not measured here)"
+        f"{target} presets as a run resolves them (fallback_min_saving), {what}<= {limit:.2f}x full step time: "
+        f"{status(ok)} ({shown}; median of {repeats}; preset auto not measured here)"
     )
 
 
@@ -224,24 +211,23 @@ def budget_section(model_dir: str, seq: int, threads: int, budget_gb: float, max
     )
 
 
-def minilm_cells(
-    model_dir: str, cells: str, threads: int, quick: bool, repeats, bf16_repeats, bf16_tokens, setups=None
-) -> None:
-    """The MiniLM-L6 frontier at each ``precision:BATCHxSEQ`` of ``cells``. On a CPU without native bf16 the bf16
-    cells measure emulation: they run without LoRA, with ``bf16_repeats`` timed rounds (default 2), and a cell of
-    more than ``bf16_tokens`` tokens is skipped with a line saying so (every cell is printed)."""
-    emulated = "bf16 emulated" in cpu_kind()
+def minilm_cells(model_dir: str, args, cells: str) -> None:
+    """The MiniLM-L6 frontier at each ``precision:BATCHxSEQ`` of ``cells`` (``args``: bench/wtacrs.py's). On a CPU
+    without native bf16 the bf16 cells measure emulation: they run without LoRA, with ``--frontier-bf16-repeats``
+    timed rounds (default 2), and a cell of more than ``--frontier-bf16-tokens`` is skipped with a line saying so."""
+    emulated, repeats = "bf16 emulated" in cpu_kind(), args.frontier_repeats or (3 if args.quick else 5)
+    setups, tokens = args.frontier_setups.split(",") if args.frontier_setups else None, args.frontier_bf16_tokens
     for cell in cells.split(","):
         precision, shape = cell.split(":")
         batch, seq = (int(v) for v in shape.split("x"))
         low = precision != "fp32"
-        if low and emulated and batch * seq > bf16_tokens:
+        if low and emulated and batch * seq > tokens:
             say(
                 f"[target] MiniLM-L6 {batch}x{seq} {precision} on {isa(precision)}: not measured "
-                f"(emulated bf16: a step here is ~15x fp32's; cells above {bf16_tokens} tokens need "
+                f"(emulated bf16: a step here is ~15x fp32's; cells above {tokens} tokens need "
                 "--frontier-bf16-tokens, or a CPU/GPU with native bf16)"
             )
             continue
-        names = setups or (FRONTIER_QUICK[:6] if low else FRONTIER_QUICK if quick else list(FRONTIER_VARIANTS))
-        rounds = (bf16_repeats or (2 if emulated else repeats)) if low else repeats
-        frontier_section(model_dir, "MiniLM-L6", batch, seq, threads, rounds, list(names), precision=precision)
+        names = setups or (FRONTIER_QUICK[:6] if low else FRONTIER_QUICK if args.quick else list(FRONTIER_VARIANTS))
+        rounds = (args.frontier_bf16_repeats or (2 if emulated else repeats)) if low else repeats
+        frontier_section(model_dir, "MiniLM-L6", batch, seq, args.threads, rounds, list(names), precision=precision)

@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -118,6 +119,10 @@ _own_master = False
 
 _shut_down = False
 """This process destroyed a process group (:func:`shutdown`): the store of its rendezvous may still hold the port."""
+
+
+_exit_hook = False
+"""This process runs :func:`shutdown` at exit (:func:`shutdown_at_exit`)."""
 
 
 def init_distributed(topo: Topology, timeout_s: int = 120, init_timeout_s: int = 60) -> None:
@@ -437,14 +442,28 @@ def shutdown() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     _shut_down = True
-    import deepspeed.comm
-
-    if deepspeed.comm.is_initialized():
+    ds_comm = sys.modules.get("deepspeed.comm")  # never imported here: at exit an import can no longer start threads
+    if ds_comm is not None and ds_comm.is_initialized():
         # DeepSpeed's own teardown (deepspeed.comm.destroy_process_group) also drops the groups it cached
         # (utils.groups._release_process_group_references), so a later run in this process builds fresh ones
-        deepspeed.comm.destroy_process_group()
+        ds_comm.destroy_process_group()
     else:
         dist.destroy_process_group()
+
+
+def shutdown_at_exit() -> None:
+    """Run :func:`shutdown` when the interpreter exits, for a script whose end we do not own (a user's ``Trainer``
+    script, ``examples/run_mlm.py``): left to finalisation, the group can abort a job that succeeded (see
+    :func:`shutdown`). An uncaught exception leaves the group alone, as :func:`shutdown` requires: a peer may be
+    gone. ``atexit`` runs its callbacks before finalisation, newest first, and ``sys.last_value`` is set by then
+    when the script ended on an uncaught exception (``PyErr_Print``)."""
+    global _exit_hook
+    if _exit_hook:
+        return
+    _exit_hook = True
+    import atexit
+
+    atexit.register(lambda: None if getattr(sys, "last_value", None) is not None else shutdown())
 
 
 def barrier() -> None:

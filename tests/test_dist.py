@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -98,6 +101,33 @@ def test_shutdown_destroys_the_group_before_the_interpreter_exits():
     """A run that ends cleanly destroys its process group itself: left to interpreter finalisation, gloo's
     threads can abort the process after training succeeded (the launcher then reports exit -6)."""
     assert spawn_ranks(_gather_async_then_shut_down, 2) == [([0.0, 1.0], False)] * 2
+
+
+_EXIT_SCRIPT = """
+import atexit, sys, tempfile
+import torch.distributed as dist
+from ds_bertopt.dist import shutdown_at_exit
+# registered first, so it runs last: after shutdown_at_exit's hook, still before finalisation
+atexit.register(lambda: print("group at exit:", dist.is_initialized(), flush=True))
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+shutdown_at_exit()
+shutdown_at_exit()  # every Trainer built registers it: once is enough
+if sys.argv[1] == "raise":
+    raise RuntimeError("the script failed")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_we_do_not_end_destroys_its_group_at_exit_unless_it_failed():
+    """A user's Trainer script ends where we cannot call :func:`shutdown`: the group goes at exit, before the
+    interpreter finalises it, on a clean end only (after an uncaught exception a peer may be gone)."""
+    procs = {
+        how: subprocess.Popen([sys.executable, "-c", _EXIT_SCRIPT, how], stdout=subprocess.PIPE, text=True)
+        for how in ("return", "raise")
+    }
+    outputs = {how: proc.communicate(timeout=100)[0] for how, proc in procs.items()}
+    assert procs["return"].returncode == 0 and outputs["return"].splitlines() == ["group at exit: False"]
+    assert procs["raise"].returncode == 1 and outputs["raise"].splitlines() == ["group at exit: True"]
 
 
 class _Accelerator:

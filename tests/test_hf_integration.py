@@ -304,8 +304,9 @@ def test_the_planned_sampler_drives_the_batches(tmp_path):
     trainer.train()  # and Trainer trains from it
 
 
-def test_model_init_results_are_prepared_every_time(tmp_path):
-    built = []
+def test_model_init_results_are_prepared_every_time(tmp_path, monkeypatch):
+    built, exit_hooks = [], []
+    monkeypatch.setattr(hf, "shutdown_at_exit", lambda: exit_hooks.append(True))
 
     def model_init():
         built.append(tiny_bert())
@@ -320,6 +321,7 @@ def test_model_init_results_are_prepared_every_time(tmp_path):
     )
     trainer.train()  # Trainer.train calls model_init again
     assert len(built) == 2 and trainer.model is built[-1]
+    assert exit_hooks, "BertOptTrainer did not ask for the process group to go at exit (dist.shutdown_at_exit)"
     assert all(any(isinstance(m, SampledLinear) for m in model.modules()) for model in built)
 
 

@@ -8,6 +8,7 @@ from .runner import Ctx, Result, rank0_env, run_jobs, worker_job
 def section_conformance(ctx: Ctx) -> Result:
     """Every row the pre-flight accepts (fp16 included on CUDA) with the real FusedAdam: two steps with the bucket
     clip and LAMB's ZeRO attachment, a NaN step skipped, checkpoint + resume exact (``conformance_problems``)."""
+    from ds_bertopt import optim
     from ds_bertopt.testing.gpu_paths import REPRESENTATIVE, all_rows, conformance_problems, cpu_rows, cuda_choice
 
     accepted = [row for row in all_rows() if cuda_choice(row).refusal is None]
@@ -20,12 +21,7 @@ def section_conformance(ctx: Ctx) -> Result:
     if not job.ok or not (out / "results.json").exists():
         return Result("FAIL", f"worker {job.status()}: {job.tail()}")
     results = json.loads((out / "results.json").read_text())
-    try:
-        from apex.optimizers import FusedLAMB  # noqa: F401
-
-        apex = ctx.cuda
-    except Exception:  # noqa: BLE001 - apex absent: LAMB is ours
-        apex = False
+    apex = ctx.cuda and optim.apex_fused_lamb() is not None  # apex absent: LAMB is ours
     failed = []
     for row in rows:
         problems = conformance_problems(row, results.get(row.id, {"error": "no result"}), apex)

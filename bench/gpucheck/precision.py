@@ -3,13 +3,15 @@
 import math
 import statistics
 
-from .runner import Ctx, Result, log_line, losses_by_step, pretrain_job, read_metrics, run_jobs
+from bench._common import read_metrics
+
+from .runner import Ctx, Result, losses_by_step, pretrain_job, run_jobs
 
 
-def judge_losses(records: list, steps: int) -> tuple:
+def judge_losses(out, steps: int) -> tuple:
     """(problem or None, first-k mean, last-k mean, skipped steps) of a run's metrics."""
-    losses = losses_by_step(records)
-    skipped = sum(1 for r in records if r.get("skipped") is True)
+    losses = losses_by_step(out)
+    skipped = sum(1 for r in read_metrics(out) if r.get("skipped") is True)
     if not losses:
         return "no loss in metrics.jsonl", math.nan, math.nan, skipped
     values = [losses[s] for s in sorted(losses)]
@@ -31,12 +33,9 @@ def section_precision(ctx: Ctx) -> Result:
     kinds += [("lamb", stage, 'optimizer.type="lamb"') for stage in (0, 2)]
     if ctx.tiny and not ctx.cuda:  # the smoke run: one of each kind
         kinds = [k for k in kinds if k[:2] in (("adamw+bucket_clip", 2), ("lamb", 0))]
-    jobs, skipped_fp16 = [], 0
-    for precision in ("bf16", "fp16"):
+    jobs, skipped_fp16 = [], 0 if ctx.cuda else len(kinds)
+    for precision in ("bf16", "fp16") if ctx.cuda else ("bf16",):
         for kind, stage, extra in kinds:
-            if precision == "fp16" and not ctx.cuda:
-                skipped_fp16 += 1
-                continue
             name = f"{precision} {kind} z{stage}"
             out = ctx.dir(name.replace(" ", "_").replace("+", "_"))
             overrides = [f'train.precision="{precision}"', f"deepspeed.zero_optimization.stage={stage}"]
@@ -44,18 +43,15 @@ def section_precision(ctx: Ctx) -> Result:
             flags = ["--log_every", "1", "--overwrite_output_dir"]
             jobs.append(pretrain_job(ctx, name, out, steps, overrides, flags=flags, timeout=240))
     run_jobs(ctx, jobs, parallel=ctx.jobs)
-    failed, passed, rows = [], 0, []
+    failed, rows = [], []
     for job in jobs:
         if not job.started:
             ctx.detail(f"{job.name}: not run (time budget spent)")
             continue
-        wrapper = log_line(job, "non-finite gradients skip the step")
-        optimizer = log_line(job, "AdamW:") or log_line(job, "LAMB (ds_bertopt)") or log_line(job, "LAMB:")
-        problem, first, last, skipped = (None, math.nan, math.nan, 0)
-        if not job.ok:
-            problem = f"{job.status()}: {job.tail()}"
-        else:
-            problem, first, last, skipped = judge_losses(read_metrics(job.out), steps)
+        wrapper = job.line("non-finite gradients skip the step")
+        optimizer = job.line("AdamW:") or job.line("LAMB (ds_bertopt)") or job.line("LAMB:")
+        problem, first, last, skipped = judge_losses(job.out, steps) if job.ok else (None, math.nan, math.nan, 0)
+        problem = problem if job.ok else f"{job.status()}: {job.tail()}"
         ctx.detail(
             f"{job.name}: {job.status()}; loss (mean of first/last {max(2, steps // 5)} steps) "
             f"{first:.3f} -> {last:.3f}; {skipped} steps skipped (non-finite/overflow)"
@@ -67,17 +63,16 @@ def section_precision(ctx: Ctx) -> Result:
         if problem:
             failed.append(job.name)
         else:
-            passed += 1
             rows.append(f"{job.name.replace('adamw+bucket_clip', 'clip')} {first:.2f}->{last:.2f}")
     not_run = sum(not j.started for j in jobs)
     figures = (
-        f"{passed}/{len(jobs)} runs exit 0 with finite, falling loss ({steps} steps)"
+        f"{len(rows)}/{len(jobs)} runs exit 0 with finite, falling loss ({steps} steps)"
         + (f"; FAILED: {', '.join(failed)}" if failed else "")
         + (f"; {not_run} not run (time)" if not_run else "")
         + (f"; fp16: SKIPPED(no CUDA) x{skipped_fp16}" if skipped_fp16 else "")
     )
     if failed:
         return Result("FAIL", figures)
-    if passed == 0:
+    if not rows:
         return Result("SKIPPED(time budget spent)", figures)
     return Result("PASS", figures + " [" + ", ".join(rows) + "]")

@@ -51,19 +51,16 @@ def _short(frame) -> str:
     return f"{package + '/' if package != 'other' else ''}{rel}:{frame.lineno} {frame.name}"
 
 
-_HERE = (os.path.dirname(os.path.realpath(__file__)) + os.sep, os.path.realpath(ENTRY))
-
-
-def _ours(filename: str) -> bool:
+def _gpu_check(filename: str) -> bool:
     """A frame of gpu_check itself (the recorder, the patched ``train_step``), never a sync's site."""
     real = os.path.realpath(filename)
-    return real.startswith(_HERE[0]) or real == _HERE[1]
+    return real.startswith(os.path.dirname(os.path.realpath(__file__)) + os.sep) or real == os.path.realpath(ENTRY)
 
 
 def attribute(frames) -> dict:
     """Where a sync came from: the innermost frame outside torch (and gpu_check), and the innermost
     ds_bertopt frame; ``documented`` when that frame is one of :data:`DOCUMENTED_SYNCS`."""
-    frames = [f for f in frames if not f.filename.endswith("warnings.py") and not _ours(f.filename)]
+    frames = [f for f in frames if not f.filename.endswith("warnings.py") and not _gpu_check(f.filename)]
     located = [(f, *_locate(f.filename)) for f in frames]
     if not located:
         return {"site": "unknown", "owner": "unknown", "documented": False, "ours_top": [], "line": ""}
@@ -110,41 +107,39 @@ class SyncRecorder:
         else:
             self._previous_show(message, category, filename, lineno, file, line)
 
-    def start(self) -> None:
+    def _debug_mode(self, mode: str) -> None:
         import torch
 
+        if self.cuda and mode == "warn":
+            torch.cuda.synchronize()  # the work queued before the start is not counted
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode(mode)
+
+    def start(self) -> None:
         self._warnings = warnings.catch_warnings()
         self._warnings.__enter__()
         warnings.simplefilter("always")
-        self._previous_show = warnings.showwarning
-        warnings.showwarning = self._show
+        self._previous_show, warnings.showwarning = warnings.showwarning, self._show
         sys.stderr.flush()
-        self._saved_fd = os.dup(2)
-        self._capture = tempfile.TemporaryFile()
+        self._saved_fd, self._capture = os.dup(2), tempfile.TemporaryFile()
         os.dup2(self._capture.fileno(), 2)
-        if self.cuda:
-            torch.cuda.set_sync_debug_mode("warn")
+        self._debug_mode("warn")
         self.active = True
 
     def stop(self) -> None:
-        import torch
-
         if not self.active:
             return
-        if self.cuda:
-            torch.cuda.set_sync_debug_mode("default")
+        self._debug_mode("default")
         self.active = False
         sys.stderr.flush()
         os.dup2(self._saved_fd, 2)
         os.close(self._saved_fd)
         self._capture.seek(0)
-        text = self._capture.read().decode(errors="replace")
+        lines = self._capture.read().decode(errors="replace").splitlines()
         self._capture.close()
         self._warnings.__exit__(None, None, None)
-        self.unattributed = sum(SYNC_MARK in line.lower() for line in text.splitlines())
-        rest = "\n".join(line for line in text.splitlines() if SYNC_MARK not in line.lower())
+        self.unattributed = sum(SYNC_MARK in line.lower() for line in lines)
+        rest = "\n".join(line for line in lines if SYNC_MARK not in line.lower())
         if rest.strip():
             sys.stderr.write(rest + "\n")
 
@@ -154,30 +149,28 @@ class SyncRecorder:
             fields = {k: event[k] for k in ("owner", "documented", "ours_top", "line")}
             sites.setdefault(event["site"], {**fields, "count": 0})["count"] += 1
         per_step = collections.Counter(event["step"] for event in self.events)
-        total = len(self.events)
-        return {"steps": steps, "total": total, "unattributed": self.unattributed, "sites": sites, "per_step": per_step}
+        return dict(steps=steps, total=len(self.events), unattributed=self.unattributed, sites=sites, per_step=per_step)
 
 
 def describe_syncs(ctx: Ctx, label: str, summary: dict) -> tuple:
     """Print a run's syncs; return (syncs per step, undocumented syncs per step in ds_bertopt code)."""
-    steps = max(1, summary["steps"])
-    total = summary["total"] + summary["unattributed"]
-    ours_undocumented = 0.0
+    steps, unattributed, ours_undocumented = max(1, summary["steps"]), summary["unattributed"], 0.0
+    total = summary["total"] + unattributed
     counts = {int(step): n for step, n in summary["per_step"].items() if str(step).lstrip("-").isdigit()}
     per_step = [counts[step] for step in sorted(counts)]
-    unattributed = summary["unattributed"]
     ctx.detail(
         f"{label}: {total / steps:.2f} syncs per step over {steps} steps (per step {per_step or [0]})"
         + (f", {unattributed} unattributed (C++ warning on stderr)" if unattributed else "")
     )
     for site, entry in sorted(summary["sites"].items(), key=lambda kv: -kv[1]["count"]):
-        internal = "" if entry["owner"] == "ds_bertopt" else f"{entry['owner']}-internal"
+        ours = entry["owner"] == "ds_bertopt"
+        internal = "" if ours else f"{entry['owner']}-internal"
         kind = (
-            ", ".join(filter(None, ["documented" if entry["documented"] else "", internal])) or "ours, NOT documented"
+            ", ".join(x for x in ("documented" if entry["documented"] else "", internal) if x) or "ours, NOT documented"
         )
-        if entry["owner"] == "ds_bertopt" and not entry["documented"]:
+        if ours and not entry["documented"]:
             ours_undocumented += entry["count"] / steps
         ctx.detail(f"    {entry['count'] / steps:.2f}/step [{kind}] {site}: {entry['line']}")
-        if entry["ours_top"] and entry["owner"] != "ds_bertopt":
+        if entry["ours_top"] and not ours:
             ctx.detail(f"        ds_bertopt frames: {' <- '.join(entry['ours_top'])}")
     return total / steps, ours_undocumented

@@ -5,20 +5,16 @@ import math
 import os
 import sys
 
-from .runner import Ctx, Job, Result, judged, log_line, losses_by_step, pretrain_job, read_metrics, run_jobs
+from .runner import Ctx, Job, Result, judged, losses_by_step, pretrain_job, run_jobs
 
 DETERMINISTIC_CUBLAS = ":4096:8"  # what torch's deterministic mode demands of cuBLAS (CUBLAS_WORKSPACE_CONFIG)
 
 
 def cublas_probe_job(ctx: Ctx) -> Job:
-    code = (
-        "import torch; torch.use_deterministic_algorithms(True); a = torch.randn(64, 64, device='cuda'); "
-        "print('GEMM ok', float((a @ a).sum()))"
-    )
-    env = ctx.env()
-    env.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    name = "deterministic GEMM without CUBLAS_WORKSPACE_CONFIG"
-    return Job(name, [sys.executable, "-c", code], env, ctx.dir("cublas_probe.log"), 60)
+    code = "import torch; torch.use_deterministic_algorithms(True); a = torch.randn(64, 64, device='cuda'); "
+    env = {k: v for k, v in ctx.env().items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    cmd = [sys.executable, "-c", code + "print('GEMM ok', float((a @ a).sum()))"]
+    return Job("deterministic GEMM without CUBLAS_WORKSPACE_CONFIG", cmd, env, ctx.dir("cublas_probe.log"), 60)
 
 
 def samples_by_step(out, rank: int) -> dict:
@@ -48,18 +44,12 @@ def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, k
     cut = run("killed", cut_dir, "--overwrite_output_dir", multi or ctx.cuda, DS_BERTOPT_FAULT=fault)
     extra = [cublas_probe_job(ctx)] if ctx.cuda and world == 1 else []
     run_jobs(ctx, [ref, cut, *extra], parallel=3)
-    for job in extra:
-        if job.ok:
-            ctx.detail(
-                "train.deterministic=true without CUBLAS_WORKSPACE_CONFIG: a CUDA GEMM runs (torch does not "
-                "demand it here)"
-            )
-        elif job.started:
-            ctx.detail(
-                f"NOTE train.deterministic=true without CUBLAS_WORKSPACE_CONFIG: a CUDA GEMM fails "
-                f"({job.tail(2)}); these runs set CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS}, the loop "
-                "does not"
-            )
+    for job in (job for job in extra if job.started):  # does torch demand CUBLAS_WORKSPACE_CONFIG here?
+        fails = (
+            f"fails ({job.tail(2)}); these runs set CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS}, the loop does not"
+        )
+        note, verdict = ("", "runs (torch does not demand it here)") if job.ok else ("NOTE ", fails)
+        ctx.detail(f"{note}train.deterministic=true without CUBLAS_WORKSPACE_CONFIG: a CUDA GEMM {verdict}")
     if not ref.ok:
         return [f"reference run {ref.status()}: {ref.tail()}"], ""
     expected_tag = f"step{(kill_step - 1) // 2 * 2:08d}"
@@ -78,12 +68,12 @@ def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, k
     run_jobs(ctx, [resume])
     if not resume.ok:
         return [f"resumed run {resume.status()}: {resume.tail()}"], ""
-    resumed_from = log_line(resume, "resumed from")
+    resumed_from = resume.line("resumed from")
     ctx.detail(f"{label}: resumed run {resume.status()}: {resumed_from}")
     a, b = load_file(ref_dir / "final" / "model.safetensors"), load_file(cut_dir / "final" / "model.safetensors")
     problems = [] if a.keys() == b.keys() else [f"final weights have different keys ({sorted(set(a) ^ set(b))[:4]})"]
     differing = {k: float((a[k].double() - b[k].double()).abs().max()) for k in a if k in b and not a[k].equal(b[k])}
-    ref_loss, cut_loss = losses_by_step(read_metrics(ref_dir)), losses_by_step(read_metrics(cut_dir))
+    ref_loss, cut_loss = losses_by_step(ref_dir), losses_by_step(cut_dir)
     loss_diff = [abs(ref_loss[s] - cut_loss.get(s, math.inf)) for s in sorted(ref_loss)]
     samples_equal = all(
         samples_by_step(ref_dir, rank) == samples_by_step(cut_dir, rank) and bool(samples_by_step(ref_dir, rank))

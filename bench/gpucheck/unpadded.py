@@ -3,9 +3,8 @@
 import itertools
 import random
 import statistics
-import time
 
-from .runner import Ctx, Result, brief, judged
+from .runner import TINY_BERT, Ctx, Result, brief, judged, timed
 
 
 def packed_inputs(ctx: Ctx, dtype, lengths, heads: int, dim: int, count: int, seed: int) -> tuple:
@@ -50,24 +49,23 @@ def attention_dropout(ctx: Ctx, dtype, lengths, heads: int, dim: int, p: float, 
     from ds_bertopt.model.unpadded import packed_attention
 
     (q, k, v), cu = packed_inputs(ctx, dtype, lengths, heads, dim, 3, seed=1)
+    attend = lambda *qkv, p=p: packed_attention(*qkv, cu, max(lengths), lengths, dropout_p=p, backend="varlen")
+
+    def seeded():  # the same seed twice: the same dropout mask
+        torch.manual_seed(7)
+        return attend(q, k, v)
+
     with torch.no_grad():
-        plain = packed_attention(q, k, v, cu, max(lengths), lengths, backend="varlen").float()
-        dropped = lambda: packed_attention(q, k, v, cu, max(lengths), lengths, dropout_p=p, backend="varlen")
-        stacked = torch.stack([dropped().float() for _ in range(draws)])
-        torch.manual_seed(7)
-        once = dropped()
-        torch.manual_seed(7)
-        again = dropped()
-    applied = float((stacked[0] - plain).abs().max() / plain.abs().max())
+        plain = attend(q, k, v, p=0.0).float()
+        stacked = torch.stack([attend(q, k, v).float() for _ in range(draws)])
+        once, again = seeded(), seeded()
     se = stacked.std(0) / draws**0.5
     bias = ((stacked.mean(0) - plain).abs() - 6 * se).clamp_min(0)
-    worst_bias = float(bias.max() / plain.abs().max())
     leaf = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = packed_attention(*leaf, cu, max(lengths), lengths, dropout_p=p, backend="varlen")
-    grads = torch.autograd.grad(out.float().square().sum(), leaf)
+    grads = torch.autograd.grad(attend(*leaf).float().square().sum(), leaf)
     return {
-        "applied": applied,
-        "bias_beyond_6se": worst_bias,
+        "applied": float((stacked[0] - plain).abs().max() / plain.abs().max()),
+        "bias_beyond_6se": float(bias.max() / plain.abs().max()),
         "reproducible": bool(torch.equal(once, again)),
         "finite_grads": all(bool(torch.isfinite(x).all()) for x in grads),
     }
@@ -107,7 +105,7 @@ def unpadded_throughput(ctx: Ctx) -> str:
     import torch
     from transformers import BertConfig, BertForMaskedLM
 
-    from bench._common import bert_sizes, interleaved
+    from bench._common import interleaved
     from ds_bertopt.compat.transformers import set_attention_implementation
     from ds_bertopt.data.collate import pack_sequences
     from ds_bertopt.model import SparseMLMHead
@@ -115,7 +113,7 @@ def unpadded_throughput(ctx: Ctx) -> str:
 
     device = torch.device(ctx.device)
     if ctx.tiny:
-        sizes = bert_sizes(32, 2, 2, 64, vocab_size=200, max_position_embeddings=64)
+        sizes = TINY_BERT
         count, low, high, rounds = 4, 4, 60, 2
     else:
         sizes = dict(vocab_size=30522, max_position_embeddings=512)  # BERT-base otherwise
@@ -133,26 +131,17 @@ def unpadded_throughput(ctx: Ctx) -> str:
     real = sum(len(s["input_ids"]) for s in samples)
     padded = {k: v.to(device) for k, v in padded_batch(samples).items()}
     packed = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in pack_sequences(samples).items()}
-    backend = (
-        "varlen"
-        if varlen_usable(device, dtype, config.hidden_size // config.num_attention_heads, True)
-        else "sdpa_loop"
-    )
+    usable = varlen_usable(device, dtype, config.hidden_size // config.num_attention_heads, True)
+    backend = "varlen" if usable else "sdpa_loop"
 
-    def step(wrapper, batch) -> float:
-        if ctx.cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    def step(wrapper, batch) -> None:
         wrapper(**batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if ctx.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
 
     variants = {"padded": (padded_model, padded), "unpadded": (unpadded_model, packed)}
-    times = interleaved({name: lambda v=v: step(*v) for name, v in variants.items()}, repeats=rounds, warmup=2)
-    med = {name: statistics.median(t) for name, t in times.items()}
+    steps = {name: lambda v=v: timed(lambda: step(*v), device) for name, v in variants.items()}
+    med = {name: statistics.median(t) for name, t in interleaved(steps, repeats=rounds, warmup=2).items()}
     computed = padded["input_ids"].numel()
     ctx.detail(
         f"{count} sequences of {low}..{high} tokens, {str(dtype).replace('torch.', '')}: "
@@ -167,26 +156,21 @@ def unpadded_throughput(ctx: Ctx) -> str:
     return f"unpadded {speedup:.2f}x tokens/s of padded ({backend})"
 
 
-def check_dropout(ctx: Ctx, dtype, lengths, heads: int, dim: int, tolerance: float, problems: list) -> None:
+def check_dropout(ctx: Ctx, dtype, lengths, heads: int, dim: int, tolerance: float) -> list:
+    """The problems of varlen's dropout in ``dtype`` (:func:`attention_dropout`, 200 draws of p 0.1)."""
     name = str(dtype).replace("torch.", "")
     try:
         drop = attention_dropout(ctx, dtype, lengths, heads, dim, p=0.1, draws=200)
     except Exception as exc:  # noqa: BLE001
-        problems.append(f"{name} dropout: {brief(exc, first_line=True)}")
-        return
-    ok = (
-        drop["applied"] > 0.05
-        and drop["bias_beyond_6se"] <= tolerance
-        and drop["reproducible"]
-        and drop["finite_grads"]
-    )
+        return [f"{name} dropout: {brief(exc, first_line=True)}"]
+    ok = drop["applied"] > 0.05 and drop["bias_beyond_6se"] <= tolerance
+    ok = ok and drop["reproducible"] and drop["finite_grads"]
     ctx.detail(
         f"{name} varlen dropout 0.1: changes the output by {drop['applied']:.2f} of max |out|, mean "
         f"of 200 draws within 6 SE + {drop['bias_beyond_6se']:.1e}, same seed same output "
         f"{drop['reproducible']}, finite gradients {drop['finite_grads']} -> {'ok' if ok else 'FAIL'}"
     )
-    if not ok:
-        problems.append(f"{name} dropout: {drop}")
+    return [] if ok else [f"{name} dropout: {drop}"]
 
 
 def section_unpadded(ctx: Ctx) -> Result:
@@ -199,10 +183,9 @@ def section_unpadded(ctx: Ctx) -> Result:
     lengths = [3, 9, 1, 17] if ctx.tiny else [1, 7, 33, 64, 128, 200, 317, 512, 45, 2]
     tolerance = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-5}
     dtypes = (torch.bfloat16, torch.float16) if ctx.cuda else (torch.float32,)
-    if ctx.cuda:
-        for dtype, dropout in itertools.product(dtypes, (False, True)):
-            usable = varlen_usable(torch.device("cuda"), dtype, dim, dropout)
-            ctx.detail(f"varlen_usable(cuda, {dtype}, head_dim {dim}, dropout {dropout}): {usable}")
+    for dtype, dropout in itertools.product(dtypes if ctx.cuda else (), (False, True)):
+        usable = varlen_usable(torch.device("cuda"), dtype, dim, dropout)
+        ctx.detail(f"varlen_usable(cuda, {dtype}, head_dim {dim}, dropout {dropout}): {usable}")
     for dtype in dtypes:
         name = str(dtype).replace("torch.", "")
         try:
@@ -221,10 +204,9 @@ def section_unpadded(ctx: Ctx) -> Result:
             if not ok:
                 problems.append(f"{name} {backend}: max error {max(errs):.2e} > {tolerance[dtype]:g}")
         figures.append(f"{name} " + " ".join(f"{b} {max(e):.1e}" for b, e in errors.items()))
-    if ctx.cuda:
-        for dtype in dtypes:
-            check_dropout(ctx, dtype, lengths, heads, dim, tolerance[dtype], problems)
-    else:
+    for dtype in dtypes if ctx.cuda else ():
+        problems += check_dropout(ctx, dtype, lengths, heads, dim, tolerance[dtype])
+    if not ctx.cuda:
         ctx.detail("varlen flash attention (fp16/bf16, dropout): SKIPPED(no CUDA); sdpa_loop checked in fp32")
     try:
         figures.append(unpadded_throughput(ctx))

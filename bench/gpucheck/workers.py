@@ -3,11 +3,13 @@
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 from .recorder import SyncRecorder
-from .runner import test_script
+from .runner import TINY_BERT, test_script, timed
+
+LAMB_STEPS = 4
+"""Steps of each optimizer check (``worker_lamb``; the section's judgement expects them)."""
 
 
 def worker_loop(argv: list) -> int:
@@ -23,13 +25,12 @@ def worker_loop(argv: list) -> int:
     from ds_bertopt.train import loop
     from ds_bertopt.train.tasks import TASKS
 
-    syncs = os.environ.get("GPU_CHECK_SYNCS")
-    probe = os.environ.get("GPU_CHECK_PROBE")
+    syncs, probe = os.environ.get("GPU_CHECK_SYNCS"), os.environ.get("GPU_CHECK_PROBE")
+    original_step, original_init = loop.Trainer.train_step, loop.Trainer.__init__
     if syncs:
         path, first, count = syncs.rsplit(":", 2)
         first, count = int(first), int(count)
         recorder = SyncRecorder(cuda=torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu")
-        original_step = loop.Trainer.train_step
 
         def train_step(self, batches, sample_log, window):
             upcoming = self.step + 1
@@ -43,11 +44,10 @@ def worker_loop(argv: list) -> int:
 
         loop.Trainer.train_step = train_step
     if probe:
-        original_init = loop.Trainer.__init__
 
         def init(self, plan, topo, task):
             original_init(self, plan, topo, task)
-            facts = {"rank": topo.rank, "local_rank": topo.local_rank, "engine_device": str(self.engine.device)}
+            facts = dict(rank=topo.rank, local_rank=topo.local_rank, engine_device=str(self.engine.device))
             facts["world_size"] = topo.world_size
             if torch.cuda.is_available():
                 current = torch.cuda.current_device()
@@ -60,44 +60,38 @@ def worker_loop(argv: list) -> int:
             Path(probe, f"rank{topo.rank}.json").write_text(json.dumps(facts))
 
         loop.Trainer.__init__ = init
-    task = TASKS[os.environ.get("GPU_CHECK_TASK", "pretrain")]()
-    return loop.main(task, argv)
+    return loop.main(TASKS[os.environ.get("GPU_CHECK_TASK", "pretrain")](), argv)
 
 
-def _parse(argv: list, *options: tuple) -> argparse.Namespace:
-    """``--out`` (required), ``--local_rank`` (the launcher passes it) and ``(flag, add_argument keywords)`` each."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--local_rank", type=int, default=-1)
-    for flag, keywords in options:
-        parser.add_argument(flag, **keywords)
-    return parser.parse_args(argv)
-
-
-def _init_distributed(local_rank: int):
-    """``deepspeed.init_distributed`` on this machine's accelerator, the rank's device bound first; the accelerator."""
+def _start(argv: list, **options: dict) -> tuple:
+    """(arguments, accelerator): ``--out``, ``--local_rank`` (the launcher passes it) and ``--<name>`` per option; the
+    rank's device bound before ``deepspeed.init_distributed`` (NCCL binds to the current device)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    for name, keywords in options.items():
+        parser.add_argument(f"--{name}", **keywords)
+    args = parser.parse_args(argv)
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
-        accelerator.set_device(local_rank)  # before the first collective: NCCL binds to the current device
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", max(args.local_rank, 0))))
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), verbose=False)
-    return accelerator
+    return args, accelerator
 
 
 def worker_lamb(argv: list) -> int:
     """``optim_zero_check.run_checks`` with the batches on the accelerator (the script builds them on the host,
     which the CPU accelerator takes as they are)."""
-    args = _parse(argv, ("--checks", dict(nargs="+", default=None)), ("--steps", dict(type=int, default=4)))
     import torch
 
+    args, accelerator = _start(argv, checks=dict(nargs="+", required=True))
     ozc = test_script("optim_zero_check")
-
-    device = _init_distributed(int(os.environ.get("LOCAL_RANK", max(args.local_rank, 0)))).current_device_name()
-    host_batch = ozc.batch
+    device, host_batch = accelerator.current_device_name(), ozc.batch
     ozc.batch = lambda step, rank: {k: v.to(device) for k, v in host_batch(step, rank).items()}
-    ozc.run_checks(args.out, tuple(args.checks or ozc.ALL_CHECKS), args.steps)
+    ozc.run_checks(args.out, tuple(args.checks), LAMB_STEPS)
     torch.distributed.destroy_process_group()
     return 0
 
@@ -105,31 +99,24 @@ def worker_lamb(argv: list) -> int:
 def worker_clip(argv: list) -> int:
     """Step time of the bucket-clip hook vs DeepSpeed's ``gradient_clipping``: both engines in these processes,
     stepped interleaved (warm-up, then ``--rounds`` A/B rounds in alternating order); rank 0 writes JSON."""
-    args = _parse(
-        argv,
-        ("--rounds", dict(type=int, default=3)),
-        ("--tiny", dict(action="store_true")),
-        ("--stage", dict(type=int, default=0)),
-    )
+    args, accelerator = _start(argv, rounds=dict(type=int, required=True), tiny=dict(action="store_true"))
     import torch
     import torch.distributed as dist
     from transformers import BertConfig, BertForMaskedLM
 
-    from bench._common import bert_sizes, interleaved
+    from bench._common import interleaved
     from ds_bertopt.engine import initialize
 
-    accelerator = _init_distributed(int(os.environ.get("LOCAL_RANK", max(args.local_rank, 0))))
-    cuda = accelerator.device_name() != "cpu"
     device = torch.device(accelerator.current_device_name())
-    sizes = bert_sizes(32, 1, 2, 64, vocab_size=200, max_position_embeddings=64) if args.tiny else {}  # {}: BERT-base
+    sizes = {**TINY_BERT, "num_hidden_layers": 1} if args.tiny else {}  # {}: BERT-base
     micro, seq, bucket = (2, 16, 10_000) if args.tiny else (16, 128, 5_000_000)
-    precision = "bf16" if cuda else "fp32"
+    precision, stage = "bf16" if device.type != "cpu" else "fp32", 0
 
     def engine(hook: bool):
         torch.manual_seed(0)
         model = BertForMaskedLM(BertConfig(**sizes, attn_implementation="sdpa"))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-        zero = {"stage": args.stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": bucket}
+        zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": bucket}
         cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
         cfg.update(steps_per_print=10**9, zero_optimization=zero, bertopt={"train": {"precision": precision}})
         if hook:
@@ -143,20 +130,15 @@ def worker_clip(argv: list) -> int:
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     batch = {k: v.to(device) for k, v in batch.items()}
 
-    def step(eng) -> float:  # the step's own time, between device syncs after a barrier
-        if cuda:
-            torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
+    def step(eng) -> None:
         eng.backward(eng(**batch).loss)
         eng.step()
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
 
-    times = interleaved({name: lambda eng=eng: step(eng) for name, eng in engines.items()}, repeats=args.rounds)
+    # the step's own time, between device syncs after a barrier
+    steps = {name: lambda eng=eng: timed(lambda: step(eng), device, dist.barrier) for name, eng in engines.items()}
+    times = interleaved(steps, repeats=args.rounds)
     if dist.get_rank() == 0:
-        facts = dict(precision=precision, stage=args.stage, micro=micro, seq=seq, world=dist.get_world_size())
+        facts = dict(precision=precision, stage=stage, micro=micro, seq=seq, world=dist.get_world_size())
         Path(args.out).write_text(json.dumps({"times": times, **facts}))
     dist.barrier()
     dist.destroy_process_group()
@@ -166,17 +148,14 @@ def worker_clip(argv: list) -> int:
 def worker_conformance(argv: list) -> int:
     """The conformance matrix's rows (``tests/scripts/conformance_worker.py``) on this machine's accelerator, with
     the optimizers ``ds_bertopt.optim`` really builds here (on CUDA: DeepSpeed's FusedAdam); rank 0 writes JSON."""
-    args = _parse(argv, ("--rows", dict(nargs="+", required=True)))
     import torch
 
-    run_rows = test_script("conformance_worker").run_rows
+    from ds_bertopt.testing.gpu_paths import APEX_ROWS, all_rows
 
-    from ds_bertopt.testing.gpu_paths import all_rows
-
+    args, accelerator = _start(argv, rows=dict(nargs="+", required=True))
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    accelerator = _init_distributed(int(os.environ.get("LOCAL_RANK", 0)))
-    rows = [row for row in all_rows() if row.id in set(args.rows)]
-    results = run_rows(rank, world, rows, args.out, device_type=accelerator.device_name())
+    rows = [row for row in (*all_rows(), *APEX_ROWS) if row.id in set(args.rows)]  # the apex rows are not in all_rows
+    results = test_script("conformance_worker").run_rows(rank, world, rows, args.out, accelerator.device_name())
     if rank == 0:
         Path(args.out, "results.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()

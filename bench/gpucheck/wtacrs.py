@@ -1,14 +1,13 @@
 """Section ``wtacrs``: the sampled linear's fp32/bf16/fp16 paths (unbiased, no host sync, finite steps)."""
 
 import contextlib
-import copy
 import json
 import math
 import statistics
 import sys
 
 from .recorder import SyncRecorder
-from .runner import ROOT, SCRIPTS, Ctx, Job, Result, brief, judged, run_jobs, test_script
+from .runner import ROOT, SCRIPTS, TINY_BERT, Ctx, Job, Result, brief, judged, run_jobs, test_script
 
 
 def shipped_wtacrs(**changes):
@@ -22,17 +21,9 @@ def shipped_wtacrs(**changes):
     return load_section(WtaCrsConfig, raw, "wtacrs")
 
 
-def _heavy_rows(shape, device, seed):
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    scale = (1.0 - torch.rand(*shape[:-1], 1, generator=gen)) ** (-1 / 1.3)  # heavy-tailed row norms
-    return (torch.randn(*shape, generator=gen) * scale).to(device)
-
-
 def wtacrs_unbiased(ctx: Ctx, mode: str, draws: int) -> tuple:
-    """(bias statistic, draws, finite) of ``SampledLinear``'s weight gradient in ``mode``: fp32, bf16/fp16 autocast
-    over fp32 weights, or fp16 weights and inputs (the fp16 path stores rows raw and weights them in fp32)."""
+    """(bias statistic, finite) of ``SampledLinear``'s weight gradient in ``mode``: fp32, bf16/fp16 autocast over
+    fp32 weights, or fp16 weights and inputs (the fp16 path stores rows raw and weights them in fp32)."""
     import torch
     from torch import nn
 
@@ -41,18 +32,17 @@ def wtacrs_unbiased(ctx: Ctx, mode: str, draws: int) -> tuple:
     device = torch.device(ctx.device)
     torch.manual_seed(1)
     d_in, d_out = 48, 40
-    linear = nn.Linear(d_in, d_out).to(device)
-    sampled = SampledLinear.from_linear(copy.deepcopy(linear), ratio=0.25, min_k=8)
-    x = _heavy_rows((4, 32, d_in), device, seed=1)
+    sampled = SampledLinear.from_linear(nn.Linear(d_in, d_out).to(device), ratio=0.25, min_k=8)
+    gen = torch.Generator().manual_seed(1)
+    scale = (1.0 - torch.rand(4, 32, 1, generator=gen)) ** (-1 / 1.3)  # heavy-tailed row norms
+    x = (torch.randn(4, 32, d_in, generator=gen) * scale).to(device)
     grad = torch.randn(4, 32, d_out, generator=torch.Generator().manual_seed(2)).to(device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp16-weights": torch.float16}[mode]
     if mode == "fp16-weights":
-        sampled = sampled.half()
-        x = x.half()
+        sampled, x = sampled.half(), x.half()
     autocast = torch.autocast(device.type, dtype=dtype) if mode in ("bf16", "fp16") else contextlib.nullcontext()
     # exact gradient of the same computation: the inputs as the layer sees them, summed in float64
-    x_seen, g_seen = x.to(dtype).double().reshape(-1, d_in), grad.to(dtype).double().reshape(-1, d_out)
-    exact = g_seen.t() @ x_seen
+    exact = grad.to(dtype).double().reshape(-1, d_out).t() @ x.to(dtype).double().reshape(-1, d_in)
     estimates = []
     for _ in range(draws):
         sampled.weight.grad = None
@@ -62,7 +52,7 @@ def wtacrs_unbiased(ctx: Ctx, mode: str, draws: int) -> tuple:
         estimates.append(sampled.weight.grad.double())
     stacked = torch.stack(estimates)
     # ‖mean − exact‖² / (Σ elementwise variance / T): about 1 for an unbiased estimator; the tests bound it by 4
-    return test_script("wtacrs_common").bias_statistic(stacked, exact), draws, bool(torch.isfinite(stacked).all())
+    return test_script("wtacrs_common").bias_statistic(stacked, exact), bool(torch.isfinite(stacked).all())
 
 
 def wtacrs_selection_syncs(ctx: Ctx) -> int:
@@ -105,13 +95,8 @@ def wtacrs_training(ctx: Ctx, precision: str, steps: int) -> dict:
     hf_logging.set_verbosity_error()
     device = torch.device(ctx.device)
     torch.manual_seed(0)
-    sizes = (
-        bert_sizes(32, 2, 2, 64, vocab_size=200, max_position_embeddings=64)
-        if ctx.tiny
-        else bert_sizes(256, 4, 4, 1024, vocab_size=2000, max_position_embeddings=128)
-    )
-    model = BertForSequenceClassification(BertConfig(num_labels=2, **sizes))
-    model, _ = prepare_model(model, shipped_wtacrs(min_k=8))
+    sizes = TINY_BERT if ctx.tiny else bert_sizes(256, 4, 4, 1024, vocab_size=2000, max_position_embeddings=128)
+    model, _ = prepare_model(BertForSequenceClassification(BertConfig(num_labels=2, **sizes)), shipped_wtacrs(min_k=8))
     sampled = sum(isinstance(m, SampledLinear) for m in model.modules())
     model = model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
@@ -124,18 +109,17 @@ def wtacrs_training(ctx: Ctx, precision: str, steps: int) -> dict:
         ids = torch.randint(5, sizes["vocab_size"], (batch_size, seq), generator=gen)
         mask = torch.ones_like(ids)
         mask[batch_size // 2 :, seq * 3 // 4 :] = 0  # some padding
-        labels = ids[:, 1] % 2
-        batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": ids[:, 1] % 2}  # a learnable label
         with torch.autocast(device.type, dtype=dtype):
-            loss = model(**batch).loss
-        if scaler is not None:
+            loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
             scales.append(scaler.get_scale())
-        else:
-            loss.backward()
-            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach().float())
     values = [float(v) for v in losses]  # one read at the end
@@ -144,19 +128,18 @@ def wtacrs_training(ctx: Ctx, precision: str, steps: int) -> dict:
 
 
 def section_wtacrs(ctx: Ctx) -> Result:
-    problems, figures, skipped = [], [], []
-    for mode in ("fp32", "bf16", "fp16", "fp16-weights"):
-        if mode.startswith("fp16") and not ctx.cuda:
-            skipped.append(mode)
-            continue
+    problems, figures = [], []
+    skipped = [] if ctx.cuda else ["fp16", "fp16-weights"]
+    draws = 300 if ctx.tiny else 2000
+    for mode in ("fp32", "bf16", "fp16", "fp16-weights") if ctx.cuda else ("fp32", "bf16"):
         try:
-            stat, n, finite = wtacrs_unbiased(ctx, mode, 300 if ctx.tiny else 2000)
+            stat, finite = wtacrs_unbiased(ctx, mode, draws)
         except Exception as exc:  # noqa: BLE001 - report and go on
             problems.append(f"{mode} unbiasedness: {brief(exc)}")
             continue
         ok = finite and stat < 4.0
         ctx.detail(
-            f"unbiased weight gradient, {mode}: bias statistic {stat:.2f} over {n} draws (about 1 if unbiased; "
+            f"unbiased weight gradient, {mode}: bias statistic {stat:.2f} over {draws} draws (about 1 if unbiased; "
             f"bound 4){'' if finite else ', NON-FINITE estimates'} -> {'ok' if ok else 'FAIL'}"
         )
         figures.append(f"{mode} {stat:.2f}")
@@ -172,10 +155,8 @@ def section_wtacrs(ctx: Ctx) -> Result:
         except Exception as exc:  # noqa: BLE001
             problems.append(f"sync check: {brief(exc)}")
     steps = 6 if ctx.tiny else 30
-    for precision in ("fp16", "bf16"):
-        if precision == "fp16" and not ctx.cuda:
-            skipped.append("fp16 training")
-            continue
+    skipped += [] if ctx.cuda else ["fp16 training"]
+    for precision in ("fp16", "bf16") if ctx.cuda else ("bf16",):
         try:
             run = wtacrs_training(ctx, precision, steps)
         except Exception as exc:  # noqa: BLE001

@@ -59,7 +59,7 @@ from ..config import BertOptConfig, leaf_keys, refuse_emulated_bf16
 from ..configlib import dead_fields_of, load_section
 from ..data.collate import padded_positions
 from ..data.sampler import PlanBatchSampler
-from ..dist import release_shm_buffer, topology_from_env
+from ..dist import release_shm_buffer, shutdown_at_exit, topology_from_env
 from ..dsconfig import zero_stage
 from ..engine import attach_extensions, check_combinations
 from ..errors import ConfigError
@@ -480,6 +480,7 @@ class BertOptTrainerMixin:
         arguments = bound.arguments
         check_world_size(arguments.get("args"))
         _release_shm_buffer()
+        shutdown_at_exit()  # the script's end is the user's: destroy the process group before finalisation
         self._bertopt = load_bertopt(bertopt, args=arguments.get("args"))
         self._bertopt_optimizer = None
         self._bertopt_scheduler = None
