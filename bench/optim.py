@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import bert_overrides, bert_sizes, checkpoint_weights, cpu_env, deepspeed_launcher, figure
 from bench._common import environment_line, first_crossing, interleaved, md_table, median, pretrain_argv, ratio_line
-from bench._common import md_row, read_metrics, record, say, status
+from bench._common import config_overrides, md_row, read_metrics, record, say, status
 from ds_bertopt.config import load_config
 from ds_bertopt.data.collate import MLMCollator, step_generator
 from ds_bertopt.data.pipeline import build_pretrain_data
@@ -86,14 +86,10 @@ class Point:
                 "decay_from": "step0", "scaling": self.scaling, "reference_batch": REFERENCE_BATCH}  # fmt: skip
 
     def overrides(self, micro: int, world: int) -> list[str]:
-        fields = {
-            "deepspeed.train_micro_batch_size_per_gpu": micro,
-            "deepspeed.gradient_accumulation_steps": self.batch // (micro * world),
-            "optimizer.lr": self.lr,
-            "optimizer.betas": [0.9, self.beta2],
-            **{f"schedule.{key}": value for key, value in self.schedule.items()},
-        }
-        return [f"{key}={json.dumps(value)}" for key, value in fields.items()]
+        accumulation = self.batch // (micro * world)
+        batching = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation}
+        optimizer = {"lr": self.lr, "betas": [0.9, self.beta2]}
+        return config_overrides(deepspeed=batching, optimizer=optimizer, schedule=self.schedule)
 
 
 def grid(optimizer: str, batch: int, kind: str) -> list[Point]:
