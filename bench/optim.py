@@ -120,8 +120,8 @@ class Result:
 
 
 def reach_text(value: float, spec: str = ",.0f", unit: str = "") -> str:
-    """``value`` formatted (samples; ``".2f", "x"``: a ratio), or "not reached" where it is infinite."""
-    return "not reached" if math.isinf(value) else f"{value:{spec}}{unit}"
+    """``value`` formatted (samples; ``".2f", "x"``: a ratio), or "not reached" where it is infinite (or inf/inf)."""
+    return f"{value:{spec}}{unit}" if math.isfinite(value) else "not reached"
 
 
 def pretrain(point: Point, args, out: Path, save_every: int = 0) -> Result:
