@@ -7,6 +7,7 @@ by a signal; each answer comes within the poll, the 600 s timeouts below are nev
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 import memory_children  # noqa: E402
 
-from ds_bertopt.child import ChildDied, OutOfMemory, run_in_child  # noqa: E402
+from ds_bertopt.child import ChildDied, OutOfMemory, run_in_child, stop_forkserver  # noqa: E402
 from ds_bertopt.errors import ConfigError  # noqa: E402
 from ds_bertopt.wtacrs import memory, sizing  # noqa: E402
 
@@ -24,25 +25,65 @@ FITS = 24
 """The children's steps fit their memory limit up to this batch."""
 
 
+STARTS = {"spawned": (), "forked": memory.CHILD_PRELOAD}
+"""How a child starts: spawned, or forked from the server the memory measurements use (one per process: the first
+call starts it, with what it preloads)."""
+
+
 @pytest.mark.timeout(120)
-def test_a_child_killed_by_sigkill_counts_as_out_of_memory():
+@pytest.mark.parametrize("start", STARTS)
+def test_a_child_killed_by_sigkill_counts_as_out_of_memory(start):
     with pytest.raises(OutOfMemory, match="killed by SIGKILL"):
-        run_in_child(memory_children.killed, timeout=600)
+        run_in_child(memory_children.killed, timeout=600, preload=STARTS[start])
 
 
 @pytest.mark.timeout(120)
-def test_a_child_that_dies_otherwise_is_named():
+@pytest.mark.parametrize("start", STARTS)
+def test_a_child_that_dies_otherwise_is_named(start):
     with pytest.raises(ChildDied, match="exited with status 3"):
-        run_in_child(memory_children.exits, 3, timeout=600)
+        run_in_child(memory_children.exits, 3, timeout=600, preload=STARTS[start])
     with pytest.raises(ChildDied, match="killed by SIGSEGV"):
-        run_in_child(memory_children.crashes, timeout=600)
+        run_in_child(memory_children.crashes, timeout=600, preload=STARTS[start])
 
 
 @pytest.mark.timeout(120)
-def test_an_allocation_over_the_limit_is_out_of_memory():
-    assert run_in_child(memory_children.step, FITS, FITS)["step_peak"] == FITS * PER_EXAMPLE
+@pytest.mark.parametrize("start", STARTS)
+def test_an_allocation_over_the_limit_is_out_of_memory(start):
+    assert run_in_child(memory_children.step, FITS, FITS, preload=STARTS[start])["step_peak"] == FITS * PER_EXAMPLE
     with pytest.raises(OutOfMemory, match="MemoryError"):
-        run_in_child(memory_children.step, FITS + 1, FITS)
+        run_in_child(memory_children.step, FITS + 1, FITS, preload=STARTS[start])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start", STARTS)
+def test_a_child_runs_in_the_callers_environment_plus_env(start, monkeypatch):
+    """A forked child takes the environment of the call, not the one its server started with (set after it)."""
+    run_in_child(memory_children.environment, timeout=600, preload=STARTS[start])  # the server runs from here on
+    monkeypatch.setenv("DS_BERTOPT_CHILD_SET_LATER", "later")
+    monkeypatch.delenv("HOME", raising=False)
+    seen = run_in_child(
+        memory_children.environment,
+        "DS_BERTOPT_CHILD_SET_LATER",
+        "DS_BERTOPT_CHILD_ENV",
+        "HOME",
+        env={"DS_BERTOPT_CHILD_ENV": "given"},
+        timeout=600,
+        preload=STARTS[start],
+    )
+    assert seen == {"DS_BERTOPT_CHILD_SET_LATER": "later", "DS_BERTOPT_CHILD_ENV": "given", "HOME": None}
+
+
+@pytest.mark.timeout(120)
+def test_the_fork_server_can_be_stopped_and_starts_again():
+    """A training run that measured (``wtacrs.preset: "auto"``) stops the server, which would otherwise hold torch's
+    memory for the rest of the run; a later measurement starts another."""
+    run_in_child(memory_children.environment, timeout=600, preload=memory.CHILD_PRELOAD)
+    assert len(memory_children.fork_servers()) == 1
+    stop_forkserver()
+    assert memory_children.fork_servers() == []
+    seen = run_in_child(memory_children.environment, "PATH", timeout=600, preload=memory.CHILD_PRELOAD)
+    assert seen == {"PATH": os.environ.get("PATH")}
+    assert len(memory_children.fork_servers()) == 1
 
 
 @pytest.mark.timeout(180)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from wtacrs_common import tiny_bert  # noqa: E402
+import memory_children  # noqa: E402
 
 from ds_bertopt.configlib import load_section  # noqa: E402
 from ds_bertopt.errors import ConfigError  # noqa: E402
@@ -316,6 +317,7 @@ def test_resolve_auto_measures_for_real(tmp_path):
     (measured,) = [line for line in lines if "preset exact: batch 8, peak" in line]
     assert "(fits 64.00)" in measured and " s/step, " in measured, lines  # timed, not "not timed"
     assert "preset auto chose preset exact" in lines[-1], lines
+    assert memory_children.fork_servers() == []  # the training run that follows keeps no server of children
 
 
 # ---------------------------------------------------------------- the fixed per-step costs, removed exactly

@@ -11,7 +11,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from wtacrs_common import tiny_bert  # noqa: E402
 
-from _launch import FULL_MATRIX  # noqa: E402
 
 from ds_bertopt.cli import main as cli_main  # noqa: E402
 
@@ -183,11 +182,6 @@ def test_unpadded_families_only(tmp_path, capsys):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(
-    not FULL_MATRIX,
-    reason="112 s of real children: runs in make test-matrix; the made-up worlds of "
-    "tests/test_wtacrs_budget.py check the same choice in make test",
-)
 def test_compare_fast_recommends_what_the_exhaustive_measurement_does(monkeypatch, capsys, saved_tiny):
     """Issue 40: ``--compare`` probes each setup in one child, times the simplest that fits first and then only those
     that could change the choice; on a tiny model with real children its recommendation (setup and batch) is the

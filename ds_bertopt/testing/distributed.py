@@ -13,14 +13,13 @@ a fork, not three imports per rank; each rank takes the caller's environment, as
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue as queue_mod
 import traceback
 from typing import Any, Callable
 
 from ..buildlocks import clear_stale_build_locks
-from ..child import environment_set
+from ..child import forkserver_context, take_environment
 from ..dist import free_port, release_shm_buffer, shutdown
 
 __all__ = ["free_port", "spawn_ranks", "start_processes"]
@@ -28,32 +27,24 @@ __all__ = ["free_port", "spawn_ranks", "start_processes"]
 
 FORKSERVER_PRELOAD = ("torch", "deepspeed", "transformers")
 """Imported once by the fork server that ranks start from: a rank then costs a fork instead of an import of torch,
-DeepSpeed and transformers (about 3 s of CPU each, 2 ranks per call, hundreds of calls in the test suite)."""
+DeepSpeed and transformers (about 3 s of CPU each, 2 ranks per call, hundreds of calls in the test suite). With
+them, what the memory measurements' children preload (:data:`~ds_bertopt.wtacrs.memory.CHILD_PRELOAD`): one server
+per process serves both, whichever starts it."""
 _SERVER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 """What the fork server's imports must see: DeepSpeed picks its accelerator at import (``get_accelerator`` in
 ``deepspeed/accelerator/real_accelerator.py``), torch its thread pool size."""
 
 
 def _context():
-    """The ``forkserver`` context, its server started with :data:`FORKSERVER_PRELOAD` imported under
-    :data:`_SERVER_ENV` (it lives as long as this process; later calls reuse it)."""
-    from multiprocessing import forkserver
+    """The ``forkserver`` context (:func:`~ds_bertopt.child.forkserver_context`: :data:`FORKSERVER_PRELOAD` under
+    :data:`_SERVER_ENV`)."""
+    from ..wtacrs.memory import CHILD_PRELOAD
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-    with environment_set(_SERVER_ENV):
-        forkserver.ensure_running()
-    return ctx
-
-
-def _take_environment(environ: dict) -> None:
-    """A forked process starts with the fork server's environment: take the caller's instead, as spawn would."""
-    os.environ.clear()
-    os.environ.update(environ)
+    return forkserver_context(FORKSERVER_PRELOAD + CHILD_PRELOAD, _SERVER_ENV)
 
 
 def _with_environment(index, fn, environ, *args):
-    _take_environment(environ)
+    take_environment(environ)
     return fn(index, *args)
 
 
@@ -69,7 +60,7 @@ def start_processes(fn: Callable, args: tuple, nprocs: int) -> None:
 
 
 def _worker(fn, rank, world_size, ranks_per_node, port, env, args, results, parent_env):
-    _take_environment(parent_env)
+    take_environment(parent_env)
     os.environ.update(
         {
             "RANK": str(rank),

@@ -5,17 +5,18 @@
   LayerNorm and three linears counts once), parameters excluded, grouped by the innermost module
   that saved it (linear inputs, attention, dropout, layernorm, activation, weight copies, other).
 * :func:`estimate_saving` compares a model with its WTA-CRS-converted copy on one batch.
-* :func:`measure_step` runs in a fresh child process (``MALLOC_MMAP_THRESHOLD_=65536`` so freed
-  blocks go back to the OS and RSS tracks live tensors): it loads and prepares a variant, takes a
+* :func:`measure_step` runs in a fresh child process, forked from a server that imported torch and
+  transformers' model code once (:data:`CHILD_PRELOAD`), with glibc's mmap threshold at 64 KiB (:func:`_malloc_for`:
+  freed blocks go back to the OS and RSS tracks live tensors): it loads and prepares a variant, takes a
   warm-up step, resets the kernel's RSS high-water mark (``/proc/self/clear_refs``), takes one
-  measured step (forward, backward, AdamW step) and reports the peak above the bare interpreter's
-  RSS — weights, gradients, optimizer state, activations and transients, the CPU analogue of a
+  measured step (forward, backward, AdamW step) and reports the peak above the RSS of the interpreter with those
+  modules imported — weights, gradients, optimizer state, activations and transients, the CPU analogue of a
   GPU's ``max_memory_allocated``. The model is a checkpoint directory or, for family comparisons,
   a random-init transformers config (``model_config``: ``{"model_type": ..., **config kwargs}``).
   On CUDA a process holds more than its tensors: the peak is the caching allocator's reserved peak
   (``max_memory_reserved``) plus what the process holds outside it, its CUDA context and NCCL's buffers
   (:func:`device_overhead`, measured once per device), so that a budget is compared with what the card must hold.
-* :func:`run_in_child` is the spawn-a-fresh-process helper behind it (production code, no test
+* :func:`run_in_child` is the fresh-process helper behind it (production code, no test
   helpers): a child that runs out of memory raises :class:`OutOfMemory` (reported by the child, or a child killed
   by SIGKILL, as the kernel's out-of-memory killer kills); a child that dies otherwise raises :class:`ChildDied` at
   once, never after the timeout. The default fine-tuning model is found by
@@ -48,7 +49,10 @@ from .kit import Bf16InputGelu
 from .linear import SampledLinear
 
 CATEGORIES = ("linear inputs", "attention", "dropout", "layernorm", "activation", "weight copies", "other")
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+CHILD_PRELOAD = ("torch", "transformers", "transformers.modeling_utils", __name__)
+"""What the measuring children's fork server imports once (about 8 s on a 2-core CPU): each child, one per measured
+setup or peak, then costs a fork, and their import is the baseline the peak is measured above (:func:`_warmed`). A
+model family's own module (``modeling_bert``, ...) is still imported by the child, after the baseline."""
 MiB = 1024 * 1024
 
 
@@ -295,6 +299,7 @@ def measure_step(spec: dict) -> dict[str, Any]:
     packed rows of ``batch`` sequences of ``seq`` tokens); ``saved: False`` skips counting the saved-for-backward
     bytes (one more forward) when only the peak is wanted.
     """
+    _malloc_for(peak=True)
     run = _warmed(spec)
     model, optimizer, dtype, _, _, runtime_kib = run
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -359,12 +364,13 @@ def _glibc():
 
 
 def _malloc_for(peak: bool) -> bool:
-    """Switches glibc's malloc, in this process, to the peak's setting (:data:`MALLOC_ENV`: a block over 64 KiB is
-    its own mapping and a freed one goes back to the OS, so RSS follows live tensors; free heap pages trimmed now) or
-    to one like the default allocator's once warm: glibc's dynamic mmap threshold rises, as blocks are freed, up to
-    ``DEFAULT_MMAP_THRESHOLD_MAX`` (32 MiB on 64-bit) and the trim threshold to twice it (malloc.c ``__libc_free``),
-    so steps reuse freed blocks instead of faulting in fresh pages, which would charge more time to the setups that
-    allocate more. One child can then measure peaks and rank step times. ``False``: no glibc ``mallopt`` here."""
+    """Switches glibc's malloc, in this process, to the peak's setting (``MALLOC_MMAP_THRESHOLD_=65536``: a block
+    over 64 KiB is its own mapping and a freed one goes back to the OS, so RSS follows live tensors; free heap pages
+    trimmed now) or to one like the default allocator's once warm: glibc's dynamic mmap threshold rises, as blocks
+    are freed, up to ``DEFAULT_MMAP_THRESHOLD_MAX`` (32 MiB on 64-bit) and the trim threshold to twice it (malloc.c
+    ``__libc_free``), so steps reuse freed blocks instead of faulting in fresh pages, which would charge more time to
+    the setups that allocate more. One child can then measure peaks and rank step times. ``False``: no glibc
+    ``mallopt`` here."""
     libc = _glibc()
     if libc is None:
         return False
@@ -452,10 +458,10 @@ def step_fn(spec: dict) -> Callable[[], None]:
 
 
 def measure_step_in_child(spec: dict, timeout: float = 900) -> dict[str, Any]:
-    """:func:`measure_step` in a fresh spawned process with the mmap-threshold malloc setting; on CUDA its
+    """:func:`measure_step` in a fresh process (:data:`CHILD_PRELOAD`'s fork server); on CUDA its
     ``step_peak`` is what the process held: the allocator's reserved peak plus :func:`device_overhead`. Raises
     :class:`OutOfMemory` when the step did not fit."""
-    result = run_in_child(measure_step, spec, env=_peak_env(spec), timeout=timeout)
+    result = run_in_child(measure_step, spec, timeout=timeout, preload=CHILD_PRELOAD)
     result["overhead"] = device_overhead(spec.get("device", "cpu"))
     result["step_peak"] += result["overhead"]
     return result
@@ -469,7 +475,7 @@ def probe_in_child(spec: dict, batches: list[int], budget: Optional[float] = Non
     child_spec = {**spec, "batches": list(batches)}
     if budget is not None:
         child_spec["time_under"] = budget - overhead
-    result = run_in_child(probe_steps, child_spec, env=_peak_env(spec), timeout=timeout)
+    result = run_in_child(probe_steps, child_spec, timeout=timeout, preload=CHILD_PRELOAD)
     result["peaks"] = {batch: peak + overhead for batch, peak in result["peaks"].items()}
     return result
 
@@ -487,10 +493,6 @@ def probe_setups_in_child(
         except OutOfMemory:
             result = None
         on_setup(index, result)
-
-
-def _peak_env(spec: dict) -> dict[str, str]:
-    return {**MALLOC_ENV, "OMP_NUM_THREADS": str(spec.get("threads", 1))}
 
 
 def device_overhead_in_process(device: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
+from ..child import stop_forkserver
 from ..configlib import load_section
 from ..errors import ConfigError
 from ..handoff import Work, job_store, wait_for
@@ -521,17 +522,20 @@ def _measure_candidates(
     order = sorted(cfg.auto_candidates, key=AUTO_CANDIDATES.index)
     if progress is not None:
         progress.stage("measuring the candidates", total=len(order), unit="candidates")
-    for name in order:
-        if full_first and results and results[0].batch == batch and results[0].peak <= budget:
-            break
-        spec = {**base, "wtacrs": candidate_config(cfg, name)}
-        label = CANDIDATE_LABELS.get(name, f"preset {name}")
-        if search_batch:
-            results.append(measure(spec, label, budget, probe=batch, max_batch=batch))
-        else:
-            results.append(measure(spec, label, budget, batch=batch))
-        if progress is not None:
-            progress.advance()
+    try:
+        for name in order:
+            if full_first and results and results[0].batch == batch and results[0].peak <= budget:
+                break
+            spec = {**base, "wtacrs": candidate_config(cfg, name)}
+            label = CANDIDATE_LABELS.get(name, f"preset {name}")
+            if search_batch:
+                results.append(measure(spec, label, budget, probe=batch, max_batch=batch))
+            else:
+                results.append(measure(spec, label, budget, batch=batch))
+            if progress is not None:
+                progress.advance()
+    finally:  # the training run that follows needs no more children
+        stop_forkserver()
     shape = f"up to batch {batch}" if search_batch else f"batch {batch}"
     what = f", {task.get('task', 'classification').replace('_', ' ')}" + (", packed rows" if task.get("packed") else "")
     lines = [

@@ -28,6 +28,29 @@ def step(batch: int, fits_up_to: int) -> dict:
     return {"step_peak": len(held), "step_s": 0.01}
 
 
+def environment(*names: str) -> dict:
+    """What this child sees of ``names`` in its environment."""
+    return {name: os.environ.get(name) for name in names}
+
+
+def fork_servers() -> list[int]:
+    """The pids of this process's fork servers (its children running ``multiprocessing.forkserver``'s main)."""
+    servers = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as fh:
+                parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry.name}/cmdline", "rb") as fh:
+                command = fh.read()
+        except OSError:  # gone meanwhile
+            continue
+        if parent == os.getpid() and b"multiprocessing.forkserver import main" in command:
+            servers.append(int(entry.name))
+    return servers
+
+
 def killed() -> None:
     """Dies as the kernel's out-of-memory killer kills: SIGKILL, no word to the parent."""
     os.kill(os.getpid(), signal.SIGKILL)
