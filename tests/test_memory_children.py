@@ -73,6 +73,12 @@ def test_a_child_runs_in_the_callers_environment_plus_env(start, monkeypatch):
     assert seen == {"DS_BERTOPT_CHILD_SET_LATER": "later", "DS_BERTOPT_CHILD_ENV": "given", "HOME": None}
 
 
+def test_only_cpu_measurements_fork_their_children():
+    """A CUDA child must not come from a process that may have initialized the driver: it is spawned."""
+    assert memory._preload({"device": "cpu"}) == memory._preload({}) == memory.CHILD_PRELOAD
+    assert memory._preload({"device": "cuda"}) == memory._preload({"device": "cuda:1"}) == ()
+
+
 @pytest.mark.timeout(120)
 def test_the_fork_server_can_be_stopped_and_starts_again():
     """A training run that measured (``wtacrs.preset: "auto"``) stops the server, which would otherwise hold torch's

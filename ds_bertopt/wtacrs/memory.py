@@ -5,7 +5,7 @@
   LayerNorm and three linears counts once), parameters excluded, grouped by the innermost module
   that saved it (linear inputs, attention, dropout, layernorm, activation, weight copies, other).
 * :func:`estimate_saving` compares a model with its WTA-CRS-converted copy on one batch.
-* :func:`measure_step` runs in a fresh child process, forked from a server that imported torch and
+* :func:`measure_step` runs in a fresh child process, on a CPU forked from a server that imported torch and
   transformers' model code once (:data:`CHILD_PRELOAD`), with glibc's mmap threshold at 64 KiB (:func:`_malloc_for`:
   freed blocks go back to the OS and RSS tracks live tensors): it loads and prepares a variant, takes a
   warm-up step, resets the kernel's RSS high-water mark (``/proc/self/clear_refs``), takes one
@@ -50,9 +50,10 @@ from .linear import SampledLinear
 
 CATEGORIES = ("linear inputs", "attention", "dropout", "layernorm", "activation", "weight copies", "other")
 CHILD_PRELOAD = ("torch", "transformers", "transformers.modeling_utils", __name__)
-"""What the measuring children's fork server imports once (about 8 s on a 2-core CPU): each child, one per measured
-setup or peak, then costs a fork, and their import is the baseline the peak is measured above (:func:`_warmed`). A
-model family's own module (``modeling_bert``, ...) is still imported by the child, after the baseline."""
+"""What the fork server of the CPU measurements' children imports once (about 8 s on a 2-core CPU): each child, one
+per measured setup or peak, then costs a fork, and their import is the baseline the peak is measured above
+(:func:`_warmed`). A model family's own module (``modeling_bert``, ...) is still imported by the child, after the
+baseline. CUDA measurements spawn their children (:func:`_preload`)."""
 MiB = 1024 * 1024
 
 
@@ -457,11 +458,17 @@ def step_fn(spec: dict) -> Callable[[], None]:
     return step
 
 
+def _preload(spec: dict) -> tuple[str, ...]:
+    """:data:`CHILD_PRELOAD` for a CPU measurement; none (a spawned child) on an accelerator: a process that queried
+    CUDA (``torch.cuda.is_available`` initializes the driver, as an import may) leaves its forks unable to use it."""
+    return CHILD_PRELOAD if torch.device(spec.get("device", "cpu")).type == "cpu" else ()
+
+
 def measure_step_in_child(spec: dict, timeout: float = 900) -> dict[str, Any]:
     """:func:`measure_step` in a fresh process (:data:`CHILD_PRELOAD`'s fork server); on CUDA its
     ``step_peak`` is what the process held: the allocator's reserved peak plus :func:`device_overhead`. Raises
     :class:`OutOfMemory` when the step did not fit."""
-    result = run_in_child(measure_step, spec, timeout=timeout, preload=CHILD_PRELOAD)
+    result = run_in_child(measure_step, spec, timeout=timeout, preload=_preload(spec))
     result["overhead"] = device_overhead(spec.get("device", "cpu"))
     result["step_peak"] += result["overhead"]
     return result
@@ -475,7 +482,7 @@ def probe_in_child(spec: dict, batches: list[int], budget: Optional[float] = Non
     child_spec = {**spec, "batches": list(batches)}
     if budget is not None:
         child_spec["time_under"] = budget - overhead
-    result = run_in_child(probe_steps, child_spec, timeout=timeout, preload=CHILD_PRELOAD)
+    result = run_in_child(probe_steps, child_spec, timeout=timeout, preload=_preload(spec))
     result["peaks"] = {batch: peak + overhead for batch, peak in result["peaks"].items()}
     return result
 
