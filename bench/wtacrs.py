@@ -9,8 +9,8 @@
 Sections (``--sections``; ``families`` runs in full mode or when named; ``--quick`` with the default sections runs
 the frontier at fp32 64 × 128 only and no ``budget``; named or in full mode, ``frontier`` runs every
 ``--frontier-cells`` and ``budget`` unless ``--frontier-no-budget``). A peak is the whole step's peak RSS above the
-bare interpreter in a fresh child per setup (``MALLOC_MMAP_THRESHOLD_=65536``); a time is the median of interleaved
-rounds. Each figure is printed as one line, its target next to it, met or not.
+interpreter with torch imported, in a fresh child per setup (``memory.measure_step_in_child``); a time is the
+median of interleaved rounds. Each figure is printed as one line, its target next to it, met or not.
 
 * memory — saved-for-backward bytes by category and the step peak at batch 64 × seq 128, fp32 and bf16 autocast.
 * frontier — step peak against step time of what a fine-tuner picks first (full, HF gradient checkpointing, the kit
