@@ -100,6 +100,7 @@ def padded(batch: list[dict]) -> dict:
 
 
 def grads(model) -> dict:
+    assert all(p.grad.layout == torch.strided for p in model.parameters() if p.grad is not None)  # tied: dense sum
     out = {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     return out

@@ -14,6 +14,7 @@ from ..compat.transformers import set_attention_implementation
 from ..labels import IGNORE_INDEX
 from ..log import print0
 from .families import family_of
+from .tied import tie_sparse
 
 
 def build_pretraining_model(model_cfg, tokenizer, max_seq_length: int):
@@ -94,6 +95,7 @@ class SparseMLMHead(torch.nn.Module):
         self.model = model
         self.family = family_of(model)
         self.nsp = type(model).__name__ == self.family.pretraining_class
+        self.tied = tie_sparse(model)  # the head runs in every forward: see .tied
 
     def forward(
         self,

@@ -53,6 +53,7 @@ from . import fused
 from .cpu_attention import PackedBitsAttention, band_mask
 from .bert import IGNORE_INDEX, PretrainOutput, mlm_loss
 from .families import MlmFamily, family_of
+from .tied import tie_sparse
 
 try:  # torch >= 2.10; CUDA only at run time
     from torch.nn.attention.varlen import varlen_attn
@@ -496,6 +497,7 @@ class UnpaddedMLM(UnpaddedEncoder):
     def __init__(self, model, attention: str = "auto", fused_dropout: bool = False, compile: bool = False):
         super().__init__(model, family_of(model), attention, fused_dropout, compile)
         self.nsp = type(model).__name__ == self.family.pretraining_class
+        self.tied = tie_sparse(self.hf)  # the head runs in every forward: see .tied
 
     def forward(
         self,

@@ -161,7 +161,8 @@ class PretrainTask:
         # every rank decides its attention kernel here, once its engine placed the model (probing flash varlen eagerly)
         unpadded = f", {engine.module.choose_attention()}" if isinstance(engine.module, UnpaddedMLM) else ""
         millions = sum(p.numel() for p in model.parameters()) / 1e6
-        return f"model: {type(model).__name__}{unpadded} {millions:.1f}M parameters"
+        tied = f"; {engine.module.tied}" if engine.module.tied else ""
+        return f"model: {type(model).__name__}{unpadded} {millions:.1f}M parameters{tied}"
 
     def save_final(self, engine, path: str, topo: Topology) -> None:
         save_hf_model(engine.module.model, path, is_main=topo.is_main, tokenizer=self.data.tokenizer)

@@ -1,0 +1,44 @@
+"""The gradient of a word embedding tied to the MLM decoder, without a vocabulary-sized zero-fill each step.
+
+Where the input embedding and the MLM decoder share one weight (BERT and its copies tie them), autograd sums the two
+uses' gradients before the weight's ``AccumulateGrad`` (``accumulate`` in ``torch/csrc/autograd/input_buffer.cpp``):
+
+* stock: the embedding's backward (``embedding_dense_backward``) zero-fills a ``[vocab, hidden]`` tensor to add the
+  batch's few rows into, and the buffer then adds it to the decoder's gradient, which arrives first as a transposed
+  view of ``mm``'s output (``mm_mat2_backward``, then ``TBackward0``) and so cannot be added into in place: a second
+  ``[vocab, hidden]`` tensor is allocated for ``old + new``.
+* :func:`tie_sparse`: the embedding's gradient is sparse (``nn.Embedding.sparse``: the batch's rows only), so the
+  zero-fill and the dense add are gone; ``old + new`` is then one copy of the decoder's gradient plus the rows.
+  (The buffer adds a sparse gradient in place only into one that arrived *after* it, and the embedding's backward
+  always runs last.)
+
+On BERT-base (30,522 × 768), one backward of the tied pair on a 2-core AVX2 CPU, fp32: 424 ms stock, 365 ms here
+(medians of 6, 1,711 tokens, 259 masked).
+
+The sum reaching ``.grad`` is dense as before, so optimizers, ZeRO's gradient hooks and clipping see what they saw,
+equal up to the order of float additions. This holds because the decoder runs in every forward that runs the
+embedding: our MLM wrappers always run the head (on an empty selection too); the embedding alone would hand
+``AccumulateGrad`` a sparse gradient, so only those wrappers call :func:`tie_sparse`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+
+def tie_sparse(model: nn.Module) -> Optional[str]:
+    """Where ``model``'s (a transformers masked-LM model's) input embedding and output layer share one weight, make
+    the embedding's gradient sparse, in place; returns what was done, for the log, or ``None`` where they are not
+    tied or the embedding is not the stock ``nn.Embedding`` (or renormalizes: ``max_norm``)."""
+    embedding, decoder = model.get_input_embeddings(), model.get_output_embeddings()
+    if type(embedding) is not nn.Embedding or embedding.max_norm is not None:
+        return None
+    if decoder is None or getattr(decoder, "weight", None) is not embedding.weight:
+        return None
+    embedding.sparse = True
+    return f"tied embedding {tuple(embedding.weight.shape)}: sparse gradient rows"
+
+
+__all__ = ["tie_sparse"]
