@@ -314,7 +314,11 @@ def main() -> int:
     parser.add_argument("--frontier-bf16-repeats", type=int, help="frontier: bf16 rounds (emulated bf16: 2)")
     tokens = "frontier: on a CPU that emulates bf16, skip bf16 cells of more tokens (batch x seq)"
     parser.add_argument("--frontier-bf16-tokens", type=int, default=EMULATED_BF16_TOKENS, help=tokens)
-    parser.add_argument("--frontier-setups", help="frontier: comma-separated setups (default: per mode)")
+    parser.add_argument(
+        "--frontier-setups",
+        help="frontier: comma-separated setups (default: per mode); 'preset auto' is resolved as a run would, "
+        "under a budget set from full's peak in the cell",
+    )
     parser.add_argument("--frontier-no-budget", action="store_true", help="frontier: without the budget check")
     parser.add_argument("--frontier-bert-base", action="store_true", help="frontier, quick: add BERT-base 16 × 128")
     parser.add_argument("--family-batch", type=int, default=16, help="families: batch (equal for every variant)")

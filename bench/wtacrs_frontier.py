@@ -75,12 +75,14 @@ def frontier_section(
     """Step peak (fresh child each) and step time (interleaved, in process) per setup; the Pareto front; how each
     setup sits against HF gradient checkpointing. ``precision``: the weights' dtype (bf16: as DeepSpeed's bf16 mode
     holds them, fp32 master weights and AdamW state)."""
-    resolved = resolved_presets(model_dir, model_config, names, batch, seq, precision)
-    specs = {name: FRONTIER_VARIANTS[name] for name in names}
-    specs.update({name: spec for name, (spec, _) in resolved.items()})
+    specs = {name: FRONTIER_VARIANTS[name] for name in names if name != AUTO}
     base = {"model": model_dir, "model_config": model_config, "batch": batch, "seq": seq, "threads": threads}
     base["precision"] = precision
     peaks = {n: locked(measure_step_in_child, {**base, "wtacrs": spec})["step_peak"] for n, spec in specs.items()}
+    resolved = resolved_presets(model_dir, model_config, names, batch, seq, precision, threads, peaks)
+    specs.update({name: spec for name, (spec, _) in resolved.items()})
+    for name, (spec, _) in resolved.items():
+        peaks[name] = locked(measure_step_in_child, {**base, "wtacrs": spec})["step_peak"]
     times = timed(model_dir, specs, dict.fromkeys(specs, batch), seq, repeats, model_config, precision)
     points = {n: (peaks[n] / peaks["full"], median(times[n]) / median(times["full"])) for n in specs}
     front, (gc_memory, gc_time) = pareto_front(points), points["HF gradient checkpointing"]
@@ -137,29 +139,57 @@ def frontier_section(
     TABLES.append("\n".join([heading, "", *md_table(columns, rows)]))
 
 
-def resolved_presets(model_dir, model_config, names, batch: int, seq: int, precision: str) -> dict:
-    """``{"preset exact, as run": (its wtacrs spec, the decision line)}`` for each preset among ``names`` that falls
-    back: the setup a run of this cell uses, decided by the run's own rule (``ds_bertopt.wtacrs.fallback``)."""
+AUTO = "preset auto"
+"""Not a setup by itself: a run resolves it (``wtacrs.sizing.resolve_preset``) under a budget; only its ``as run``
+contender is measured, its budget set from full's peak in the cell (:func:`auto_budget`)."""
+
+
+def meta_model(model_dir, model_config):
+    """The encoder on the meta device (no weights read): what the run's fallback estimate reads."""
     import torch
     from transformers import AutoConfig, AutoModel
 
-    from ds_bertopt.configlib import load_section
-    from ds_bertopt.wtacrs.config import WtaCrsConfig
-    from ds_bertopt.wtacrs.fallback import FALLBACK_PRESETS, checkpoint_shape, model_shape, preset_decision
-
     if model_config is None:
-        shape = checkpoint_shape(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
     else:
         kwargs = dict(model_config)
-        with torch.device("meta"):
-            shape = model_shape(AutoModel.from_config(AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)))
-    out = {}
+        config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    with torch.device("meta"):
+        return AutoModel.from_config(config)
+
+
+def auto_budget(full_peak: float, shape: tuple[int, int]) -> float:
+    """``preset: auto``'s budget in a cell, in bytes: full's peak over the saving the cell's target keeps (so only a
+    setup keeping it fits), or a quarter above full's peak where the target asks no saving (full fits)."""
+    lowest = PRESET_FALLBACK_TARGETS.get(shape, (None, None))[0]
+    return full_peak / lowest if lowest else full_peak * 1.25
+
+
+def resolved_presets(model_dir, model_config, names, batch: int, seq: int, precision: str, threads: int, peaks) -> dict:
+    """``{"preset exact, as run": (its wtacrs spec, the decision lines)}`` for each preset among ``names`` that a run
+    may resolve to another setup: the setup a run of this cell uses, decided by the run's own code
+    (``ds_bertopt.wtacrs.sizing.resolve_preset``: the fallback, and ``auto``'s measurement under
+    :func:`auto_budget`; ``peaks``: the cell's measured step peaks, full's at least)."""
+    from ds_bertopt.configlib import load_section
+    from ds_bertopt.wtacrs.config import WtaCrsConfig
+    from ds_bertopt.wtacrs.fallback import FALLBACK_PRESETS
+    from ds_bertopt.wtacrs.sizing import GiB, candidate_config, resolve_preset
+
+    model, out = meta_model(model_dir, model_config), {}
     for name in names:
-        spec = FRONTIER_VARIANTS[name]
-        if spec.get("preset") in FALLBACK_PRESETS and not spec.get("lora"):
-            keep, line = preset_decision(load_section(WtaCrsConfig, spec, "wtacrs"), shape, batch, seq, precision)
-            print(line)
-            out[f"{name}, as run"] = (spec if keep else variant(), line)
+        if name == AUTO:
+            spec = {"preset": "auto", "memory_budget": auto_budget(peaks["full"], (batch, seq)) / GiB}
+            print(f"{AUTO}: memory_budget {spec['memory_budget']:.2f} GiB (full's peak {peaks['full'] / GiB:.2f} GiB)")
+        else:
+            spec = FRONTIER_VARIANTS[name]
+        if spec.get("preset") not in FALLBACK_PRESETS or spec.get("lora"):
+            continue
+        cfg = load_section(WtaCrsConfig, spec, "wtacrs")
+        auto = {"model_dir": model_dir, "threads": threads} if name == AUTO else {}
+        resolved, _, lines = locked(resolve_preset, cfg, model, batch=batch, seq=seq, precision=precision, **auto)
+        print("\n".join(lines))
+        chosen = resolved.preset or ("checkpointing" if resolved.kit.checkpoint_every else "none")
+        out[f"{name}, as run"] = (spec if chosen == cfg.preset else candidate_config(cfg, chosen), chosen)
     return out
 
 
@@ -171,15 +201,21 @@ def fallback_targets(target: str, resolved: dict, points: dict, shape: tuple[int
     lowest, limit = PRESET_FALLBACK_TARGETS[shape]
     got = {name: points[name] for name in resolved}
     ok = all(step <= limit and (lowest is None or 1 / memory >= lowest) for memory, step in got.values())
+
+    def what(name: str) -> str:
+        preset, chosen = name.split(", ")[0], resolved[name][1]
+        if preset == AUTO:
+            return f"{preset} chose {chosen}"
+        return f"{preset} {'ran full' if chosen == 'none' else 'kept'}"
+
     shown = "; ".join(
-        f"{name.split(', ')[0]} {'kept' if resolved[name][0].get('preset') else 'ran full'}: "
-        f"peak {1 / memory:.2f}x lower, {step:.2f}x step time"
-        for name, (memory, step) in got.items()
+        f"{what(name)}: peak {1 / memory:.2f}x lower, {step:.2f}x step time" for name, (memory, step) in got.items()
     )
-    what = f">= {lowest}x lower peak at " if lowest else ""
+    unmeasured = "" if f"{AUTO}, as run" in resolved else "; preset auto not measured here"
+    saving = f">= {lowest}x lower peak at " if lowest else ""
     say(
-        f"{target} presets as a run resolves them (fallback_min_saving), {what}<= {limit:.2f}x full step time: "
-        f"{status(ok)} ({shown}; median of {repeats}; preset auto not measured here)"
+        f"{target} presets as a run resolves them (fallback_min_saving), {saving}<= {limit:.2f}x full step time: "
+        f"{status(ok)} ({shown}; median of {repeats}{unmeasured})"
     )
 
 

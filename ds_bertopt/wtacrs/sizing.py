@@ -539,7 +539,7 @@ def _measure_candidates(
     shape = f"up to batch {batch}" if search_batch else f"batch {batch}"
     what = f", {task.get('task', 'classification').replace('_', ' ')}" + (", packed rows" if task.get("packed") else "")
     lines = [
-        f"wtacrs: preset auto, memory budget {cfg.memory_budget} GiB: measured {shape} × seq {seq}{what}, {precision}"
+        f"wtacrs: preset auto, memory budget {cfg.memory_budget:g} GiB: measured {shape} × seq {seq}{what}, {precision}"
     ]
     lines += [f"wtacrs: preset auto: {describe(m, budget)}" for m in results]
     if len(results) < len(order):
