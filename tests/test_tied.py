@@ -16,7 +16,7 @@ from transformers import BertConfig, BertForMaskedLM
 from ds_bertopt.data.collate import pack_sequences
 from ds_bertopt.labels import IGNORE_INDEX
 from ds_bertopt.model.bert import SparseMLMHead
-from ds_bertopt.model.tied import tie_sparse
+from ds_bertopt.model.tied import SparseGradEmbedding, tie_sparse
 from ds_bertopt.model.unpadded import UnpaddedMLM
 from test_families import padded
 
@@ -43,10 +43,11 @@ def samples(seed: int, masked: bool = True) -> list[dict]:
 
 
 def wrapped(kind: str, tie_sparse_grad: bool):
-    """``kind``'s wrapper around a fresh tiny BERT; ``tie_sparse_grad=False`` turns the sparse gradient back off
-    (the stock dense embedding backward, the reference)."""
+    """``kind``'s wrapper around a fresh tiny BERT; ``tie_sparse_grad=False`` puts the stock embedding back (its
+    dense backward, the reference)."""
     wrapper = (UnpaddedMLM if kind == "unpadded" else SparseMLMHead)(model())
-    wrapper.model.get_input_embeddings().sparse = tie_sparse_grad
+    if not tie_sparse_grad:
+        wrapper.model.get_input_embeddings().__class__ = torch.nn.Embedding
     return wrapper
 
 
@@ -106,7 +107,7 @@ def test_the_backward_no_longer_zero_fills_a_vocabulary_sized_tensor():
 def test_untied_or_replaced_embeddings_are_left_alone():
     untied = model(tie=False)
     assert tie_sparse(untied) is None and UnpaddedMLM(untied).tied is None
-    assert not untied.get_input_embeddings().sparse
+    assert type(untied.get_input_embeddings()) is torch.nn.Embedding
 
     class Scaled(torch.nn.Embedding):  # a replaced embedding (an adapter's, the memory kit's) is not ours to change
         pass
@@ -114,5 +115,24 @@ def test_untied_or_replaced_embeddings_are_left_alone():
     replaced = model()
     old = replaced.get_input_embeddings()
     replaced.set_input_embeddings(Scaled(VOCAB, HIDDEN, _weight=old.weight))
-    assert tie_sparse(replaced) is None and not replaced.get_input_embeddings().sparse
-    assert tie_sparse(copy.deepcopy(model())) is not None
+    assert tie_sparse(replaced) is None and type(replaced.get_input_embeddings()) is Scaled
+    tied = copy.deepcopy(model())
+    assert tie_sparse(tied) is not None and tie_sparse(tied) is not None  # twice: idempotent
+    assert isinstance(tied.get_input_embeddings(), SparseGradEmbedding) and not tied.get_input_embeddings().sparse
+
+
+def test_under_torch_compile_the_lookup_stays_dense():
+    """Inductor cannot take a sparse gradient: a compiled function over the tied pair runs and matches eager."""
+    tied = model()
+    tie_sparse(tied)
+    embedding, decoder = tied.get_input_embeddings(), tied.get_output_embeddings()
+    ids = torch.tensor([5, 9, 9, 300, 7])
+
+    def loss(ids):
+        return decoder(embedding(ids)[:3]).logsumexp(-1).sum()
+
+    torch.compile(loss, backend="inductor")(ids).backward()
+    compiled, embedding.weight.grad = embedding.weight.grad, None
+    loss(ids).backward()
+    assert compiled.layout == torch.strided
+    torch.testing.assert_close(compiled, embedding.weight.grad)

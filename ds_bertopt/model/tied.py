@@ -7,8 +7,8 @@ uses' gradients before the weight's ``AccumulateGrad`` (``accumulate`` in ``torc
   batch's few rows into, and the buffer then adds it to the decoder's gradient, which arrives first as a transposed
   view of ``mm``'s output (``mm_mat2_backward``, then ``TBackward0``) and so cannot be added into in place: a second
   ``[vocab, hidden]`` tensor is allocated for ``old + new``.
-* :func:`tie_sparse`: the embedding's gradient is sparse (``nn.Embedding.sparse``: the batch's rows only), so the
-  zero-fill and the dense add are gone; ``old + new`` is then one copy of the decoder's gradient plus the rows.
+* :func:`tie_sparse`: the embedding's gradient is sparse (:class:`SparseGradEmbedding`: the batch's rows only), so
+  the zero-fill and the dense add are gone; ``old + new`` is then one copy of the decoder's gradient plus the rows.
   (The buffer adds a sparse gradient in place only into one that arrived *after* it, and the embedding's backward
   always runs last.)
 
@@ -18,14 +18,28 @@ On BERT-base (30,522 × 768), one backward of the tied pair on a 2-core AVX2 CPU
 The sum reaching ``.grad`` is dense as before, so optimizers, ZeRO's gradient hooks and clipping see what they saw,
 equal up to the order of float additions. This holds because the decoder runs in every forward that runs the
 embedding: our MLM wrappers always run the head (on an empty selection too); the embedding alone would hand
-``AccumulateGrad`` a sparse gradient, so only those wrappers call :func:`tie_sparse`.
+``AccumulateGrad`` a sparse gradient, so only those wrappers call :func:`tie_sparse`. Under ``torch.compile`` the
+lookup stays dense: Inductor cannot take a sparse gradient (``Cannot access storage of SparseTensorImpl``).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import nn
+
+
+class SparseGradEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose weight gradient is sparse in eager mode, dense under ``torch.compile`` (no state of
+    its own: same parameters, same state dict; its ``sparse`` attribute stays ``False``: what reaches ``.grad``, and
+    what DeepSpeed reduces, is dense)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Embedding's signature
+        sparse = not torch.compiler.is_compiling()
+        return nn.functional.embedding(
+            input, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, sparse
+        )
 
 
 def tie_sparse(model: nn.Module) -> Optional[str]:
@@ -33,12 +47,12 @@ def tie_sparse(model: nn.Module) -> Optional[str]:
     the embedding's gradient sparse, in place; returns what was done, for the log, or ``None`` where they are not
     tied or the embedding is not the stock ``nn.Embedding`` (or renormalizes: ``max_norm``)."""
     embedding, decoder = model.get_input_embeddings(), model.get_output_embeddings()
-    if type(embedding) is not nn.Embedding or embedding.max_norm is not None:
+    if type(embedding) not in (nn.Embedding, SparseGradEmbedding) or embedding.max_norm is not None:
         return None
     if decoder is None or getattr(decoder, "weight", None) is not embedding.weight:
         return None
-    embedding.sparse = True
+    embedding.__class__ = SparseGradEmbedding
     return f"tied embedding {tuple(embedding.weight.shape)}: sparse gradient rows"
 
 
-__all__ = ["tie_sparse"]
+__all__ = ["SparseGradEmbedding", "tie_sparse"]
