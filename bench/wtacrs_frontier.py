@@ -139,9 +139,7 @@ def frontier_section(
     TABLES.append("\n".join([heading, "", *md_table(columns, rows)]))
 
 
-AUTO = "preset auto"
-"""Not a setup by itself: a run resolves it (``wtacrs.sizing.resolve_preset``) under a budget; only its ``as run``
-contender is measured, its budget set from full's peak in the cell (:func:`auto_budget`)."""
+AUTO = "preset auto"  # measured only as a run resolves it, under :func:`auto_budget`
 
 
 def meta_model(model_dir, model_config):
@@ -166,8 +164,8 @@ def auto_budget(full_peak: float, shape: tuple[int, int]) -> float:
 
 
 def resolved_presets(model_dir, model_config, names, batch: int, seq: int, precision: str, threads: int, peaks) -> dict:
-    """``{"preset exact, as run": (its wtacrs spec, the decision lines)}`` for each preset among ``names`` that a run
-    may resolve to another setup: the setup a run of this cell uses, decided by the run's own code
+    """``{"preset exact, as run": (its wtacrs spec, the candidate chosen)}`` for each preset among ``names`` that a
+    run may resolve to another setup: the setup a run of this cell uses, decided by the run's own code
     (``ds_bertopt.wtacrs.sizing.resolve_preset``: the fallback, and ``auto``'s measurement under
     :func:`auto_budget`; ``peaks``: the cell's measured step peaks, full's at least)."""
     from ds_bertopt.configlib import load_section
@@ -201,15 +199,10 @@ def fallback_targets(target: str, resolved: dict, points: dict, shape: tuple[int
     lowest, limit = PRESET_FALLBACK_TARGETS[shape]
     got = {name: points[name] for name in resolved}
     ok = all(step <= limit and (lowest is None or 1 / memory >= lowest) for memory, step in got.values())
-
-    def what(name: str) -> str:
-        preset, chosen = name.split(", ")[0], resolved[name][1]
-        if preset == AUTO:
-            return f"{preset} chose {chosen}"
-        return f"{preset} {'ran full' if chosen == 'none' else 'kept'}"
-
+    ran = {name: "full" if chosen == "none" else chosen for name, (_, chosen) in resolved.items()}
     shown = "; ".join(
-        f"{what(name)}: peak {1 / memory:.2f}x lower, {step:.2f}x step time" for name, (memory, step) in got.items()
+        f"{name.split(', ')[0]} ran {ran[name]}: peak {1 / memory:.2f}x lower, {step:.2f}x step time"
+        for name, (memory, step) in got.items()
     )
     unmeasured = "" if f"{AUTO}, as run" in resolved else "; preset auto not measured here"
     saving = f">= {lowest}x lower peak at " if lowest else ""
