@@ -121,11 +121,24 @@ def test_untied_or_replaced_embeddings_are_left_alone():
     assert isinstance(tied.get_input_embeddings(), SparseGradEmbedding) and not tied.get_input_embeddings().sparse
 
 
+def test_outside_the_wrappers_the_same_model_gets_dense_gradients():
+    """The wrapped model's base model alone (no decoder in the graph) keeps the stock dense embedding gradient."""
+    wrapper = wrapped("unpadded", True)
+    inputs = padded(samples(6))
+    wrapper.model.bert(
+        input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+    ).last_hidden_state.sum().backward()
+    grad = wrapper.model.get_input_embeddings().weight.grad
+    assert grad.layout == torch.strided and grad.any()
+    assert not wrapper.model.get_input_embeddings().rows_only  # the wrappers' forward leaves it off
+
+
 def test_under_torch_compile_the_lookup_stays_dense():
     """Inductor cannot take a sparse gradient: a compiled function over the tied pair runs and matches eager."""
     tied = model()
     tie_sparse(tied)
     embedding, decoder = tied.get_input_embeddings(), tied.get_output_embeddings()
+    embedding.rows_only = True  # as inside sparse_rows
     ids = torch.tensor([5, 9, 9, 300, 7])
 
     def loss(ids):

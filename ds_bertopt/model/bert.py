@@ -14,7 +14,7 @@ from ..compat.transformers import set_attention_implementation
 from ..labels import IGNORE_INDEX
 from ..log import print0
 from .families import family_of
-from .tied import tie_sparse
+from .tied import sparse_rows, tie_sparse
 
 
 def build_pretraining_model(model_cfg, tokenizer, max_seq_length: int):
@@ -95,7 +95,7 @@ class SparseMLMHead(torch.nn.Module):
         self.model = model
         self.family = family_of(model)
         self.nsp = type(model).__name__ == self.family.pretraining_class
-        self.tied = tie_sparse(model)  # the head runs in every forward: see .tied
+        self.tied = tie_sparse(model)  # sparse in forward only, where the head runs too: see .tied
 
     def forward(
         self,
@@ -116,7 +116,8 @@ class SparseMLMHead(torch.nn.Module):
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if self.family.token_types:
             inputs["token_type_ids"] = token_type_ids
-        encoded = self.model.base_model(**inputs)
+        with sparse_rows(self.model):  # the tied decoder runs below, in this same forward
+            encoded = self.model.base_model(**inputs)
         hidden = encoded.last_hidden_state
         if masked_positions is None:
             selected = labels != IGNORE_INDEX

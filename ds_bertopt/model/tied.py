@@ -17,13 +17,16 @@ On BERT-base (30,522 × 768), one backward of the tied pair on a 2-core AVX2 CPU
 
 The sum reaching ``.grad`` is dense as before, so optimizers, ZeRO's gradient hooks and clipping see what they saw,
 equal up to the order of float additions. This holds because the decoder runs in every forward that runs the
-embedding: our MLM wrappers always run the head (on an empty selection too); the embedding alone would hand
-``AccumulateGrad`` a sparse gradient, so only those wrappers call :func:`tie_sparse`. Under ``torch.compile`` the
-lookup stays dense: Inductor cannot take a sparse gradient (``Cannot access storage of SparseTensorImpl``).
+embedding sparse: the lookup is sparse only inside :func:`sparse_rows`, which our MLM wrappers' forward runs under
+(they always run the head, on an empty selection too). The same model called outside them (its base model alone, say,
+under another head) gets the stock dense gradient: the embedding alone would hand ``AccumulateGrad`` a sparse one.
+Under ``torch.compile`` the lookup stays dense: Inductor cannot take a sparse gradient (``Cannot access storage of
+SparseTensorImpl``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -31,12 +34,15 @@ from torch import nn
 
 
 class SparseGradEmbedding(nn.Embedding):
-    """``nn.Embedding`` whose weight gradient is sparse in eager mode, dense under ``torch.compile`` (no state of
-    its own: same parameters, same state dict; its ``sparse`` attribute stays ``False``: what reaches ``.grad``, and
-    what DeepSpeed reduces, is dense)."""
+    """``nn.Embedding`` whose weight gradient is sparse inside :func:`sparse_rows` in eager mode, dense elsewhere
+    and under ``torch.compile`` (no state of its own: same parameters, same state dict; its ``sparse`` attribute
+    stays ``False``: what reaches ``.grad``, and what DeepSpeed reduces, is dense)."""
+
+    rows_only = False
+    """Set by :func:`sparse_rows` for the length of a forward that also runs the tied decoder."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Embedding's signature
-        sparse = not torch.compiler.is_compiling()
+        sparse = self.rows_only and not torch.compiler.is_compiling()
         return nn.functional.embedding(
             input, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, sparse
         )
@@ -55,4 +61,19 @@ def tie_sparse(model: nn.Module) -> Optional[str]:
     return f"tied embedding {tuple(embedding.weight.shape)}: sparse gradient rows"
 
 
-__all__ = ["SparseGradEmbedding", "tie_sparse"]
+@contextlib.contextmanager
+def sparse_rows(model: nn.Module):
+    """Run a forward that uses ``model``'s tied decoder with the embedding's gradient sparse (nothing where
+    :func:`tie_sparse` did not apply)."""
+    embedding = model.get_input_embeddings()
+    if not isinstance(embedding, SparseGradEmbedding):
+        yield
+        return
+    embedding.rows_only = True
+    try:
+        yield
+    finally:
+        embedding.rows_only = False
+
+
+__all__ = ["SparseGradEmbedding", "sparse_rows", "tie_sparse"]

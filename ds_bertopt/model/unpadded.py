@@ -53,7 +53,7 @@ from . import fused
 from .cpu_attention import PackedBitsAttention, band_mask
 from .bert import IGNORE_INDEX, PretrainOutput, mlm_loss
 from .families import MlmFamily, family_of
-from .tied import tie_sparse
+from .tied import sparse_rows, tie_sparse
 
 try:  # torch >= 2.10; CUDA only at run time
     from torch.nn.attention.varlen import varlen_attn
@@ -497,7 +497,7 @@ class UnpaddedMLM(UnpaddedEncoder):
     def __init__(self, model, attention: str = "auto", fused_dropout: bool = False, compile: bool = False):
         super().__init__(model, family_of(model), attention, fused_dropout, compile)
         self.nsp = type(model).__name__ == self.family.pretraining_class
-        self.tied = tie_sparse(self.hf)  # the head runs in every forward: see .tied
+        self.tied = tie_sparse(self.hf)  # sparse in forward only, where the head runs too: see .tied
 
     def forward(
         self,
@@ -531,7 +531,8 @@ class UnpaddedMLM(UnpaddedEncoder):
         """
         if masked_positions is None:
             masked_positions = torch.nonzero(labels != IGNORE_INDEX).flatten()  # host sync (data-dependent shape)
-        hidden, _ = self.encode(input_ids, cu_seqlens, token_type_ids, position_ids, max_seqlen, seq_lengths)
+        with sparse_rows(self.hf):  # the tied decoder runs below, in this same forward
+            hidden, _ = self.encode(input_ids, cu_seqlens, token_type_ids, position_ids, max_seqlen, seq_lengths)
         target = labels.index_select(0, masked_positions)
         mlm_logits = self.family.head(self.model, hidden.index_select(0, masked_positions))
         loss, mean_loss = mlm_loss(mlm_logits, target, loss_normalizer)
