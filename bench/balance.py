@@ -34,12 +34,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import SUMMARY, bar_figure, bert_overrides, config_overrides, cpu_env, deepspeed_launcher, figure
+from bench._common import bar_figure, bert_overrides, config_overrides, cpu_env, deepspeed_launcher, figure
 from bench._common import environment_line, interleaved, maybe_lock, median, pretrain_argv, ratio_line, read_metrics
 from bench._common import record, run_checked, say, status
 from ds_bertopt.cli.balance import corpus_lengths, format_table
 from ds_bertopt.data.config import PEER_STRATEGIES, STRATEGIES as STRATEGIES_ALL, SamplerConfig
-from ds_bertopt.data.cost import CostModel, padded_lengths, slot_lengths
+from ds_bertopt.data.cost import CostModel, padding_fraction, slot_lengths
 from ds_bertopt.data.peers import PEERS, check_ds_token_packs, ds_max_tokens_for, evaluate, mlperf_phase2_lengths
 from ds_bertopt.data.peers import per_global_batch, simulation_lengths
 from ds_bertopt.data.scale import SCALE_STEP_TIME, scale_lines, scale_view, synthetic_lengths
@@ -91,11 +91,6 @@ def planner_mixes(seqs: tuple[int, ...] = (128, 512)) -> list[tuple[str, int, np
     return [*mixes, ("MLPerf phase-2 mix", 512, mlperf)]
 
 
-def rounding_floor(lengths: np.ndarray, pad_multiple: int = 8) -> float:
-    """Padding left if every sample were padded only to its own multiple of ``pad_multiple``."""
-    return float(1 - lengths.sum() / padded_lengths(lengths, pad_multiple).sum())
-
-
 def span(values, spec: str) -> str:
     """``min–max`` of ``values``, each in the format ``spec``."""
     values = list(values)
@@ -107,7 +102,8 @@ def planner_part() -> None:
     single, accumulated = [], []  # (mix, figures of stratified_node_balance, of the paper's scheme, of random, floor)
     for name, seq, corpus in planner_mixes():
         lengths = simulation_lengths(corpus, WORLD * LOCAL, SIM_STEPS, rng)
-        mix, floor = f"{name} seq {seq}", rounding_floor(lengths)
+        mix = f"{name} seq {seq}"
+        floor = padding_fraction(lengths[None, None, :, None], 8)  # every sample padded to its own multiple of 8
         for micro, accum in ((16, 1), (2, 8)):
             shape = dict(**layout(WORLD, RPN, micro, accum), cost=CostModel())
             f = {k: r.figures for k, r in evaluate(lengths, cfg=SamplerConfig(), **shape).items()}
@@ -118,6 +114,7 @@ def planner_part() -> None:
                 f"{ours.padded_imbalance_mean:.3f}), stratified_node_sort {paper.imbalance_mean:.3f}"
             )
             if name.startswith("MLPerf"):
+                record_planner_figures(mix, micro, accum, f)
                 paper = evaluate(lengths, cfg=PAPER, strategies=("stratified_node_sort",), **shape)
                 paper = paper["stratified_node_sort"].figures
                 line += f" ({paper.imbalance_mean:.3f} with the paper's bins 6/3/2/5)"
@@ -127,10 +124,7 @@ def planner_part() -> None:
                 f"alone {100 * floor:.1f} %); predicted speed-up over random with padded kernels "
                 f"{f['random'].padded_step_time / ours.padded_step_time:.2f}x"
             )
-            print(line, flush=True)
-            if name.startswith("MLPerf"):
-                record_planner_figures(mix, micro, accum, f)
-                SUMMARY.append(line)
+            (say if name.startswith("MLPerf") else print)(line)
             (single if accum == 1 else accumulated).append((mix, ours, paper, f["random"], floor))
     worst = max(single, key=lambda r: r[1].imbalance_mean)
     say(
@@ -176,10 +170,9 @@ def packed_layout(mix: str, corpus: np.ndarray, world: int, micro: int, accum: i
     planners = dict(strategies=PACKED_PLANNERS, peers=PEERS, peer_budget_s=budget)
     res = evaluate(lengths, **shape, cfg=SamplerConfig(), cost=CostModel(), **planners)
     base = res["random"].figures.padded_step_time
-    rel = {}  # name: (step time on unpadded kernels, on padded kernels), per global batch, / random's padded
-    for name, r in res.items():
-        scale = per_global_batch(r.figures, global_batch) / base
-        rel[name] = (scale * r.figures.step_time, scale * r.figures.padded_step_time)
+    scale = {name: per_global_batch(r.figures, global_batch) / base for name, r in res.items()}
+    # name: (step time on unpadded kernels, on padded kernels), per global batch, / random's padded
+    rel = {n: (scale[n] * r.figures.step_time, scale[n] * r.figures.padded_step_time) for n, r in res.items()}
     label = f"{mix}, {world} ranks × {micro}×{accum} ({rpn}/node)"
     notes = "; ".join(f"{name}: {r.note}" for name, r in res.items() if r.note)
     print(f"[packed] {label}: {len(lengths)} sequences; {notes}", flush=True)
@@ -236,12 +229,9 @@ def packed_part(budget: float, quick: bool = False) -> None:
         f"[packed] target unpadded step time ≤ 0.55 × random (padded) at {WORLD} ranks × 16 × 1, MLPerf mix: "
         f"{status(ours <= 0.55)}: packed_node_balance {ours:.3f} (mean-work bound {issue[1]['bound']:.3f})"
     )
-    vs = []  # (layout, BatchRebalanceSampler's padded step time / packed's, / padded's, / the mean-work bound)
-    for r in issue:
-        brs, rel = r["rel"]["hf_batch_rebalance"][1], r["rel"]
-        vs.append(
-            (r["label"], brs / rel["packed_node_balance"][0], brs / rel["padded_node_balance"][1], brs / r["bound"])
-        )
+    # (layout, BatchRebalanceSampler's padded step time / packed's, / padded's, / the mean-work bound)
+    ours_vs = lambda r: (r["rel"]["packed_node_balance"][0], r["rel"]["padded_node_balance"][1], r["bound"])
+    vs = [(r["label"], *(r["rel"]["hf_batch_rebalance"][1] / x for x in ours_vs(r))) for r in issue]
     say(
         "[packed] target ≥ 1.2× better step time than BatchRebalanceSampler (padded kernels) in every layout of "
         f"the issue: {status(all(v[1] >= 1.2 for v in vs))}: "
@@ -251,10 +241,8 @@ def packed_part(budget: float, quick: bool = False) -> None:
             for label, u, p, b in vs
         )
     )
-    ours_s = [
-        (r["results"][s].seconds, s, r["label"]) for r in scale for s in ("packed_node_balance", "padded_node_balance")
-    ]
-    plan_s, brs_s = max(ours_s), [r["results"]["hf_batch_rebalance"].seconds for r in scale]
+    plan_s = max((r["results"][s].seconds, s, r["label"]) for r in scale for s in (OURS, "padded_node_balance"))
+    brs_s = [r["results"]["hf_batch_rebalance"].seconds for r in scale]
     say(
         f"[packed] target planning ≤ 0.05 s per step at {WORLD} ranks (CPU s, one rank): "
         f"{status(plan_s[0] <= 0.05)}: worst {plan_s[0]:.4f} s ({plan_s[1]}, {plan_s[2]}); "
@@ -267,19 +255,15 @@ def packed_part(budget: float, quick: bool = False) -> None:
             f"[packed] target work max/mean ≤ 1.02 at {WORLD} ranks, {strategy} ({kernels} cost): "
             f"{status(worst[0] <= 1.02)}: worst {worst[0]:.3f} ({worst[1]}) over {len(scale)} layouts"
         )
-    waste = max(packed_waste(r["results"]["packed_node_balance"].plan.indices, r["lengths"]) for r in runs)
+    # computed tokens that are not real: the unpadded forward packs each micro-batch's samples' slots back to back
+    plans = [(r["results"]["packed_node_balance"].plan.indices, r["lengths"]) for r in runs]
+    waste = max(1.0 - int(ls[ix[ix >= 0]].sum()) / int(slot_lengths(ix, ls).sum()) for ix, ls in plans)
     say(
         f"[packed] target computed-but-not-real tokens ≤ 1 % in unpadded mode: {status(waste <= 0.01)}: "
         f"{100 * waste:.2f} % worst over {len(runs)} layouts (a packed micro-batch is its samples' tokens, no "
         "slot of -1 is computed; for comparison padded_node_balance pads "
         f"{100 * max(r['results']['padded_node_balance'].figures.padding for r in runs):.1f} % at worst)"
     )
-
-
-def packed_waste(indices: np.ndarray, lengths: np.ndarray) -> float:
-    """Computed tokens that are not real, packing every micro-batch's samples back to back (the unpadded forward)."""
-    real = int(lengths[indices[indices >= 0]].sum())
-    return 1.0 - real / int(slot_lengths(indices, lengths).sum())  # every micro-batch computes its samples' slots
 
 
 # --- the seed's scale: one rank's windowed plan, next to the global one where it fits
@@ -311,12 +295,6 @@ def scale_part(lock: str | None) -> None:
 
 
 # --- measured on real ranks: tokens/s under the deepspeed launcher, convergence at equal samples
-def kernel_overrides(strategy: str) -> list[str]:
-    """``model.unpadded`` set for every strategy, never left to the config: bert.json turns it on, so a "padded" peer
-    left to it runs unpadded too (the ratio then measures the sampler alone)."""
-    return [f"model.unpadded={'true' if strategy == OURS else 'false'}"]
-
-
 def run_overrides(model: str, micro: int, accum: int, steps: int) -> list[str]:
     data = dict(train_files=[str(SHARED / "linux_docs.jsonl.gz")], tokenizer=TOKENIZER, max_seq_length=512)
     data["short_seq_prob"] = 0.7  # a wide length mix, close to the MLPerf one
@@ -326,24 +304,26 @@ def run_overrides(model: str, micro: int, accum: int, steps: int) -> list[str]:
     return [*config_overrides(data=data, train=train), *MODELS[model][1], *config_overrides(deepspeed=deepspeed)]
 
 
-def one_run(strategy: str, nodes: int, overrides: list[str], lock: str | None) -> float:
-    """Tokens/s of one launcher run of ``nodes`` × 2 ranks (windows after the first)."""
+def launch(strategy: str, overrides: list[str], key: str, nodes=1, lock=None, timeout=1800, **options) -> list[dict]:
+    """One launcher run of ``strategy`` on ``nodes`` × 2 ranks: its metrics records that hold ``key``."""
+    # ``model.unpadded`` set for every strategy, never left to the config: bert.json turns it on, so a "padded" peer
+    # left to it runs unpadded too (the ratio then measures the sampler alone)
+    kernels = f"model.unpadded={'true' if strategy == OURS else 'false'}"
     with tempfile.TemporaryDirectory(prefix="bench_balance_") as out:
-        args = pretrain_argv(out, sampler=strategy, overrides=[*overrides, *kernel_overrides(strategy)])
+        args = pretrain_argv(out, sampler=strategy, **options, overrides=[*overrides, kernels])
         with maybe_lock(lock):
             if nodes == 1:
-                run_checked([*deepspeed_launcher(2), *args], strategy, timeout=1800)
+                run_checked([*deepspeed_launcher(2), *args], strategy, timeout=timeout)
             else:
                 from ds_bertopt.testing.multinode import run_local_multinode
 
-                results = run_local_multinode(nodes, 2, args, env=cpu_env(), timeout=1800, cwd=str(ROOT))
+                results = run_local_multinode(nodes, 2, args, env=cpu_env(), timeout=timeout, cwd=str(ROOT))
                 bad = [r for r in results if r.returncode]
                 if bad:
                     raise RuntimeError(
                         f"{strategy}: node {bad[0].node_rank} exit {bad[0].returncode}\n{bad[0].output[-3000:]}"
                     )
-        windows = [r["tokens_per_s"] for r in read_metrics(out, "tokens_per_s")]
-    return float(statistics.fmean(windows[1:] or windows))
+        return read_metrics(out, key)
 
 
 def predicted(overrides: list[str], world: int, micro: int, accum: int, hidden: int) -> dict[str, float]:
@@ -354,7 +334,7 @@ def predicted(overrides: list[str], world: int, micro: int, accum: int, hidden: 
 
     cfg = load_config(str(ROOT / "ds_configs" / "bert.json"), [o for o in overrides if not o.startswith("deepspeed.")])
     lengths = build_pretrain_data(cfg.bertopt).lengths
-    strategies = tuple(dict.fromkeys(["random", *(s for s in MEASURED if s not in PEER_STRATEGIES)]))
+    strategies = tuple(s for s in MEASURED if s not in PEER_STRATEGIES)  # random first
     shape = dict(**layout(world, 2, micro, accum), cfg=cfg.bertopt.sampler, cost=CostModel.for_hidden_size(hidden))
     res = evaluate(lengths, **shape, seed=cfg.bertopt.train.seed, strategies=strategies)
     f = {s: r.figures for s, r in res.items()}
@@ -373,7 +353,8 @@ def measured_part(part: str, quick: bool, micro: int, accum: int, repeats: int, 
 
     def run(strategy: str) -> float:
         started = time.perf_counter()
-        tokens[strategy].append(one_run(strategy, nodes, overrides, lock))
+        windows = [r["tokens_per_s"] for r in launch(strategy, overrides, "tokens_per_s", nodes, lock)]
+        tokens[strategy].append(float(statistics.fmean(windows[1:] or windows)))  # the windows after the first
         took, value = time.perf_counter() - started, tokens[strategy][-1]
         print(f"  [{label}] round {len(tokens[strategy])}: {strategy} {value:.0f} tokens/s ({took:.0f} s)", flush=True)
         return value
@@ -404,11 +385,7 @@ def convergence_part(seeds: list[int], steps: int, quick: bool) -> None:
     finals: dict[str, list[float]] = {"random": [], OURS: []}
     for seed in seeds:
         for strategy in finals:
-            with tempfile.TemporaryDirectory(prefix="bench_converge_") as out:
-                runs = [*overrides, *kernel_overrides(strategy)]
-                args = pretrain_argv(out, sampler=strategy, seed=seed, overrides=runs)
-                run_checked([*deepspeed_launcher(2), *args], strategy, timeout=3600)
-                evals = read_metrics(out, "eval_loss")
+            evals = launch(strategy, overrides, "eval_loss", timeout=3600, seed=seed)
             finals[strategy].append(evals[-1]["eval_loss"])
             losses = ", ".join(f"{e['step']}:{e['eval_loss']:.3f}" for e in evals)
             print(f"  [convergence] seed {seed} {strategy}: eval loss {losses}", flush=True)

@@ -1,7 +1,6 @@
 """Step time of bucket-wise clipping before allreduce vs DeepSpeed's global ``gradient_clipping``.
 
-    python bench/bucket_clip.py            # both settings, small BERT and BERT-base, ZeRO 0 and 2
-    python bench/bucket_clip.py --quick    # ZeRO 0, 3 rounds, small on loopback, base on the link (~3 min)
+    python bench/bucket_clip.py [--quick]  # both settings, small BERT and BERT-base, ZeRO 0 and 2 (--quick: ~3 min)
     python bench/bucket_clip.py --sweep 1000000 2500000 5000000 10000000 25000000   # bucket sizes, emulated link
     python bench/bucket_clip.py --convergence   # launch/pretrain.py on wiki_sample: hook vs global clipping
 
@@ -31,11 +30,10 @@ import torch
 import torch.distributed as dist
 from transformers import BertConfig, BertForMaskedLM
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import figure, argv, cpu_env, deepspeed_launcher, environment_line, interleaved, median, record
-from bench._common import SUMMARY, bert_sizes, pretrain_argv, ratio_line, read_metrics, say
+from bench._common import ROOT, SUMMARY, bert_sizes, pretrain_argv, ratio_line, read_metrics, say
 from ds_bertopt.compat.deepspeed import wrap_reductions
 from ds_bertopt.engine import initialize
 from ds_bertopt.testing.distributed import free_port
@@ -47,6 +45,8 @@ MODELS = {  # name: (BertConfig fields, micro-batch, default bucket size in elem
 }
 SEQ = 128
 VARIANTS = ("bucket_clip", "deepspeed_clip")
+BREAKDOWN: list[dict] = []
+WIKI = ROOT.parent / "shared" / "data" / "wiki_sample.jsonl"  # --convergence's data
 
 
 # worker: one rank (started by run_ranks, in this namespace or in its own)
@@ -62,27 +62,24 @@ def build_engine(name: str, stage: int, variant: str, bucket_size: int):
     return initialize(config=cfg, model=model, optimizer=optimizer)[0]
 
 
-def instrument(engine) -> dict[str, list[float]]:
-    """Time ``engine.allreduce_gradients`` (and ZeRO's ``reduce_ipg_grads``) on each call, into the step's entry."""
-    timings: dict[str, list[float]] = {"exposed": [], "reduce": []}
+def timed(timings: dict[str, list[float]], fn, key: str):
+    """``fn`` adding its time to the step's entry, ``timings[key][-1]`` (``wrap_reductions``: on each call of
+    ``engine.allreduce_gradients`` and ZeRO's ``reduce_ipg_grads``)."""
 
-    def timed(fn, key):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                timings[key][-1] += time.perf_counter() - start
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        timings[key][-1] += time.perf_counter() - start
+        return out
 
-        return wrapper
-
-    wrap_reductions(engine, timed)
-    return timings
+    return wrapper
 
 
 def measure(name: str, stage: int, bucket_size: int, repeats: int, warmup: int) -> dict:
     micro, engines = MODELS[name][1], {v: build_engine(name, stage, v, bucket_size) for v in VARIANTS}
-    timings = {variant: instrument(engine) for variant, engine in engines.items()}
+    timings: dict[str, dict[str, list[float]]] = {variant: {"exposed": [], "reduce": []} for variant in VARIANTS}
+    for variant, engine in engines.items():
+        wrap_reductions(engine, functools.partial(timed, timings[variant]))
     module = engines[VARIANTS[0]].module
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
     input_ids = torch.randint(5, module.config.vocab_size, (micro, SEQ), generator=gen)
@@ -146,9 +143,6 @@ def run_ranks(net, argv, log_dir: Path, tag: str, timeout: float) -> list[dict]:
     if any(proc.returncode for proc in procs):
         raise RuntimeError(f"{tag}: a rank failed (exit codes {[p.returncode for p in procs]}); logs in {log_dir}")
     return results
-
-
-BREAKDOWN: list[dict] = []
 
 
 def report(setting: str, r: dict) -> None:
@@ -215,9 +209,6 @@ def timings(args) -> None:
 
 
 # convergence: launch/pretrain.py with the hook vs DeepSpeed's global clipping
-WIKI = ROOT.parent / "shared" / "data" / "wiki_sample.jsonl"
-
-
 def pretrain(run_dir: Path, seed: int, hook: bool, args) -> bool:
     """Run one pretraining unless ``run_dir`` holds a complete one; return whether it ran."""
     evals = read_metrics(run_dir, "eval_loss")
@@ -239,6 +230,7 @@ def pretrain(run_dir: Path, seed: int, hook: bool, args) -> bool:
 
 
 def convergence(args) -> None:
+    print(environment_line())
     if not WIKI.exists():
         print(f"convergence: skipped ({WIKI} is absent)")
         return
@@ -296,11 +288,7 @@ def main(args_in=None) -> int:
     args.repeats = args.repeats or (3 if args.quick else 7)
     if args.worker:
         return worker(args)
-    if args.convergence:
-        print(environment_line())
-        convergence(args)
-    else:
-        timings(args)
+    (convergence if args.convergence else timings)(args)
     return 0
 
 

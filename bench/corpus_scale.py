@@ -29,11 +29,19 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import figure, cpu_env, cpu_kind, deepspeed_launcher, interleaved, record, run_streamed, say, status
+from bench._common import argv, cpu_env, cpu_kind, deepspeed_launcher, figure, interleaved, record, run_streamed
+from bench._common import say, status
+from ds_bertopt.data.config import DataConfig
+from ds_bertopt.data.corpus import load_documents
+from ds_bertopt.data.pipeline import build_sequences
+from ds_bertopt.data.sequences import _PARAGRAPH, split_sentences
+from ds_bertopt.data.tokenizer import load_tokenizer
 
 SHARED = ROOT.parent / "shared" / "data"
 SIZES_MB = (25, 100, 400, 1000)
@@ -48,10 +56,6 @@ GAP_SLACK_S = 2.0
 def synthesize(path: Path, megabytes: float, seed: int) -> Path:
     """A jsonl corpus of about ``megabytes`` MB: documents shaped as the real ones (paragraphs of so many
     sentences), filled with sentences drawn at random from all of them."""
-    import numpy as np
-
-    from ds_bertopt.data.sequences import _PARAGRAPH, split_sentences
-
     if path.exists():
         return path
     pool, shapes = [], []
@@ -111,11 +115,10 @@ def as_rank(argv: list[str]) -> int:
 
 # --------------------------------------------------------------------------------------- the jobs
 def pretrain_args(corpus, cache: Path, out: Path, *extra: str) -> list[str]:
-    args = [str(Path(__file__).resolve()), "--as-rank", "--deepspeed_config", str(ROOT / "ds_configs" / "bert.json")]
-    args += ["--train_file", str(corpus)] if corpus else []
-    args += ["--output_dir", str(out), "--max_steps", "1", "--eval_every", "0", "-o", "train.save_model=false"]
-    args += ["-o", "train.overwrite_output_dir=true"]
-    return [*args, "-o", f"data.cache_dir={cache}", *extra]
+    files = {"train_file": corpus} if corpus else {}
+    overrides = ["train.save_model=false", "train.overwrite_output_dir=true", f"data.cache_dir={cache}", *extra]
+    args = argv(Path(__file__).resolve(), "--as-rank", deepspeed_config=ROOT / "ds_configs" / "bert.json", **files)
+    return args + argv(output_dir=out, max_steps=1, eval_every=0, overrides=overrides)
 
 
 def run_job(ranks: int, args: list[str], memory: Path, timeout: float) -> dict:
@@ -157,11 +160,6 @@ def two_nodes(args: list[str], timeout: float) -> bool:
 
 def throughput(corpus: Path, tokenizer_dir: str, work: Path, megabytes: float, repeats: int) -> dict:
     """Tokens per second of the build (one process) and of the HF fast tokenizer alone, on the same text."""
-    from ds_bertopt.data.config import DataConfig
-    from ds_bertopt.data.corpus import load_documents
-    from ds_bertopt.data.pipeline import build_sequences
-    from ds_bertopt.data.tokenizer import load_tokenizer
-
     piece = work / "slice.jsonl"
     with open(corpus, encoding="utf-8") as src, open(piece, "w", encoding="utf-8") as dst:
         for line in src:
@@ -209,9 +207,9 @@ def measure_size(mb: float, work: Path, args) -> dict:
     if not completed:
         print("".join(line for _, line in first["lines"][-40:]))
         return row
-    one_cache, two_cache, extra = work / "one_node", work / "two_nodes", ("-o", "data.num_proc=1")
-    one = run_job(1, pretrain_args(corpus, one_cache, work / "out1", *extra), work / "memory", args.timeout)
-    ok = two_nodes(pretrain_args(corpus, two_cache, work / "out2", *extra), args.timeout)
+    one_cache, two_cache, extra = work / "one_node", work / "two_nodes", "data.num_proc=1"
+    one = run_job(1, pretrain_args(corpus, one_cache, work / "out1", extra), work / "memory", args.timeout)
+    ok = two_nodes(pretrain_args(corpus, two_cache, work / "out2", extra), args.timeout)
     one_built, two_built = stored(one_cache), stored(two_cache)
     digests = {json.dumps([b["vocabulary"], b["samples"]]) for b in (built, one_built, two_built)}
     row["nodes"] = n = {
@@ -293,7 +291,7 @@ def main(argv=None) -> int:
                 f"over the embedded corpus ({base['median']:.1f} s; medians of {args.warm_repeats}); per rank: private "
                 f"{w['private'] / 2**20:,.0f} MiB, mapped {w['mapped'] / 2**20:,.0f} MiB (peaks)"
             )
-        summarize(rows, done, base, args)
+        summarize(rows, done)
         note = "synthetic corpora from ../shared/data; ds_configs/bert.json, 1 step; warm: medians of "
         note += f"{args.warm_repeats}; throughput: best of {args.repeats} on {args.slice_mb:g} MB; one machine"
         record("corpus_scale", note, sizes=rows, embedded={k: v for k, v in base.items() if k != "memory"})
@@ -303,10 +301,8 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def summarize(rows: list[dict], done: list[dict], base: dict, args) -> None:
+def summarize(rows: list[dict], done: list[dict]) -> None:
     """The extrapolations and the targets, each with its verdict."""
-    import numpy as np
-
     completed = len(done) == len(rows) and not any(r["first"]["timed_out"] for r in rows)
     worst_gap = max((r["first"]["gap"] for r in rows), default=float("inf"))
     say(

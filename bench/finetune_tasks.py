@@ -26,15 +26,23 @@ costs); a task's contenders run one after another; NER averages ``--ner-seeds``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import random
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
+import torch
+from transformers import AutoTokenizer, HfArgumentParser, TrainingArguments
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._common import figure, ROOT, cpu_kind, deepspeed_launcher, environment_line, median, record, run_checked
-from bench._common import say, status, trainer_ds_config
+from bench._common import bar_figure, ROOT, cpu_kind, deepspeed_launcher, environment_line, median, record, run_checked
+from bench._common import argv, gemm_peak, say, status, trainer_ds_config
+from ds_bertopt.model.local import default_model_dir
+from ds_bertopt.train.finetune_memory import task_variant
+from ds_bertopt.wtacrs.memory import measure_step_in_child
 
 SHARED = ROOT.parent / "shared" / "data"
 OURS = {"model": {"unpadded": True}, "sampler": {"strategy": "packed_node_balance"}}
@@ -45,13 +53,11 @@ CONTENDERS = {  # name -> (trainer, bertopt section or None, extra script argume
     "HF group_by_length": ("hf", None, ["--train_sampling_strategy", "group_by_length"]),
     "ours + preset balanced": ("ours", BALANCED, []),
 }
-COMMON = [
-    "--per_device_eval_batch_size", "64", "--seed", "42", "--report_to", "none",
-    "--save_strategy", "no", "--disable_tqdm", "true", "--logging_steps", "1000000", "--weight_decay", "0.01",
-    "--warmup_steps", "0.1",
-]  # fmt: skip
+COMMON = (
+    "--per_device_eval_batch_size 64 --seed 42 --report_to none --save_strategy no --disable_tqdm true "
+    "--logging_steps 1000000 --weight_decay 0.01 --warmup_steps 0.1"
+).split()
 WINDOWS = 10
-MINILM = dict(hidden=384, ffn=1536, layers=6)
 GiB, MiB = 2**30, 2**20
 
 
@@ -96,11 +102,9 @@ def run(task: str, name: str, work: Path, script_args: list[str], seed: int, sta
     out = work / f"{task}_{name.replace(' ', '_').replace('+', 'and')}_{seed}"
     out.mkdir(parents=True)
     (out / "ds.json").write_text(json.dumps(trainer_ds_config(stage, **({"bertopt": section} if section else {}))))
-    cmd = [
-        *deepspeed_launcher(2), str(ROOT / "bench" / "finetune_tasks_run.py"), "--task", task, "--trainer", trainer,
-        "--out", str(out), *script_args, *extra, "--seed", str(seed), "--deepspeed", str(out / "ds.json"),
-        "--output_dir", str(out / "run"),
-    ]  # fmt: skip
+    script = argv(ROOT / "bench" / "finetune_tasks_run.py", task=task, trainer=trainer, out=out)
+    options = argv(seed=seed, deepspeed=out / "ds.json", output_dir=out / "run")
+    cmd = [*deepspeed_launcher(2), *script, *script_args, *extra, *options]
     print(f"[{task}] {name} ...", flush=True)
     run_checked(cmd, f"{task} {name}", timeout=14400)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -129,11 +133,7 @@ def merged(runs: list[dict]) -> dict:
 def real_lengths(task: str, script_args: list[str]) -> list[int]:
     """The training examples' real token counts (QA: windows), tokenized as the scripts do."""
     sys.path.insert(0, str(ROOT / "examples"))
-    import importlib
-
-    from transformers import AutoTokenizer, HfArgumentParser, TrainingArguments
-
-    script = importlib.import_module({"glue": "run_glue", "ner": "run_ner", "qa": "run_qa"}[task])
+    script = importlib.import_module(f"run_{task}")
     parser = HfArgumentParser((script.ModelArguments, script.DataArguments, TrainingArguments))
     model_args, data, _ = parser.parse_args_into_dataclasses([*script_args, "--output_dir", tempfile.mkdtemp()])
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
@@ -150,7 +150,7 @@ def real_lengths(task: str, script_args: list[str]) -> list[int]:
 
 def flops_per_token(lengths: list[int]) -> float:
     """Model FLOPs (forward + backward) per real token: ``3 × layers × (2(4h² + 2h·ffn) + 4h·L)`` averaged."""
-    h, ffn, layers = MINILM["hidden"], MINILM["ffn"], MINILM["layers"]
+    h, ffn, layers = 384, 1536, 6  # MiniLM-L6's
     total = sum(3 * layers * (2 * n * (4 * h * h + 2 * h * ffn) + 4 * h * n * n) for n in lengths)
     return total / sum(lengths)
 
@@ -164,28 +164,20 @@ def speed(result: dict) -> float:
     return mid(result["rates"])
 
 
-STEP_SETUPS = {  # the one-step peak at the same batch: (packed, wtacrs)
-    "HF padded": (False, {}),
-    "ours unpadded": (True, {}),
-    "ours + preset balanced": (True, {"preset": "balanced"}),
-}
+STEP_SETUPS = ("HF padded", "ours unpadded", "ours + preset balanced")  # the one-step peak at the same batch
 
 
 def step_peaks(lengths: list[int], batches: int) -> dict[str, list[float]]:
     """One training step's peak (``ds-bertopt memory``'s measure, a fresh child each) of each setup on the same
     ``batches`` random batches of 16 BoolQ training examples, interleaved."""
-    import random
-
-    from ds_bertopt.model.local import default_model_dir
-    from ds_bertopt.train.finetune_memory import task_variant
-    from ds_bertopt.wtacrs.memory import measure_step_in_child
-
     rng = random.Random(0)
     peaks: dict[str, list[float]] = {name: [] for name in STEP_SETUPS}
     for _ in range(batches):
         batch = rng.sample(lengths, 16)
-        for name, (packed, wtacrs) in STEP_SETUPS.items():
-            spec = {"build": task_variant, "model": default_model_dir(), "packed": packed, "wtacrs": wtacrs}
+        for name in STEP_SETUPS:
+            section = CONTENDERS[name][1] or {}  # HF's (None): padded, no wtacrs
+            spec = {"build": task_variant, "model": default_model_dir(), "packed": bool(section)}
+            spec["wtacrs"] = section.get("wtacrs", {})
             spec.update(lengths=batch, batch=16, seq=max(batch), threads=1)
             peaks[name].append(measure_step_in_child(spec)["step_peak"])
         print(f"[glue] step peaks, a batch of {sum(batch)} real tokens, longest {max(batch)}: "
@@ -202,10 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ner-seeds", type=int, nargs="+", default=[42, 43], help="NER: one run per seed, averaged")
     parser.add_argument("--record-as", default="finetune_tasks")
     args = parser.parse_args(argv)
-    import torch
-
-    from bench._common import gemm_peak
-
     if not SHARED.is_dir():
         print(f"skipped: {SHARED} is absent")
         return 0
@@ -322,13 +310,11 @@ def report(results: dict, args, peak: float) -> None:
             f"{100 * theirs['exact_match']:.2f} F1 {100 * theirs['f1']:.2f}; whole path runs: {status(ran)}"
         )
         ratio("QA training examples/s", "ours unpadded", "HF padded", r, 1.3, "windows/s")
-    bars = {"speed": ("Training examples/s (median of windows)", rates, "examples/s")}
+    bar_figure("speed", "Training examples/s (median of windows)", "examples/s", rates, "examples/s")
     if "glue" in results:
         steps = {n: median(p) / MiB for n, p in results["glue"]["_step_peaks"].items()}
-        bars["step_peak"] = ("BoolQ one-step peak at the same batches of 16 (median)", steps, "MiB")
-    bars["peak"] = ("Training process peak memory (RSS above the bare process)", memory, "GiB")
-    for file, (title, values, unit) in bars.items():
-        figure("bars", file, title, [{"label": k, unit: v} for k, v in values.items()], unit=unit, stack=[unit])
+        bar_figure("step_peak", "BoolQ one-step peak at the same batches of 16 (median)", "MiB", steps, "MiB")
+    bar_figure("peak", "Training process peak memory (RSS above the bare process)", "GiB", memory, "GiB")
 
 
 if __name__ == "__main__":

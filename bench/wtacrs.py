@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import figure, ROOT, TABLES, argv, bert_sizes, cpu_env, cpu_kind, environment_line, md_row, median
 from bench._common import md_table, ratio_line, read_metrics, record, run_checked, say, status
 from bench.wtacrs_frontier import EMULATED_BF16_TOKENS, FRONTIER_CELLS, FRONTIER_QUICK, QUICK_CELLS, budget_section
-from bench.wtacrs_frontier import frontier_section, locked, minilm_cells, timed
+from bench.wtacrs_frontier import frontier_section, locked, measured, minilm_cells, timed
 from ds_bertopt.model.local import default_model_dir
-from ds_bertopt.wtacrs.memory import CATEGORIES, MiB, measure_step_in_child, variant
+from ds_bertopt.wtacrs.memory import CATEGORIES, MiB, variant
 
 DATA = ROOT.parent / "shared" / "data" / "rt_polarity"
 
@@ -74,7 +74,7 @@ STACK = ["saved for backward", "rest of the step's peak"]
 def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, names) -> None:
     dtype = "bf16 autocast" if bf16 else "fp32"
     base = {"model": model, "batch": batch, "seq": seq, "threads": threads, "bf16_autocast": bf16}
-    results = {name: locked(measure_step_in_child, {**base, "wtacrs": MEMORY_VARIANTS[name]}) for name in names}
+    results = measured(base, {name: MEMORY_VARIANTS[name] for name in names})
     full, bars = results["full"], []
     header = " ".join(f"{c[:10]:>10s}" for c in CATEGORIES)
     print(f"\n== memory, batch {batch} × seq {seq}, {dtype} (MiB saved for backward by category; whole-step peak) ==")
@@ -102,12 +102,7 @@ def memory_section(model: str, batch: int, seq: int, threads: int, bf16: bool, n
 # random-init, base-sized configs (``transformers.AutoConfig.for_model``): the shapes of the public checkpoints
 FAMILY_MODELS = {
     "BERT-base": {"model_type": "bert"},
-    "RoBERTa-base": {
-        "model_type": "roberta",
-        "max_position_embeddings": 514,
-        "type_vocab_size": 1,
-        "layer_norm_eps": 1e-5,
-    },
+    "RoBERTa-base": dict(model_type="roberta", max_position_embeddings=514, type_vocab_size=1, layer_norm_eps=1e-5),
     "DeBERTa-v3-base": {
         "model_type": "deberta-v2",
         **bert_sizes(768, 12, 12, 3072),
@@ -144,12 +139,8 @@ def families_section(minilm: str | None, batch: int, seq: int, threads: int, tin
     models = {f"{n} (tiny)" if tiny else n: {"model_config": _tiny(c) if tiny else c} for n, c in FAMILY_MODELS.items()}
     if minilm and not tiny:
         models["MiniLM-L6 (real weights)"] = {"model": minilm}
-    results = {}
-    for model_name, source in models.items():
-        spec = {**source, "batch": batch, "seq": seq, "threads": threads}
-        results[model_name] = {
-            n: locked(measure_step_in_child, {**spec, "wtacrs": w}) for n, w in FAMILY_VARIANTS.items()
-        }
+    cell = {"batch": batch, "seq": seq, "threads": threads}
+    results = {name: measured({**source, **cell}, FAMILY_VARIANTS) for name, source in models.items()}
     shape = "tiny" if tiny else "base"
     print(
         f"\n== whole-step peak by family ({shape}-shaped random init unless noted), batch {batch} × seq {seq}, "
@@ -205,12 +196,8 @@ def time_section(model_dir: str, batch: int, seq: int, repeats: int) -> None:
 
 
 # the kit's parts off: the plain step that WTA-CRS or LoRA alone is compared on
-KIT_OFF = [
-    "wtacrs.kit.sdpa_attention=false",
-    "wtacrs.kit.layernorm_saves_output=false",
-    "wtacrs.kit.recompute_gelu=false",
-    'wtacrs.kit.dropout_mask="float"',
-]
+KIT_OFF = [f"wtacrs.kit.{key}=false" for key in ("sdpa_attention", "layernorm_saves_output", "recompute_gelu")]
+KIT_OFF.append('wtacrs.kit.dropout_mask="float"')
 # what the shipped config sets explicitly would override a preset: name the preset's fields again
 PRESET_FIELDS = ['wtacrs.targets=["all"]', "wtacrs.kit.recompute_qkv=true", "wtacrs.kit.recompute_ffn=true"]
 ACCURACY_VARIANTS = {
@@ -314,11 +301,8 @@ def main() -> int:
     parser.add_argument("--frontier-bf16-repeats", type=int, help="frontier: bf16 rounds (emulated bf16: 2)")
     tokens = "frontier: on a CPU that emulates bf16, skip bf16 cells of more tokens (batch x seq)"
     parser.add_argument("--frontier-bf16-tokens", type=int, default=EMULATED_BF16_TOKENS, help=tokens)
-    parser.add_argument(
-        "--frontier-setups",
-        help="frontier: comma-separated setups (default: per mode); 'preset auto' is resolved as a run would, "
-        "under a budget set from full's peak in the cell",
-    )
+    auto = "'preset auto' is resolved as a run would, under a budget set from full's peak in the cell"
+    parser.add_argument("--frontier-setups", help=f"frontier: comma-separated setups (default: per mode); {auto}")
     parser.add_argument("--frontier-no-budget", action="store_true", help="frontier: without the budget check")
     parser.add_argument("--frontier-bert-base", action="store_true", help="frontier, quick: add BERT-base 16 × 128")
     parser.add_argument("--family-batch", type=int, default=16, help="families: batch (equal for every variant)")
@@ -345,10 +329,11 @@ def main() -> int:
     sections = set(args.sections.split(","))
     named = args.sections != parser.get_default("sections")
     everything = named or not args.quick  # the default --quick run stays within bench/run_all.py's time limit
+    mode = "quick" if args.quick else "full"
     if not args.quick and not named:
         sections.add("families")
     print(environment_line())
-    print(f"model: {model}; {'quick' if args.quick else 'full'} mode")
+    print(f"model: {model}; {mode} mode")
     if "memory" in sections:
         memory_section(model, 64, 128, args.threads, False, QUICK_MEMORY if args.quick else list(MEMORY_VARIANTS))
         if not args.quick:
@@ -369,14 +354,9 @@ def main() -> int:
         accuracy_section(args.seeds, args.epochs, args.threads, accuracy_names, max_train=args.max_train)
     if "families" in sections:
         families_section(model, args.family_batch, args.family_seq, args.threads, args.family_tiny)
-    emulated = "frontier" in sections and "emulated" in cpu_kind()
-    record(
-        args.record_as,
-        f"sections {', '.join(sorted(sections))}; MiniLM-L6 unless a figure says otherwise; "
-        f"{'quick' if args.quick else 'full'} mode, {args.threads} threads; {cpu_kind()}"
-        + ("; bf16 cells measure bf16 emulation" if emulated else ""),
-        tables=TABLES,
-    )
+    emulated = "; bf16 cells measure bf16 emulation" if "frontier" in sections and "emulated" in cpu_kind() else ""
+    note = f"sections {', '.join(sorted(sections))}; MiniLM-L6 unless a figure says otherwise; {mode} mode"
+    record(args.record_as, f"{note}, {args.threads} threads; {cpu_kind()}{emulated}", tables=TABLES)
     return 0
 
 

@@ -22,9 +22,7 @@ FRONTIER_VARIANTS = {
     "LoRA + preset balanced": variant(lora=True, preset="balanced"),
 }
 # quick mode: without the kit and LoRA under checkpointing
-FRONTIER_QUICK = [
-    n for n in FRONTIER_VARIANTS if n not in ("shipped kit + WTA@0.3 + checkpointing", "LoRA + checkpointing")
-]
+FRONTIER_QUICK = [n for n in FRONTIER_VARIANTS if not n.endswith(" + checkpointing")]
 BASELINES = ("full", "HF gradient checkpointing")
 MAX_SAVING_TARGET = (3.5, 1.35)  # the issue's max-saving preset: peak reduction, step time vs full
 FRONTIER_TIME_LIMIT = 1.10  # the issue's "no step-time cost": at most 1.10× full fine-tuning
@@ -52,21 +50,20 @@ def timed(model_dir, specs: dict, batches: dict, seq: int, repeats: int, model_c
     """Each setup's step times at its batch (``ds_bertopt.wtacrs.memory.step_fn``, built once), interleaved in this
     process under the lock."""
     setup = {"model": model_dir, "model_config": model_config, "seq": seq, "precision": precision}
-
-    def measure():
+    with maybe_lock(LOCK):
         fns = {n: step_fn({**setup, "wtacrs": spec, "batch": batches[n]}) for n, spec in specs.items()}
         return interleaved(fns, repeats=repeats, warmup=1)
 
-    return locked(measure)
+
+def measured(base: dict, specs: dict) -> dict:
+    """Each setup's step measured in a fresh child (``measure_step_in_child``), one at a time under the lock."""
+    return {name: locked(measure_step_in_child, {**base, "wtacrs": spec}) for name, spec in specs.items()}
 
 
 def pareto_front(points: dict[str, tuple[float, float]]) -> set[str]:
     """Names whose (memory, time) no other point beats in both (ties count as not beaten)."""
-    return {
-        a
-        for a, (ma, ta) in points.items()
-        if not any(mb <= ma and tb <= ta and (mb, tb) != (ma, ta) for b, (mb, tb) in points.items() if b != a)
-    }
+    beaten = {a for a, pa in points.items() for pb in points.values() if pb != pa and pb[0] <= pa[0] and pb[1] <= pa[1]}
+    return set(points) - beaten
 
 
 def frontier_section(
@@ -78,11 +75,10 @@ def frontier_section(
     specs = {name: FRONTIER_VARIANTS[name] for name in names if name != AUTO}
     base = {"model": model_dir, "model_config": model_config, "batch": batch, "seq": seq, "threads": threads}
     base["precision"] = precision
-    peaks = {n: locked(measure_step_in_child, {**base, "wtacrs": spec})["step_peak"] for n, spec in specs.items()}
+    peaks = {n: r["step_peak"] for n, r in measured(base, specs).items()}
     resolved = resolved_presets(model_dir, model_config, names, batch, seq, precision, threads, peaks)
     specs.update({name: spec for name, (spec, _) in resolved.items()})
-    for name, (spec, _) in resolved.items():
-        peaks[name] = locked(measure_step_in_child, {**base, "wtacrs": spec})["step_peak"]
+    peaks.update({n: r["step_peak"] for n, r in measured(base, {n: specs[n] for n in resolved}).items()})
     times = timed(model_dir, specs, dict.fromkeys(specs, batch), seq, repeats, model_config, precision)
     points = {n: (peaks[n] / peaks["full"], median(times[n]) / median(times["full"])) for n in specs}
     front, (gc_memory, gc_time) = pareto_front(points), points["HF gradient checkpointing"]
@@ -124,16 +120,11 @@ def frontier_section(
             f"{target} preset max_saving >= {lowest}x lower peak than full at <= {limit}x step time: "
             f"{status(1 / memory >= lowest and step <= limit)} ({1 / memory:.2f}x at {step:.2f}x)"
         )
-    figure(
-        "scatter",
-        f"frontier_{label.split()[0].lower()}_{batch}x{seq}_{precision}",
-        f"Fine-tuning memory vs step time, {label}, batch {batch} x seq {seq}, {precision}",
-        series,
-        xlabel="whole-step peak / full fine-tuning",
-        ylabel="step time / full fine-tuning",
-        note="one point per setup; ringed: the Pareto front; dashed: 1.10x full step time",
-        reference=FRONTIER_TIME_LIMIT,
-    )
+    file = f"frontier_{label.split()[0].lower()}_{batch}x{seq}_{precision}"
+    title = f"Fine-tuning memory vs step time, {label}, batch {batch} x seq {seq}, {precision}"
+    axes = {"xlabel": "whole-step peak / full fine-tuning", "ylabel": "step time / full fine-tuning"}
+    note = "one point per setup; ringed: the Pareto front; dashed: 1.10x full step time"
+    figure("scatter", file, title, series, **axes, note=note, reference=FRONTIER_TIME_LIMIT)
     columns = ["setup", "step peak (MiB)", "saving vs full", "step time vs full"]
     heading = f"**{label}, batch {batch} × seq {seq}** ({precision}; * = on the Pareto front)"
     TABLES.append("\n".join([heading, "", *md_table(columns, rows)]))

@@ -31,15 +31,14 @@ def apex_checks(ctx: Ctx) -> list:
     out = []
     for label, cfg in settings().items():
         runs = lamb_runs(cfg, device)
-        initial = runs["initial"]
+        initial, built = runs["initial"], f"{label}: {what} as built (max_grad_norm inf)"
         gap = max_relative_gap(runs["apex"], runs["ours"], initial)
-        out.append((f"{label}: {what} as built (max_grad_norm inf) = ours (1e-4 of the update)", gap < 1e-4,
-                    f"gap {gap:.2g} of the largest update"))  # fmt: skip
+        out.append((f"{built} = ours (1e-4 of the update)", gap < 1e-4, f"gap {gap:.2g} of the largest update"))
         gap = max_relative_gap(runs["apex"], runs["reference"], initial)
         out.append((f"{label}: {what} = its CPU reference (1e-4)", gap < 1e-4, f"gap {gap:.2g}"))
         part = gradient_part(initial, runs["zero_bound"])
-        out.append((f"{label}: control, the 0.0 bound trains on weight decay alone", part < 1e-3,
-                    f"gradient part {part:.2g}"))  # fmt: skip
-        out.append((f"{label}: apex built on the model's device", runs["apex_device"].startswith(device),
-                    f"overflow buffer on {runs['apex_device']}"))  # fmt: skip
+        name = f"{label}: control, the 0.0 bound trains on weight decay alone"
+        out.append((name, part < 1e-3, f"gradient part {part:.2g}"))
+        on_device, buffer = runs["apex_device"].startswith(device), f"overflow buffer on {runs['apex_device']}"
+        out.append((f"{label}: apex built on the model's device", on_device, buffer))
     return out

@@ -13,8 +13,7 @@ def section_conformance(ctx: Ctx) -> Result:
 
     accepted = [row for row in all_rows() if cuda_choice(row).refusal is None]
     rows = accepted if ctx.cuda else (list(REPRESENTATIVE) if ctx.tiny else cpu_rows())
-    out = ctx.dir("matrix")
-    out.mkdir(parents=True, exist_ok=True)
+    out = ctx.dir("matrix")  # run_jobs makes it (the worker's log is in it)
     args = ["--out", out, "--rows", *(row.id for row in rows)]
     job = worker_job(ctx, "conformance", "conformance", args, out / "worker.log", timeout=400, **rank0_env())
     job = run_jobs(ctx, [job])[0]

@@ -17,16 +17,14 @@ def judge_lamb(results: dict, world: int, steps: int) -> list:
     same = lambda ours, theirs, rel: (
         len(ours) == len(theirs) and all(abs(a - b) <= rel * abs(b) + 1e-12 for a, b in zip(ours, theirs))
     )
+    present = lambda key, stages: [(s, results[key % s]) for s in stages if results.get(key % s) is not None]
     out = []
     zero0 = results.get("stage0")
     if zero0 is not None:
         moved, scales0 = gap(zero0["params"], initial), scales(zero0)
         out.append(("zero0 moved the weights (> 1e-2)", moved > 1e-2, f"max move {moved:.3g}"))
         out.append(("LAMB clipping active at ZeRO 0", all(s < 1.0 for s in scales0), f"scales {scales0}"))
-    for stage in (1, 2) if zero0 is not None else ():
-        zn = results.get(f"stage{stage}")
-        if zn is None:
-            continue
+    for stage, zn in present("stage%d", (1, 2) if zero0 is not None else ()):
         diff = (zn["params"] - zero0["params"]).abs()
         ok = bool((diff <= 1e-6 + 1e-5 * zero0["params"].abs()).all())
         out.append((f"ZeRO {stage} params = ZeRO 0 (rtol 1e-5, atol 1e-6)", ok, f"max diff {float(diff.max()):.3g}"))
@@ -39,10 +37,7 @@ def judge_lamb(results: dict, world: int, steps: int) -> list:
     if zero0 is not None and "per_shard" in results:
         control = gap(results["per_shard"]["params"], zero0["params"])
         out.append(("per-shard trust ratio control differs (> 1e-3)", control > 1e-3, f"gap {control:.3g}"))
-    for stage in (0, 2):
-        entry = results.get(f"resume{stage}")
-        if entry is None:
-            continue
+    for stage, entry in present("resume%d", (0, 2)):
         straight, resumed = entry["straight"], entry["resumed"]
         same_params = torch.equal(straight["params"], resumed["params"])
         states_ok = len(straight["state"]) == len(resumed["state"]) == world and all(
@@ -55,32 +50,23 @@ def judge_lamb(results: dict, world: int, steps: int) -> list:
     zero0 = results.get("bf16_stage0")
     if zero0 is None:
         return out
-    ok, detail = zero0["wrapper"] == "FP16_UnfusedOptimizer" and zero0["fragments"] == 0, zero0["wrapper"]
-    out.append(
-        ("bf16 ZeRO 0 runs FP16_UnfusedOptimizer, no fragments", ok, f"{detail}, {zero0['fragments']} fragments")
-    )
+    ok = zero0["wrapper"] == "FP16_UnfusedOptimizer" and zero0["fragments"] == 0
+    detail = f"{zero0['wrapper']}, {zero0['fragments']} fragments"
+    out.append(("bf16 ZeRO 0 runs FP16_UnfusedOptimizer, no fragments", ok, detail))
     moved = gap(zero0["masters"], initial)
     out.append(("bf16 ZeRO 0 moved the masters (> 1e-2)", moved > 1e-2, f"max move {moved:.3g}"))
     ok = torch.equal(zero0["params"], zero0["masters"].to(torch.bfloat16).float())
     out.append(("bf16 ZeRO 0 params are the rounded masters", ok, ""))
     per_shard = results.get("bf16_per_shard")
     control = gap(per_shard["masters"], zero0["masters"]) if per_shard is not None else math.inf
-    for stage in (1, 2):
-        zn = results.get(f"bf16_stage{stage}")
-        if zn is None:
-            continue
-        ok = (
-            zn["wrapper"] == "DeepSpeedZeroOptimizer"
-            and zn["fragments"] > 0
-            and zero0["steps"] == zn["steps"] == [steps]
-        )
+    for stage, zn in present("bf16_stage%d", (1, 2)):
+        ok = zn["wrapper"] == "DeepSpeedZeroOptimizer" and zn["fragments"] > 0
+        ok = ok and zero0["steps"] == zn["steps"] == [steps]
         detail = f"{zn['wrapper']}, {zn['fragments']} fragments, steps {zn['steps']} / {zero0['steps']}"
         out.append((f"bf16 ZeRO {stage}: DeepSpeedZeroOptimizer with fragments, {steps} LAMB steps", ok, detail))
-        masters_gap, detail = gap(zn["masters"], zero0["masters"]), f"per-shard control {control:.3g}"
-        ok = masters_gap < 1e-4 < control
-        out.append(
-            (f"bf16 ZeRO {stage} masters = ZeRO 0 (gap < 1e-4 < control)", ok, f"gap {masters_gap:.3g}, {detail}")
-        )
+        masters_gap = gap(zn["masters"], zero0["masters"])
+        detail = f"gap {masters_gap:.3g}, per-shard control {control:.3g}"
+        out.append((f"bf16 ZeRO {stage} masters = ZeRO 0 (gap < 1e-4 < control)", masters_gap < 1e-4 < control, detail))
         s0, sn = scales(zero0), scales(zn)
         out.append((f"bf16 ZeRO {stage} clip factors (rel 1e-3)", same(sn, s0, 1e-3), f"{sn} vs {s0}"))
     return out
@@ -90,8 +76,7 @@ def run_lamb_checks(ctx: Ctx, world: int, checks: tuple, label: str) -> tuple:
     """(failures, checks run, seconds) of one optimizer-check job (``optim_zero_check`` on ``world`` ranks)."""
     import torch
 
-    out = ctx.dir(f"lamb_x{world}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = ctx.dir(f"lamb_x{world}")  # run_jobs makes it (the worker's log is in it)
     ranks, env = (world, {}) if world > 1 else (0, rank0_env())
     name, args = f"optim_zero_check x{world}", ["--out", out, "--checks", *checks]
     job = run_jobs(ctx, [worker_job(ctx, name, "lamb", args, out / "worker.log", ranks=ranks, timeout=240, **env)])[0]

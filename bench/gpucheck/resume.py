@@ -75,10 +75,8 @@ def resume_check(ctx: Ctx, label: str, world: int, kill_rank: int, steps: int, k
     differing = {k: float((a[k].double() - b[k].double()).abs().max()) for k in a if k in b and not a[k].equal(b[k])}
     ref_loss, cut_loss = losses_by_step(ref_dir), losses_by_step(cut_dir)
     loss_diff = [abs(ref_loss[s] - cut_loss.get(s, math.inf)) for s in sorted(ref_loss)]
-    samples_equal = all(
-        samples_by_step(ref_dir, rank) == samples_by_step(cut_dir, rank) and bool(samples_by_step(ref_dir, rank))
-        for rank in range(world)
-    )
+    samples = [(samples_by_step(ref_dir, rank), samples_by_step(cut_dir, rank)) for rank in range(world)]
+    samples_equal = all(ref_samples == cut_samples and bool(ref_samples) for ref_samples, cut_samples in samples)
     if differing:
         worst = max(differing, key=differing.get)
         problems.append(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from bench._common import argv, bert_overrides, bert_sizes, cpu_env, deepspeed_launcher, read_metrics
+from bench._common import argv, bert_overrides, bert_sizes, cpu_env, deepspeed_launcher, read_metrics, sync
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = ROOT / "bench" / "gpu_check.py"
@@ -130,10 +130,7 @@ class Job:
         return self.started and not self.timed_out and self.rc == 0
 
     def output(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")
-        except OSError:
-            return ""
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def tail(self, lines: int = 6) -> str:
         text = [x for x in self.output().splitlines() if x.strip() and "Warning" not in x[:20]]
@@ -162,10 +159,8 @@ def run_jobs(ctx: Ctx, jobs: list, parallel: int = 1) -> list:
                 continue  # job.started stays False: reported as not run
             job.log.parent.mkdir(parents=True, exist_ok=True)
             handle = open(job.log, "w")
-            cmd = [str(c) for c in job.cmd]
-            proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=job.env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            pipes = dict(stdout=handle, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen([str(c) for c in job.cmd], cwd=ROOT, env=job.env, start_new_session=True, **pipes)
             _LIVE_GROUPS.add(proc.pid)
             job.started = True
             running.append((job, proc, handle, time.monotonic(), time.monotonic() + budget))
@@ -223,8 +218,6 @@ def losses_by_step(out: Path) -> dict:
 
 def timed(fn, device, before=None) -> float:
     """Seconds of ``fn()`` between syncs of ``device`` (none on a CPU), ``before()`` (a barrier) outside them."""
-    from bench._common import sync
-
     sync(device)
     if before is not None:
         before()

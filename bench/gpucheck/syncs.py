@@ -41,13 +41,11 @@ def section_syncs(ctx: Ctx) -> Result:
     jobs = []
     for name, (task, argv) in runs.items():
         out = ctx.dir(name.replace(" ", "_").replace("+", "_"))
-        summary = out.parent / f"{out.name}.syncs.json"
+        summary = out.with_suffix(".syncs.json")
         summary.unlink(missing_ok=True)
         env = {"GPU_CHECK_TASK": task, "GPU_CHECK_SYNCS": f"{summary}:{first}:{count}"}
-        job = worker_job(
-            ctx, name, "loop", [*argv, *common, "--output_dir", out], out.parent / f"{out.name}.log", **env
-        )
-        jobs.append((job, summary))
+        argv = [*argv, *common, "--output_dir", out]
+        jobs.append((worker_job(ctx, name, "loop", argv, out.with_suffix(".log"), **env), summary))
     run_jobs(ctx, [job for job, _ in jobs], parallel=min(3, ctx.jobs))
     problems, figures = [], []
     for job, summary in jobs:

@@ -2,7 +2,6 @@
 
 import itertools
 import random
-import statistics
 
 from .runner import TINY_BERT, Ctx, Result, brief, judged, timed
 
@@ -35,11 +34,9 @@ def attention_compare(ctx: Ctx, dtype, lengths, heads: int, dim: int) -> dict:
         return [out.detach().float(), *(x.float() for x in grads)]
 
     ref = run("reference", torch.float32)
-    errors = {}
-    for backend in ("varlen", "sdpa_loop") if ctx.cuda else ("sdpa_loop",):
-        got = run(backend, dtype)
-        errors[backend] = [float((a - r).abs().max() / r.abs().max().clamp_min(1e-30)) for a, r in zip(got, ref)]
-    return errors
+    relative = lambda got: [float((a - r).abs().max() / r.abs().max().clamp_min(1e-30)) for a, r in zip(got, ref)]
+    backends = ("varlen", "sdpa_loop") if ctx.cuda else ("sdpa_loop",)
+    return {backend: relative(run(backend, dtype)) for backend in backends}
 
 
 def attention_dropout(ctx: Ctx, dtype, lengths, heads: int, dim: int, p: float, draws: int) -> dict:
@@ -105,19 +102,15 @@ def unpadded_throughput(ctx: Ctx) -> str:
     import torch
     from transformers import BertConfig, BertForMaskedLM
 
-    from bench._common import interleaved
+    from bench._common import interleaved, median
     from ds_bertopt.compat.transformers import set_attention_implementation
     from ds_bertopt.data.collate import pack_sequences
     from ds_bertopt.model import SparseMLMHead
     from ds_bertopt.model.unpadded import UnpaddedBert, varlen_usable
 
     device = torch.device(ctx.device)
-    if ctx.tiny:
-        sizes = TINY_BERT
-        count, low, high, rounds = 4, 4, 60, 2
-    else:
-        sizes = dict(vocab_size=30522, max_position_embeddings=512)  # BERT-base otherwise
-        count, low, high, rounds = 32, 16, 512, 5
+    sizes = TINY_BERT if ctx.tiny else dict(vocab_size=30522, max_position_embeddings=512)  # BERT-base otherwise
+    count, low, high, rounds = (4, 4, 60, 2) if ctx.tiny else (32, 16, 512, 5)
     config = BertConfig(**sizes)
     set_attention_implementation(config, "sdpa")
     torch.manual_seed(0)
@@ -141,7 +134,7 @@ def unpadded_throughput(ctx: Ctx) -> str:
 
     variants = {"padded": (padded_model, padded), "unpadded": (unpadded_model, packed)}
     steps = {name: lambda v=v: timed(lambda: step(*v), device) for name, v in variants.items()}
-    med = {name: statistics.median(t) for name, t in interleaved(steps, repeats=rounds, warmup=2).items()}
+    med = {name: median(t) for name, t in interleaved(steps, repeats=rounds, warmup=2).items()}
     computed = padded["input_ids"].numel()
     ctx.detail(
         f"{count} sequences of {low}..{high} tokens, {str(dtype).replace('torch.', '')}: "

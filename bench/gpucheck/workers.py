@@ -50,12 +50,9 @@ def worker_loop(argv: list) -> int:
             facts = dict(rank=topo.rank, local_rank=topo.local_rank, engine_device=str(self.engine.device))
             facts["world_size"] = topo.world_size
             if torch.cuda.is_available():
-                current = torch.cuda.current_device()
-                props = torch.cuda.get_device_properties(current)
-                facts.update(current_device=current, name=props.name, uuid=str(getattr(props, "uuid", "")))
-                facts.update(
-                    pci_bus_id=getattr(props, "pci_bus_id", None), visible=os.environ.get("CUDA_VISIBLE_DEVICES")
-                )
+                props = torch.cuda.get_device_properties(current := torch.cuda.current_device())
+                facts.update(current_device=current, name=props.name, pci_bus_id=getattr(props, "pci_bus_id", None))
+                facts.update(uuid=str(getattr(props, "uuid", "")), visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
             os.makedirs(probe, exist_ok=True)
             Path(probe, f"rank{topo.rank}.json").write_text(json.dumps(facts))
 

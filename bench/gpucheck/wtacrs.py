@@ -129,7 +129,7 @@ def wtacrs_training(ctx: Ctx, precision: str, steps: int) -> dict:
 
 def section_wtacrs(ctx: Ctx) -> Result:
     problems, figures = [], []
-    skipped = [] if ctx.cuda else ["fp16", "fp16-weights"]
+    skipped = [] if ctx.cuda else ["fp16", "fp16-weights", "fp16 training"]
     draws = 300 if ctx.tiny else 2000
     for mode in ("fp32", "bf16", "fp16", "fp16-weights") if ctx.cuda else ("fp32", "bf16"):
         try:
@@ -155,7 +155,6 @@ def section_wtacrs(ctx: Ctx) -> Result:
         except Exception as exc:  # noqa: BLE001
             problems.append(f"sync check: {brief(exc)}")
     steps = 6 if ctx.tiny else 30
-    skipped += [] if ctx.cuda else ["fp16 training"]
     for precision in ("fp16", "bf16") if ctx.cuda else ("bf16",):
         try:
             run = wtacrs_training(ctx, precision, steps)

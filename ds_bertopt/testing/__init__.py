@@ -1,7 +1,12 @@
 """Helpers for tests/ and bench/ (real gloo ranks, simulated nodes and namespaces, the GPU conformance rows, timing).
 
-Users never import them, and no production module does (the ``testing`` contract in .importlinter). They still
-ship inside the package because every test, every benchmark and bench/gpu_check.sh (run from a bare checkout on a
-GPU machine) imports them as ``ds_bertopt.testing``; moving them to a top-level package is a mechanical change of
-every one of those imports, left until the work in flight on those files has merged (issue 41).
+No production module imports them (the ``testing`` contract in .importlinter). Why they ship inside the package:
+- one is a user's tool: ``multinode`` simulates an N-node hostfile job on one machine (``launch/local_multinode.sh``,
+  README "Multi-node");
+- the rank scripts of the tests (``tests/scripts/*_worker.py``) import them in every process a launcher starts:
+  ``deepspeed``, ``torchrun``, ``accelerate launch``, one launcher per simulated node, ``ip netns exec``. The
+  installed package is importable in all of those; a top-level folder would need ``PYTHONPATH`` carried through
+  each of them;
+- ``bench/gpu_check.sh`` runs the same conformance rows (``gpu_paths``) and apex's kernel arithmetic (``apex_lamb``)
+  on a GPU machine from a bare checkout, as the tests run them here: one copy, not two.
 """
