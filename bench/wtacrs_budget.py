@@ -44,6 +44,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1, help="runs of the fast search")
     parser.add_argument("--exhaustive", action="store_true", help="also run the reference (every setup timed)")
     parser.add_argument("--lock", default="", help="hold this flock around each run (a shared machine)")
+    parser.add_argument("--record-as", default="wtacrs_budget", help="name of the recorded results (report section)")
     args = parser.parse_args()
     cpu, command = cpu_kind(), f"ds-bertopt {' '.join(COMMAND)}"
     runs = [answer([], args.lock) for _ in range(args.repeats)]
@@ -58,7 +59,7 @@ def main() -> int:
         f"[target] {' '.join(COMMAND)} on {cpu}: <= {TARGET_S:.0f} s with the exhaustive recommendation: "
         f"{status(slowest <= TARGET_S)} ({slowest:.0f} s, slowest of {len(runs)}; same recommendation: {same})"
     )
-    record("wtacrs_budget", f"{cpu}; every core per child", runs=runs, exhaustive=reference)
+    record(args.record_as, f"{cpu}; every core per child", runs=runs, exhaustive=reference)
     return 0
 
 
