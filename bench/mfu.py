@@ -180,6 +180,8 @@ def main(argv=None) -> None:
     parser.add_argument("--epoch-batches", type=int, default=0, help="cap the epoch's micro-batches (0: all)")
     parser.add_argument("--record-as", default="mfu", help="name of the recorded results (report section)")
     args = parser.parse_args(argv)
+    if args.baseline not in (None, args.record_as) and not (RAW / f"{args.baseline}.json").is_file():
+        parser.error(f"--baseline {args.baseline}: no record {RAW / args.baseline}.json")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(available_cores())
