@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_results  # noqa: E402,F401
+from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_name, record_results  # noqa: E402,F401
 
 SUMMARY: list[str] = []
 """The lines this benchmark said (its report section's summary)."""
@@ -278,3 +278,13 @@ def read_metrics(out, key: Optional[str] = None) -> list[dict]:
     path = Path(out, "metrics.jsonl")
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     return [r for r in records if key is None or key in r]
+
+
+# --- shared by balance.py, corpus_scale.py ---
+def failed_nodes(nodes: int, ranks: int, args: list[str], timeout: float) -> list:
+    """The nodes that failed (``NodeResult``s) of ``args`` run in the checkout as ``nodes`` simulated nodes ×
+    ``ranks`` (``ds_bertopt.testing.multinode``, :func:`cpu_env`)."""
+    from ds_bertopt.testing.multinode import run_local_multinode
+
+    results = run_local_multinode(nodes, ranks, args, env=cpu_env(), timeout=timeout, cwd=str(ROOT))
+    return [r for r in results if r.returncode]

@@ -31,12 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import bar_figure, bert_overrides, config_overrides, cpu_env, deepspeed_launcher, figure
+from bench._common import bar_figure, bert_overrides, config_overrides, deepspeed_launcher, failed_nodes, figure
 from bench._common import environment_line, interleaved, maybe_lock, median, pretrain_argv, ratio_line, read_metrics
-from bench._common import record, run_checked, say, status
+from bench._common import ROOT, record, record_name, run_checked, say, status
 from ds_bertopt.cli.balance import corpus_lengths, format_table
 from ds_bertopt.data.config import PEER_STRATEGIES, STRATEGIES as STRATEGIES_ALL, SamplerConfig
 from ds_bertopt.data.cost import CostModel, padding_fraction, slot_lengths
@@ -205,7 +204,6 @@ def packed_layout(mix: str, corpus: np.ndarray, world: int, micro: int, accum: i
 
 
 def packed_part(budget: float, quick: bool = False) -> None:
-    """The issue's layouts on the MLPerf mix, and (not ``quick``) 1,024 ranks on the corpora; the targets."""
     rng = np.random.default_rng(0)
     mixes = [(f"{name} seq {seq}", corpus) for name, seq, corpus in planner_mixes(() if quick else (512,))]
     mlperf = next(corpus for mix, corpus in mixes if mix.startswith("MLPerf"))
@@ -314,15 +312,10 @@ def launch(strategy: str, overrides: list[str], key: str, nodes=1, lock=None, ti
         with maybe_lock(lock):
             if nodes == 1:
                 run_checked([*deepspeed_launcher(2), *args], strategy, timeout=timeout)
-            else:
-                from ds_bertopt.testing.multinode import run_local_multinode
-
-                results = run_local_multinode(nodes, 2, args, env=cpu_env(), timeout=timeout, cwd=str(ROOT))
-                bad = [r for r in results if r.returncode]
-                if bad:
-                    raise RuntimeError(
-                        f"{strategy}: node {bad[0].node_rank} exit {bad[0].returncode}\n{bad[0].output[-3000:]}"
-                    )
+            elif bad := failed_nodes(nodes, 2, args, timeout):
+                raise RuntimeError(
+                    f"{strategy}: node {bad[0].node_rank} exit {bad[0].returncode}\n{bad[0].output[-3000:]}"
+                )
         return read_metrics(out, key)
 
 
@@ -377,7 +370,6 @@ def measured_part(part: str, quick: bool, micro: int, accum: int, repeats: int, 
 
 
 def convergence_part(seeds: list[int], steps: int, quick: bool) -> None:
-    """Held-out MLM loss at equal samples: unpadded (packed_node_balance) vs padded ``random``, per seed."""
     data = dict(train_files=[str(SHARED / "wiki_sample.jsonl")], max_seq_length=128)
     data.update({"max_documents": 60} if quick else {})
     train = dict(max_steps=steps, eval_every=max(1, steps // 4), log_every=10, save_model=False, precision="fp32")
@@ -407,7 +399,9 @@ def main() -> int:
     p.add_argument("--peer-budget", type=float, default=60.0, help=budget)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--lock", help="flock this file around every timed run (shared machines)")
-    p.add_argument("--record-as", default="balance", help="name of the recorded results (report section)")
+    p.add_argument(
+        "--record-as", type=record_name, default="balance", help="name of the recorded results (report section)"
+    )
     args = p.parse_args()
     print(environment_line(), flush=True)
     parts = args.part or (["planner", "packed", "ranks"] if args.quick else ALL_PARTS)

@@ -185,21 +185,17 @@ def timings(args) -> None:
             remove_stale()
         link = NetNamespaces(2, rate=args.rate, burst="256kb", latency="50ms") if emulated else contextlib.nullcontext()
         with link as net:
-            title, results = f"emulated {args.rate} link" if emulated else "loopback", []
+            title, results = f"emulated {args.rate} link" if emulated else "loopback", {}
             for model, stage, size in combos:  # a fresh pair of ranks each: DeepSpeed engines are not freed reliably
                 script = (sys.executable, Path(__file__).resolve(), "--worker", "--bucket-sizes", size)
                 worker_argv = argv(*script, models=model, stages=stage, repeats=args.repeats)
                 for r in run_ranks(net, worker_argv, log_dir, f"{setting}_{model}_zero{stage}_{size}", timeout=1800):
                     report(title, r)
-                    results.append(r)
-        for model in dict.fromkeys(r["model"] for r in results) if args.sweep else ():
-            points = [
-                f"{r['bucket_size'] / 1e6:g}M: {median(r['times']['bucket_clip']):.3f} s "
-                f"(exposed {median(r['exposed']['bucket_clip']):.3f} s)"
-                for r in results
-                if r["model"] == model
-            ]
-            print(f"bucket size sweep, {model}, bucket_clip step median: {', '.join(points)}", flush=True)
+                    results.setdefault(r["model"], []).append(r)
+        for model, runs in results.items() if args.sweep else ():
+            ours = [(r["bucket_size"], *(median(r[key]["bucket_clip"]) for key in ("times", "exposed"))) for r in runs]
+            points = ", ".join(f"{size / 1e6:g}M: {step:.3f} s (exposed {comm:.3f} s)" for size, step, comm in ours)
+            print(f"bucket size sweep, {model}, bucket_clip step median: {points}", flush=True)
         print(f"    ({setting}{' sweep' if args.sweep else ''}: {time.time() - started:.0f} s)", flush=True)
     if BREAKDOWN:
         title = "Step time: bucket_clip vs DeepSpeed clipping (exposed communication on top)"

@@ -32,11 +32,10 @@ from pathlib import Path
 import numpy as np
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import argv, cpu_env, cpu_kind, deepspeed_launcher, figure, interleaved, record, run_streamed
-from bench._common import say, status
+from bench._common import argv, cpu_env, cpu_kind, deepspeed_launcher, failed_nodes, figure, interleaved, record
+from bench._common import ROOT, run_streamed, say, status
 from ds_bertopt.data.config import DataConfig
 from ds_bertopt.data.corpus import load_documents
 from ds_bertopt.data.pipeline import build_sequences
@@ -80,12 +79,9 @@ def synthesize(path: Path, megabytes: float, seed: int) -> Path:
 # --------------------------------------------------------------------------------------- a rank, with its memory
 def _memory() -> dict:
     """Private (anonymous) and mapped (file and shared) resident bytes of this process (``smaps_rollup``)."""
-    fields = {}
     with open("/proc/self/smaps_rollup", encoding="utf-8") as fh:
-        for line in fh:
-            key, _, value = line.partition(":")
-            if value.strip().endswith("kB"):
-                fields[key] = int(value.split()[0]) * 1024
+        rows = [line.partition(":") for line in fh]
+    fields = {key: int(value.split()[0]) * 1024 for key, _, value in rows if value.strip().endswith("kB")}
     return {"private": fields.get("Anonymous", 0), "mapped": fields.get("Rss", 0) - fields.get("Anonymous", 0)}
 
 
@@ -95,10 +91,9 @@ def as_rank(argv: list[str]) -> int:
     peak, stop = {"private": 0, "mapped": 0}, threading.Event()
 
     def sample():
-        while True:
+        while not stop.is_set():
             peak.update({key: max(peak[key], value) for key, value in _memory().items()})
-            if stop.wait(0.2):
-                return
+            stop.wait(0.2)
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
@@ -148,24 +143,11 @@ def progress_gaps(lines: list[tuple[float, str]]) -> tuple[int, float]:
     return len(waits), max(b - a for a, b in zip(times, times[1:]))
 
 
-def two_nodes(args: list[str], timeout: float) -> bool:
-    """2 simulated nodes x 1 rank (``ds_bertopt.testing.multinode``); whether both completed."""
-    from ds_bertopt.testing.multinode import run_local_multinode
-
-    failed = [r for r in run_local_multinode(2, 1, args, env=cpu_env(), timeout=timeout, cwd=str(ROOT)) if r.returncode]
-    for r in failed:
-        print(r.output[-3000:])
-    return not failed
-
-
 def throughput(corpus: Path, tokenizer_dir: str, work: Path, megabytes: float, repeats: int) -> dict:
     """Tokens per second of the build (one process) and of the HF fast tokenizer alone, on the same text."""
     piece = work / "slice.jsonl"
     with open(corpus, encoding="utf-8") as src, open(piece, "w", encoding="utf-8") as dst:
-        for line in src:
-            if dst.tell() > megabytes * 1e6:
-                break
-            dst.write(line)
+        dst.writelines(itertools.takewhile(lambda _: dst.tell() <= megabytes * 1e6, src))  # whole lines, to the size
     documents = load_documents(DataConfig(train_files=(str(piece),)), str(work / "slice_cache"))
     texts, tokenizer = list(documents["text"]), load_tokenizer(tokenizer_dir)
     cache, tokens = work / "throughput_cache", 0
@@ -209,12 +191,14 @@ def measure_size(mb: float, work: Path, args) -> dict:
         return row
     one_cache, two_cache, extra = work / "one_node", work / "two_nodes", "data.num_proc=1"
     one = run_job(1, pretrain_args(corpus, one_cache, work / "out1", extra), work / "memory", args.timeout)
-    ok = two_nodes(pretrain_args(corpus, two_cache, work / "out2", extra), args.timeout)
+    failed = failed_nodes(2, 1, pretrain_args(corpus, two_cache, work / "out2", extra), args.timeout)  # 2 x 1 rank
+    for r in failed:
+        print(r.output[-3000:])
     one_built, two_built = stored(one_cache), stored(two_cache)
     digests = {json.dumps([b["vocabulary"], b["samples"]]) for b in (built, one_built, two_built)}
     row["nodes"] = n = {
         "one_s": one_built["build_seconds"] if one["rc"] == 0 else None,
-        "two_s": two_built["build_seconds"] if ok else None,
+        "two_s": two_built["build_seconds"] if not failed else None,
         "identical": len(digests) == 1,
         "stages_one": one_built.get("stage_seconds"),
         "stages_two": two_built.get("stage_seconds"),
@@ -237,7 +221,8 @@ def measure_size(mb: float, work: Path, args) -> dict:
 
 
 def warm_starts(rows: list[dict], work: Path, args) -> dict:
-    """Second runs (cache filled), interleaved with the embedded corpus's: wall seconds and memory per rank."""
+    """Second runs (cache filled), interleaved with the embedded corpus's: wall seconds and memory per rank, into
+    each row's ``warm`` and ``memory``; returns the embedded corpus's."""
     jobs = {"embedded": (None, work / "cache_embedded")}
     jobs.update({f"{r['mb']:g}": (work / f"corpus_{r['mb']:g}MB.jsonl", work / f"cache_{r['mb']:g}MB") for r in rows})
     run_job(2, pretrain_args(None, jobs["embedded"][1], work / "out"), work / "memory", args.timeout)  # its first
@@ -255,7 +240,17 @@ def warm_starts(rows: list[dict], work: Path, args) -> dict:
         result["median"] = statistics.median(result["wall"])
         for key in ("private", "mapped"):
             result[key] = max(m[key] for memory in result["memory"] for m in memory)
-    return out
+    base = out["embedded"]
+    for r in rows:
+        w = out[f"{r['mb']:g}"]
+        r["warm"] = {"median": w["median"], "added": w["median"] - base["median"], "walls": w["wall"]}
+        r["memory"] = {"private": w["private"], "mapped": w["mapped"]}
+        say(
+            f"{r['mb']:g} MB: warm start-up to step 1, 2 ranks: {w['median']:.1f} s, {r['warm']['added']:+.1f} s "
+            f"over the embedded corpus ({base['median']:.1f} s; medians of {args.warm_repeats}); per rank: private "
+            f"{w['private'] / 2**20:,.0f} MiB, mapped {w['mapped'] / 2**20:,.0f} MiB (peaks)"
+        )
+    return base
 
 
 def main(argv=None) -> int:
@@ -280,17 +275,7 @@ def main(argv=None) -> int:
         say(cpu_kind())
         rows = [measure_size(mb, work, args) for mb in args.sizes]
         done = [r for r in rows if r["first"]["rc"] == 0]
-        warm = warm_starts(done, work, args) if done else {}
-        base = warm.get("embedded", {})
-        for r in done:
-            w = warm[f"{r['mb']:g}"]
-            r["warm"] = {"median": w["median"], "added": w["median"] - base["median"], "walls": w["wall"]}
-            r["memory"] = {"private": w["private"], "mapped": w["mapped"]}
-            say(
-                f"{r['mb']:g} MB: warm start-up to step 1, 2 ranks: {w['median']:.1f} s, {r['warm']['added']:+.1f} s "
-                f"over the embedded corpus ({base['median']:.1f} s; medians of {args.warm_repeats}); per rank: private "
-                f"{w['private'] / 2**20:,.0f} MiB, mapped {w['mapped'] / 2**20:,.0f} MiB (peaks)"
-            )
+        base = warm_starts(done, work, args) if done else {}
         summarize(rows, done)
         note = "synthetic corpora from ../shared/data; ds_configs/bert.json, 1 step; warm: medians of "
         note += f"{args.warm_repeats}; throughput: best of {args.repeats} on {args.slice_mb:g} MB; one machine"

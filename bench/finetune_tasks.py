@@ -39,19 +39,18 @@ from transformers import AutoTokenizer, HfArgumentParser, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import bar_figure, ROOT, cpu_kind, deepspeed_launcher, environment_line, median, record, run_checked
-from bench._common import argv, gemm_peak, say, status, trainer_ds_config
+from bench._common import argv, gemm_peak, record_name, say, status, trainer_ds_config
 from ds_bertopt.model.local import default_model_dir
 from ds_bertopt.train.finetune_memory import task_variant
 from ds_bertopt.wtacrs.memory import measure_step_in_child
 
 SHARED = ROOT.parent / "shared" / "data"
 OURS = {"model": {"unpadded": True}, "sampler": {"strategy": "packed_node_balance"}}
-BALANCED = {**OURS, "wtacrs": {"preset": "balanced"}}
 CONTENDERS = {  # name -> (trainer, bertopt section or None, extra script arguments)
     "HF padded": ("hf", None, []),
     "ours unpadded": ("ours", OURS, []),
     "HF group_by_length": ("hf", None, ["--train_sampling_strategy", "group_by_length"]),
-    "ours + preset balanced": ("ours", BALANCED, []),
+    "ours + preset balanced": ("ours", {**OURS, "wtacrs": {"preset": "balanced"}}, []),
 }
 COMMON = (
     "--per_device_eval_batch_size 64 --seed 42 --report_to none --save_strategy no --disable_tqdm true "
@@ -192,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--boolq-train", type=int, help="train BoolQ on its first N examples (every contender)")
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage of every contender")
     parser.add_argument("--ner-seeds", type=int, nargs="+", default=[42, 43], help="NER: one run per seed, averaged")
-    parser.add_argument("--record-as", default="finetune_tasks")
+    parser.add_argument("--record-as", type=record_name, default="finetune_tasks")
     args = parser.parse_args(argv)
     if not SHARED.is_dir():
         print(f"skipped: {SHARED} is absent")

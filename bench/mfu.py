@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import BertConfig, BertForMaskedLM
 
 from bench._common import bert_sizes, cpu_kind, figure, gemm_peak, interleaved, median, padded_batch, record, say
-from bench._common import status, sync
+from bench._common import bar_figure, record_name, status, sync
 from ds_bertopt.data.collate import pack_sequences
 from ds_bertopt.data.config import DataConfig
 from ds_bertopt.data.corpus import load_documents
@@ -100,29 +100,28 @@ def measure(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.
         loss.backward()
         model.zero_grad(set_to_none=True)
 
+    def timed(step) -> float:
+        """``step``'s seconds, from and to an idle device (``sync``: a no-op on a CPU)."""
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        return time.perf_counter() - start
+
     steps = {HF: functools.partial(train_step, bert(layers, device), padded)}
     options = {OURS: {}, FUSED: {"fused_dropout": True}, COMPILED: {"fused_dropout": True, "compile": True}}
     for name, kwargs in options.items():
         model = UnpaddedMLM(bert(layers, device), **kwargs)
         model.choose_attention(device, dtype)
         steps[name] = functools.partial(train_step, model, packed)
-    warm = {}
-    for name, step in steps.items():
-        start = time.perf_counter()
-        step()  # warm-up; the compiled contender compiles here
-        warm[name] = time.perf_counter() - start
-    sync(device)  # below, a step ends when the device is done (a no-op on a CPU)
-    times = interleaved({n: lambda s=s: (s(), sync(device)) for n, s in steps.items()}, repeats=repeats, warmup=0)
+    warm = {name: timed(step) for name, step in steps.items()}  # warm-up; the compiled contender compiles here
+    times = interleaved({n: functools.partial(timed, s) for n, s in steps.items()}, repeats=repeats, warmup=0)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     splits: dict[str, list[dict]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
             with profile(activities=activities) as prof:
-                sync(device)
-                start = time.perf_counter()
-                step()
-                sync(device)
-                wall = time.perf_counter() - start
+                wall = timed(step)
             splits[name].append(split_step(prof.events(), wall_s=wall, device=device.type == "cuda"))
     split = {n: {part: median(s[part] for s in runs) for part in runs[0]} for n, runs in splits.items()}
     # round by round: the machine's drift between rounds (8-10 % here) is larger than what compiling changes
@@ -178,7 +177,9 @@ def main(argv=None) -> None:
     what = "recorded run whose non-GEMM time is the baseline (default: the mfu_baseline* record of this CPU kind)"
     parser.add_argument("--baseline", help=what)
     parser.add_argument("--epoch-batches", type=int, default=0, help="cap the epoch's micro-batches (0: all)")
-    parser.add_argument("--record-as", default="mfu", help="name of the recorded results (report section)")
+    parser.add_argument(
+        "--record-as", type=record_name, default="mfu", help="name of the recorded results (report section)"
+    )
     args = parser.parse_args(argv)
     if args.baseline not in (None, args.record_as) and not (RAW / f"{args.baseline}.json").is_file():
         parser.error(f"--baseline {args.baseline}: no record {RAW / args.baseline}.json")
@@ -191,15 +192,14 @@ def main(argv=None) -> None:
     say(f"{where}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     native_bf16 = device.type == "cuda" or "(native bf16)" in where
     precisions = [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if native_bf16 else [])
-    results, bars = {}, []
+    results, bars = {}, {}
     note = f", {args.layers} of BERT-base's 12 layers" if args.layers != 12 else ""
     for name, dtype in precisions:
-        before = gemm_peak(device, dtype, repeats=3)
-        run = {**measure(samples, args.layers, dtype, device, args.repeats), "sequences": args.sequences}
         # a probe can land on a slow spell of a shared machine (bf16 here once read 222 GFLOP/s between probes of
         # 430): the peak is the best rate seen, the probes before and after the steps and the steps' own GEMMs
-        probes = {"probe before": before, "probe after": gemm_peak(device, dtype, repeats=3)}
-        probes["the step's GEMMs"] = run["gemm_rate_reached"]
+        probes = {"probe before": gemm_peak(device, dtype, repeats=3)}
+        run = {**measure(samples, args.layers, dtype, device, args.repeats), "sequences": args.sequences}
+        probes["probe after"], probes["the step's GEMMs"] = gemm_peak(device, dtype, 3), run["gemm_rate_reached"]
         peak = max(probes.values())
         run = results[name] = {**run, "gemm_peak": peak, "gemm_peak_probes": probes, "layers": args.layers}
         run.update(mfu={}, non_gemm_us_per_token={})
@@ -212,16 +212,13 @@ def main(argv=None) -> None:
         rates = {contender: run["tokens"] / seconds for contender, seconds in run["seconds"].items()}
         for contender, seconds in run["seconds"].items():
             mfu = run["mfu"][contender] = run["flops"] / seconds / peak
-            split = run["split"][contender]
-            gemm, attention, rest = split["gemm"], split["attention"], split["rest"]
+            gemm, attention, rest, total = (run["split"][contender][k] for k in ("gemm", "attention", "rest", "total"))
             non_gemm = run["non_gemm_us_per_token"][contender] = (attention + rest) / run["tokens"] * 1e6
-            bars.append({"label": f"{name}, {contender}", "MFU": mfu})
-            timing = (
-                f"{seconds:.2f} s/step, median of {args.repeats}; first step {run['first_step_s'][contender]:.1f} s"
-            )
-            say(f"  {contender}: {rates[contender]:,.0f} tokens/s, MFU {mfu:.2f} ({timing})")
+            bars[f"{name}, {contender}"] = mfu
+            timing = f"{seconds:.2f} s/step, median of {args.repeats}; first step {run['first_step_s'][contender]:.1f}"
+            say(f"  {contender}: {rates[contender]:,.0f} tokens/s, MFU {mfu:.2f} ({timing} s)")
             say(
-                f"    profiled step (medians of {args.repeats}): {split['total']:.2f} s; GEMMs {gemm:.2f} s, "
+                f"    profiled step (medians of {args.repeats}): {total:.2f} s; GEMMs {gemm:.2f} s, "
                 f"attention {attention:.2f} s, rest {rest:.2f} s; non-GEMM {non_gemm:.0f} us/real token"
             )
         for what, a, b in (("ours unpadded vs HF padded", OURS, HF), ("fused dropout vs ours unpadded", FUSED, OURS)):
@@ -242,13 +239,12 @@ def main(argv=None) -> None:
     else:
         recorded = json.loads(baseline.read_text())
         base_us, base_where = recorded["results"]["fp32"]["non_gemm_us_per_token"][OURS], recorded["device"]
-        base_layers = recorded["results"]["fp32"].get("layers", 12)
-        same = base_where == where and base_layers == args.layers  # the LM head's share differs with the depth
+        base_layers = recorded["results"]["fp32"].get("layers", 12)  # the LM head's share differs with the depth
+        caveats = "" if base_where == where else ", other CPU"
+        caveats += "" if base_layers == args.layers else f", {args.layers} layers vs the baseline's {base_layers}"
         for contender in (FUSED, COMPILED):
             ratio = non_gemm[contender] / base_us
-            verdict = status(same and ratio <= TARGETS["non_gemm_vs_baseline"])
-            verdict += "" if base_where == where else ", other CPU"
-            verdict += "" if base_layers == args.layers else f", {args.layers} layers vs the baseline's {base_layers}"
+            verdict = status(not caveats and ratio <= TARGETS["non_gemm_vs_baseline"]) + caveats
             say(
                 f"non-GEMM time per real token, fp32, {contender} vs recorded baseline {args.baseline} "
                 f"({base_where}): {non_gemm[contender]:.0f} vs {base_us:.0f} us = {ratio:.2f}x (median of "
@@ -265,9 +261,8 @@ def main(argv=None) -> None:
     )
     if "bf16" in results:
         bf16, kind = results["bf16"], next((k for k in BF16_MFU_TARGETS if k in where), None)  # cpu_kind names one
-        mfu = bf16["mfu"][COMPILED]
+        mfu, target = bf16["mfu"][COMPILED], BF16_MFU_TARGETS.get(kind)
         if kind:
-            target = BF16_MFU_TARGETS[kind]
             say(f"bf16 MFU, {COMPILED} on {kind}: {mfu:.2f} (target >= {target}: {status(mfu >= target)})")
         else:
             say(f"bf16 MFU, {COMPILED}: {mfu:.2f} (targets are for AVX512-BF16 / AMX CPUs: not judged here)")
@@ -278,7 +273,7 @@ def main(argv=None) -> None:
             "on AVX512-BF16 and >= 0.45 on AMX, compiled >= 1.15x eager: not measured"
         )
     title = "MFU, HF padded vs ours unpadded (BERT-base shape, seq-128 mix)"
-    figure("bars", "mfu", title, bars, unit="model FLOPs / GEMM peak", stack=["MFU"])
+    bar_figure("mfu", title, "MFU", bars, "model FLOPs / GEMM peak")
     parts = {"GEMMs": "gemm", "attention": "attention", "rest": "rest"}
     split = [{"label": c, **{key: s[part] for key, part in parts.items()}} for c, s in fp32["split"].items()]
     title = "Where a step's time goes, fp32 (profiled steps, medians, seconds)"

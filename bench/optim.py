@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import bert_overrides, bert_sizes, checkpoint_weights, cpu_env, deepspeed_launcher, figure
 from bench._common import environment_line, first_crossing, interleaved, md_table, median, pretrain_argv, ratio_line
-from bench._common import ROOT, config_overrides, md_row, read_metrics, record, say, status
+from bench._common import ROOT, config_overrides, md_row, read_metrics, record, record_name, say, status
 from ds_bertopt.config import load_config
 from ds_bertopt.data.collate import MLMCollator, step_generator
 from ds_bertopt.data.pipeline import build_pretrain_data
@@ -73,10 +73,8 @@ class Point:
 
     @property
     def label(self) -> str:
-        return (
-            f"{self.optimizer} batch {self.batch}: lr {self.lr:g}@32 {self.scaling}, "
-            f"warmup {self.warmup_fraction:g}, β₂ {self.beta2:g}"
-        )
+        warmup = f"warmup {self.warmup_fraction:g}, β₂ {self.beta2:g}"
+        return f"{self.optimizer} batch {self.batch}: lr {self.lr:g}@32 {self.scaling}, {warmup}"
 
     @property
     def schedule(self) -> dict:
@@ -106,6 +104,7 @@ class Result:
     """The run's records with ``eval_accuracy``."""
     diverged: bool
     minutes: float
+    out: Path
 
     @property
     def best(self) -> float:
@@ -139,7 +138,7 @@ def run_point(point: Point, args, tmp: Path, save_every: int = 0) -> Result:
     for line in proc.stdout.splitlines():
         if "peak lr" in line:
             print(f"  {point.label}: {line.split('] ', 1)[-1]}", flush=True)
-    result = Result(point, read_metrics(out, "eval_accuracy"), diverged, (time.perf_counter() - started) / 60)
+    result = Result(point, read_metrics(out, "eval_accuracy"), diverged, (time.perf_counter() - started) / 60, out)
     label, evals = f"{point.label}, seed {point.seed}", result.evals
     xs, ys = [r["step"] * point.batch for r in evals], [r["eval_accuracy"] for r in evals]
     CURVES.append({"label": label, "x": xs, "y": ys})
@@ -147,9 +146,8 @@ def run_point(point: Point, args, tmp: Path, save_every: int = 0) -> Result:
     fields = (point.optimizer, point.batch, f"{point.lr:g}", point.scaling, f"{point.warmup_fraction:g}")
     cells = [*fields, f"{point.beta2:g}", point.seed, reach_text(samples) + diverged, f"{result.best:.4f}"]
     TABLE.append(md_row(cells))
-    reached = f"accuracy {args.target} at {samples:,.0f} samples"
-    if math.isinf(samples):
-        reached = f"did not reach {args.target}" + (" (diverged: non-finite gradients)" if result.diverged else "")
+    reached = f"did not reach {args.target}" + (" (diverged: non-finite gradients)" if result.diverged else "")
+    reached = f"accuracy {args.target} at {samples:,.0f} samples" if math.isfinite(samples) else reached
     print(f"{label}: {reached}; best {result.best:.4f} ({result.minutes:.1f} min)", flush=True)
     return result
 
@@ -165,15 +163,11 @@ def convergence_study(args, tmp: Path) -> dict:
     print(f"convergence: small BERT (128 hidden, 2 layers), seq {args.seq}, 2 ranks ZeRO 1, {runs} (×{args.factor} "
           f"accumulation); {schedule}; seeds {seeds}; large-batch grid {args.grid}", flush=True)  # fmt: skip
     small_runs: dict[str, list[Result]] = {"adamw": [], "lamb": []}
-    checkpoints = None
     for i, seed in enumerate(seeds):
         for optimizer in ("adamw", "lamb") if i % 2 == 0 else ("lamb", "adamw"):
             keep = args.noise_micro_batches and optimizer == "adamw" and seed == seeds[0]  # the noise study's run
-            save_every = max(1, args.samples // small // 4) if keep else 0
             point = Point(optimizer, small, SHIPPED_LR[optimizer], seed=seed)
-            small_runs[optimizer].append(run_point(point, args, tmp, save_every))
-            if keep:
-                checkpoints = tmp / f"run{len(CURVES) - 1:03d}" / "checkpoints"
+            small_runs[optimizer].append(run_point(point, args, tmp, max(1, args.samples // small // 4) if keep else 0))
     tuned: dict[str, list[Result]] = {}
     for optimizer in ("adamw", "lamb"):
         first = [run_point(replace(p, seed=seeds[0]), args, tmp) for p in grid(optimizer, large, args.grid)]
@@ -207,7 +201,7 @@ def convergence_study(args, tmp: Path) -> dict:
         f"{status(own <= 1.3 and against_best <= 1.3)} ({reach_text(own, '.2f', 'x')} of its own batch-{small} run, "
         f"{reach_text(against_best, '.2f', 'x')} of the best batch-{small} run)"
     )
-    noise = noise_study(checkpoints, small_runs["adamw"][0], args, small, large) if checkpoints else None
+    noise = noise_study(small_runs["adamw"][0], args, small, large) if args.noise_micro_batches else None
     if args.write_presets and (args.grid == "none" or large != 1024):
         this = f"batch {large}, grid {args.grid}"
         say(f"presets not written: they are for batch 1,024 chosen by a grid (this run: {this})")
@@ -238,8 +232,9 @@ def noise_scale(model, batches: list[dict], micro: int) -> tuple[float, float, f
     return trace / g2, g2, trace
 
 
-def noise_study(checkpoints: Path, reference: Result, args, small: int, large: int) -> dict | None:
+def noise_study(reference: Result, args, small: int, large: int) -> dict | None:
     """B_simple on the batch-32 AdamW run's checkpoints; the samples ratio it predicts for ``large`` vs ``small``."""
+    checkpoints = reference.out / "checkpoints"
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     overrides = [*SMALL_MODEL, f"data.train_files={json.dumps([str(DATA)])}", f"data.max_seq_length={args.seq}"]
     cfg = load_config(str(ROOT / "ds_configs" / CONFIGS["adamw"]), overrides).bertopt
@@ -335,16 +330,6 @@ def cache_bytes() -> int:
     return 0
 
 
-def multi_tensor_ops(lamb) -> list[str]:
-    """The launching torch ops of one step of ``lamb`` (its multi-tensor path, the step on CUDA without apex), counted
-    as CUDA runs it: without the CPU's reused scratch buffers, which take ``λw`` tensor by tensor."""
-    lamb._scratch_for = lambda params: None  # shadows the method for this count only
-    try:
-        return [name for name, _ in torch_ops(lamb.step) if name not in VIEW_OPS]
-    finally:
-        del lamb._scratch_for
-
-
 def step_time_study(repeats: int) -> None:
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -395,7 +380,10 @@ def step_time_study(repeats: int) -> None:
         f"under a ZeRO split); two passes' limit {lamb_kernel.TWO_PASS_BYTES / lamb_kernel.ADAMW_BYTES:.2f}x AdamW"
     )
     ratio = median(times["ours"]) / median(times["adamw"])
-    ops = multi_tensor_ops(variants["ours (multi-tensor)"])
+    # the launching ops of one multi-tensor step (the step on CUDA without apex) as CUDA runs it: without the CPU's
+    # reused scratch buffers, which take ``λw`` tensor by tensor (the timings are done: the shadowing stays)
+    variants["ours (multi-tensor)"]._scratch_for = lambda params: None
+    ops = [name for name, _ in torch_ops(variants["ours (multi-tensor)"].step) if name not in VIEW_OPS]
     passes = [name for name in ops if name.startswith(("_foreach_", "_fused_"))]
     kernel = "fused CPU kernel" if ready else "multi-tensor path: the fused kernel is unavailable"
     multi = "LAMB step (ours, multi-tensor: the step on CUDA without apex, here on torch's CPU fused Adam kernel)"
@@ -427,7 +415,7 @@ def main() -> None:
     add("--write-presets", action="store_true", help="write ds_configs/bert_large_batch_{adamw,lamb}.json")
     add("--skip-convergence", action="store_true")
     add("--skip-step-time", action="store_true")
-    add("--record-as", default="optim", help="name of the recorded results (report section)")
+    add("--record-as", type=record_name, default="optim", help="name of the recorded results (report section)")
     args = parser.parse_args()
     vars(args).update({k: v for k, v in (QUICK if args.quick else FULL).items() if getattr(args, k) is None})
     print(environment_line(), flush=True)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import time_to_train_runs as ttt
 from bench._common import TABLES, bar_figure, environment_line, figure, interleaved, median, ratio_line, record, say
-from bench._common import first_crossing, status
+from bench._common import first_crossing, record_name, status
 from ds_bertopt.testing.netns import NetNamespaces, netns_unavailable_reason, remove_stale
 
 
@@ -38,9 +38,8 @@ def run_scenario(scenario: ttt.Scenario, args, work: Path, baseline_hint: Option
     seeds = args.seeds[:1] if scenario.one_seed else args.seeds
     prep = ttt.prepare(scenario, work, args.masks, args.yardstick_tokens)
     if scenario.continued:  # continued_mlm.json as shipped, through the launcher and through BertOptTrainer
-        ours = {name: [] for name in ttt.CONTINUED_CONTENDERS if name not in ttt.HF_CONTENDERS}
-        aliases: dict = {}
         hf_names = [name for name in ttt.CONTINUED_CONTENDERS if name in ttt.HF_CONTENDERS]
+        ours, aliases = {name: [] for name in ttt.CONTINUED_CONTENDERS if name not in hf_names}, {}
     else:
         ablations = args.ablations and scenario.name == "wiki128"
         ours, aliases = ttt.ours_contenders(prep.cfg.bertopt.model.hidden_size, args.all_on_optimizer, ablations)
@@ -237,17 +236,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--work-dir", help="keep runs and logs here (default: a temporary directory, removed)")
     resume = "with --work-dir: reuse every run an interrupted invocation finished there (same command line, yardstick)"
     p.add_argument("--resume", action="store_true", help=resume)
-    p.add_argument("--record-as", default="time_to_train", help="the name of the recorded results (report section)")
+    p.add_argument(
+        "--record-as",
+        type=record_name,
+        default="time_to_train",
+        help="the name of the recorded results (report section)",
+    )
     args = p.parse_args(argv)
     if args.resume and not args.work_dir:
         p.error("--resume needs --work-dir (the runs of the interrupted invocation are kept there)")
     quick = args.quick
     # the continued scenarios run when named (their own report section: --record-as time_to_train_continued)
     pretraining = [name for name, scenario in ttt.SCENARIOS.items() if not scenario.continued]
-    args.scenarios = args.scenarios or (["wiki128"] if quick else pretraining)
-    args.seeds = args.seeds or ([1] if quick else [1, 2])
-    args.points = args.points or (10 if quick else 15)
-    args.masks = args.masks or (2 if quick else 4)
+    defaults = {"scenarios": (pretraining, ["wiki128"]), "seeds": ([1, 2], [1]), "points": (15, 10), "masks": (4, 2)}
+    for key, (full, short) in defaults.items():  # an option left out: its full or --quick default
+        setattr(args, key, getattr(args, key) or (short if quick else full))
     args.ablations = (not quick) if args.ablations is None else args.ablations
     print(environment_line(), flush=True)
     if not (ttt.SHARED / ttt.WIKI).exists():

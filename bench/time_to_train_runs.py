@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import argv, bert_overrides, checkpoint_weights, cpu_env, deepspeed_launcher, maybe_lock
-from bench._common import read_metrics, run_checked, run_streamed, trainer_ds_config
+from bench._common import pretrain_argv, read_metrics, run_checked, run_streamed, trainer_ds_config
 from ds_bertopt.config import describe, load_config
 from ds_bertopt.data.collate import mask_tokens, pad_batch, step_generator
 from ds_bertopt.data.corpus import load_documents
@@ -342,11 +342,9 @@ def run_one(scenario: Scenario, prep: Prepared, contender: str, overrides: Optio
     else:  # its own output dir: --overwrite_output_dir removes it
         tokens = prep.mean_tokens_ours
         fixed = ["train.keep_last=1000000", "train.save_model=false", "deepspeed.csv_monitor.enabled=false"]
-        script = argv(
-            ROOT / "launch/pretrain.py", deepspeed_config=scenario.config, max_steps=steps, output_dir=out / "train"
-        )
-        schedule = argv(overwrite_output_dir=True, eval_every=0, log_every=every, save_every=every, seed=seed)
-        script_args = [*script, *schedule, *argv(overrides=[*scenario.data_overrides(), *fixed, *(overrides or [])])]
+        overrides = [*scenario.data_overrides(), *fixed, *(overrides or [])]
+        schedule = dict(overwrite_output_dir=True, eval_every=0, log_every=every, save_every=every, seed=seed)
+        script_args = pretrain_argv(out / "train", scenario.config, overrides, max_steps=steps, **schedule)
     # what the run's figures depend on: its command line (overrides, seed, steps, snapshots), bert.json, the yardstick
     yardstick = [prep.yardstick_sequences, prep.yardstick_tokens, prep.yardstick_sets]
     key = hashlib.sha256(json.dumps([script_args, scenario.config.read_text(), *yardstick]).encode()).hexdigest()

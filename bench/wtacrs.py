@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import figure, ROOT, TABLES, argv, bert_sizes, cpu_env, cpu_kind, environment_line, md_row, median
-from bench._common import md_table, ratio_line, read_metrics, record, run_checked, say, status
+from bench._common import md_table, ratio_line, read_metrics, record, record_name, run_checked, say, status
 from bench.wtacrs_frontier import EMULATED_BF16_TOKENS, FRONTIER_CELLS, FRONTIER_QUICK, QUICK_CELLS, budget_section
 from bench.wtacrs_frontier import frontier_section, locked, measured, minilm_cells, timed
 from ds_bertopt.model.local import default_model_dir
@@ -209,13 +209,6 @@ ACCURACY_VARIANTS = {
     "LoRA": ["wtacrs.enabled=false", "wtacrs.lora.enabled=true", "optimizer.lr=5e-4", *KIT_OFF],
     "LoRA + WTA@0.3 (lora_A)": ["wtacrs.lora.enabled=true", "optimizer.lr=5e-4", 'wtacrs.targets=["lora_A"]', *KIT_OFF],
 }
-ACCURACY_PAIRS = (
-    ("WTA@0.3 (linears only)", "full"),
-    ("exact kit + WTA@0.3", "full"),
-    ("preset balanced", "full"),
-    ("preset max_saving", "full"),
-    ("LoRA + WTA@0.3 (lora_A)", "LoRA"),
-)
 
 
 def _finetune_run(name: str, seed: int, epochs: int, threads: int, limits: dict) -> float:
@@ -260,8 +253,9 @@ def accuracy_section(seeds: list[int], epochs: int, threads: int, names, max_tra
     for name, v in scores.items():
         std = f" ± {spread[name]:.2f}" if len(v) > 1 else ""
         print(f"{name:30s} {statistics.mean(v):6.2f}{std}  ({', '.join(f'{s:.2f}' for s in v)})")
-    for ours, base in ACCURACY_PAIRS:
-        if ours in scores and base in scores:
+    for ours in ACCURACY_VARIANTS:  # each setup against its plain baseline: full fine-tuning, or LoRA's
+        base = "LoRA" if ours.startswith("LoRA +") else "full"
+        if ours not in (base, "LoRA") and ours in scores and base in scores:
             say(accuracy_verdict(ours, base, scores[ours], scores[base]))
 
 
@@ -312,7 +306,9 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="accuracy: seeds")
     parser.add_argument("--epochs", type=int, default=2, help="accuracy: epochs")
     parser.add_argument("--max-train", type=int, default=None, help="accuracy: first N training examples (default all)")
-    parser.add_argument("--record-as", default="wtacrs", help="name of the recorded results (bench/run_all.py)")
+    parser.add_argument(
+        "--record-as", type=record_name, default="wtacrs", help="name of the recorded results (bench/run_all.py)"
+    )
     args = parser.parse_args()
     accuracy_names = args.accuracy_variants.split(",") if args.accuracy_variants else list(ACCURACY_VARIANTS)
     unknown = [n for n in accuracy_names if n not in ACCURACY_VARIANTS]

@@ -47,8 +47,7 @@ def isa(precision: str) -> str:
 
 
 def timed(model_dir, specs: dict, batches: dict, seq: int, repeats: int, model_config=None, precision="fp32"):
-    """Each setup's step times at its batch (``ds_bertopt.wtacrs.memory.step_fn``, built once), interleaved in this
-    process under the lock."""
+    """Each setup's step times at its batch (``step_fn``, built once), interleaved in this process under the lock."""
     setup = {"model": model_dir, "model_config": model_config, "seq": seq, "precision": precision}
     with maybe_lock(LOCK):
         fns = {n: step_fn({**setup, "wtacrs": spec, "batch": batches[n]}) for n, spec in specs.items()}
@@ -73,8 +72,7 @@ def frontier_section(
     setup sits against HF gradient checkpointing. ``precision``: the weights' dtype (bf16: as DeepSpeed's bf16 mode
     holds them, fp32 master weights and AdamW state)."""
     specs = {name: FRONTIER_VARIANTS[name] for name in names if name != AUTO}
-    base = {"model": model_dir, "model_config": model_config, "batch": batch, "seq": seq, "threads": threads}
-    base["precision"] = precision
+    base = dict(model=model_dir, model_config=model_config, batch=batch, seq=seq, threads=threads, precision=precision)
     peaks = {n: r["step_peak"] for n, r in measured(base, specs).items()}
     resolved = resolved_presets(model_dir, model_config, names, batch, seq, precision, threads, peaks)
     specs.update({name: spec for name, (spec, _) in resolved.items()})
@@ -87,13 +85,13 @@ def frontier_section(
         f"\n== memory–time frontier, {label}, batch {batch} × seq {seq}, {precision}, {threads} threads "
         f"(peak: fresh child; time: median of {repeats}, interleaved); {cpu_kind()} =="
     )
-    print(f"{'setup':40s} {'peak MiB':>9s} {'saving':>7s} {'time':>6s}  front")
     rows, series = [], []
     for name, (memory, step) in points.items():
-        print(f"{name:40s} {peaks[name] / MiB:9.0f} {1 / memory:6.2f}x {step:5.2f}x  {'*' if name in front else ''}")
         mark = " *" if name in front else ""
         rows.append(md_row([f"{name}{mark}", f"{peaks[name] / MiB:.0f}", f"{1 / memory:.2f}x", f"{step:.2f}x"]))
         series.append({"label": name, "x": memory, "y": step, "front": name in front})
+    table = md_table(["setup", "step peak (MiB)", "saving vs full", "step time vs full"], rows)
+    print("\n".join(table))
     ours = {n: p for n, p in points.items() if n not in BASELINES}
     for name, (memory, step) in ours.items():
         say(
@@ -125,12 +123,11 @@ def frontier_section(
     axes = {"xlabel": "whole-step peak / full fine-tuning", "ylabel": "step time / full fine-tuning"}
     note = "one point per setup; ringed: the Pareto front; dashed: 1.10x full step time"
     figure("scatter", file, title, series, **axes, note=note, reference=FRONTIER_TIME_LIMIT)
-    columns = ["setup", "step peak (MiB)", "saving vs full", "step time vs full"]
     heading = f"**{label}, batch {batch} × seq {seq}** ({precision}; * = on the Pareto front)"
-    TABLES.append("\n".join([heading, "", *md_table(columns, rows)]))
+    TABLES.append("\n".join([heading, "", *table]))
 
 
-AUTO = "preset auto"  # measured only as a run resolves it, under :func:`auto_budget`
+AUTO = "preset auto"  # measured only as a run resolves it, under a budget set from full's peak in the cell
 
 
 def meta_model(model_dir, model_config):
@@ -147,27 +144,24 @@ def meta_model(model_dir, model_config):
         return AutoModel.from_config(config)
 
 
-def auto_budget(full_peak: float, shape: tuple[int, int]) -> float:
-    """``preset: auto``'s budget in a cell, in bytes: full's peak over the saving the cell's target keeps (so only a
-    setup keeping it fits), or a quarter above full's peak where the target asks no saving (full fits)."""
-    lowest = PRESET_FALLBACK_TARGETS.get(shape, (None, None))[0]
-    return full_peak / lowest if lowest else full_peak * 1.25
-
-
 def resolved_presets(model_dir, model_config, names, batch: int, seq: int, precision: str, threads: int, peaks) -> dict:
     """``{"preset exact, as run": (its wtacrs spec, the candidate chosen)}`` for each preset among ``names`` that a
     run may resolve to another setup: the setup a run of this cell uses, decided by the run's own code
-    (``ds_bertopt.wtacrs.sizing.resolve_preset``: the fallback, and ``auto``'s measurement under
-    :func:`auto_budget`; ``peaks``: the cell's measured step peaks, full's at least)."""
+    (``ds_bertopt.wtacrs.sizing.resolve_preset``: the fallback, and ``auto``'s measurement; ``peaks``: the cell's
+    measured step peaks, full's at least)."""
     from ds_bertopt.configlib import load_section
     from ds_bertopt.wtacrs.config import WtaCrsConfig
     from ds_bertopt.wtacrs.fallback import FALLBACK_PRESETS
     from ds_bertopt.wtacrs.sizing import GiB, candidate_config, resolve_preset
 
     model, out = meta_model(model_dir, model_config), {}
+    # auto's budget: full's peak over the saving the cell's target keeps (so only a setup keeping it fits), or a
+    # quarter above full's peak where the target asks no saving (full fits)
+    lowest = PRESET_FALLBACK_TARGETS.get((batch, seq), (None, None))[0]
+    auto_budget = peaks["full"] / lowest if lowest else peaks["full"] * 1.25
     for name in names:
         if name == AUTO:
-            spec = {"preset": "auto", "memory_budget": auto_budget(peaks["full"], (batch, seq)) / GiB}
+            spec = {"preset": "auto", "memory_budget": auto_budget / GiB}
             print(f"{AUTO}: memory_budget {spec['memory_budget']:.2f} GiB (full's peak {peaks['full'] / GiB:.2f} GiB)")
         else:
             spec = FRONTIER_VARIANTS[name]
@@ -188,12 +182,11 @@ def fallback_targets(target: str, resolved: dict, points: dict, shape: tuple[int
     if shape not in PRESET_FALLBACK_TARGETS or not resolved:
         return
     lowest, limit = PRESET_FALLBACK_TARGETS[shape]
-    got = {name: points[name] for name in resolved}
-    ok = all(step <= limit and (lowest is None or 1 / memory >= lowest) for memory, step in got.values())
-    ran = {name: "full" if chosen == "none" else chosen for name, (_, chosen) in resolved.items()}
+    ok = all(points[n][1] <= limit and (lowest is None or 1 / points[n][0] >= lowest) for n in resolved)
     shown = "; ".join(
-        f"{name.split(', ')[0]} ran {ran[name]}: peak {1 / memory:.2f}x lower, {step:.2f}x step time"
-        for name, (memory, step) in got.items()
+        f"{name.split(', ')[0]} ran {'full' if chosen == 'none' else chosen}: peak {1 / points[name][0]:.2f}x lower, "
+        f"{points[name][1]:.2f}x step time"
+        for name, (_, chosen) in resolved.items()
     )
     unmeasured = "" if f"{AUTO}, as run" in resolved else "; preset auto not measured here"
     saving = f">= {lowest}x lower peak at " if lowest else ""

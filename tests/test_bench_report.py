@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -79,3 +81,28 @@ def test_a_capability_with_many_runs_continues_on_more_pages(tmp_path):
     index = docs["benchmarks.md"]
     assert f"({held['optim_r7'][0]}#optim_r7)" in index and held["optim_r7"][0] != "benchmarks/optim.md"
     assert "(benchmarks/optim_2.md)" in index
+
+
+def test_a_record_name_that_is_not_one_file_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """``--record-as`` names ``<raw>/<name>.json``: a path (``../x``, ``a/b``), a hidden or ``.json`` name is refused
+    by the option's type (before a bench measures) and by ``record_results`` itself; every bench's option uses it."""
+    import argparse
+    import ast
+
+    from ds_bertopt.testing.measure import record_name, record_results
+
+    monkeypatch.setenv("DS_BERTOPT_BENCH_OUT", str(tmp_path / "raw"))
+    for bad in ("../escaped", "a/b", ".hidden", "mfu.json", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="record name"):
+            record_results(bad, {"summary": []})
+    assert not (tmp_path / "raw").exists() and not (tmp_path / "escaped.json").exists()
+    record_results(record_name("mfu_native_bf16"), {"summary": ["a line"]})
+    assert json.loads((tmp_path / "raw" / "mfu_native_bf16.json").read_text())["summary"] == ["a line"]
+    options = {}  # bench file -> the type of its --record-as option
+    for path in (REPO / "bench").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            first = node.args[0] if isinstance(node, ast.Call) and node.args else None
+            if isinstance(first, ast.Constant) and first.value == "--record-as":
+                options[path.name] = next((ast.unparse(k.value) for k in node.keywords if k.arg == "type"), None)
+    assert len(options) >= 6, options
+    assert set(options.values()) == {"record_name"}, options

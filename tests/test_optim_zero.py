@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ds_bertopt.compat import deepspeed as ds_compat
 from ds_bertopt.optim import lamb_kernel
 from ds_bertopt.testing.distributed import free_port, start_processes
 import pytest
@@ -35,24 +34,17 @@ def results(tmp_path_factory):
     return torch.load(out / "optim_zero_check.pt", weights_only=False)
 
 
-def _initial_params() -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in optim_zero_check.tiny_bert().parameters()])
-
-
 @pytest.mark.precision
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero12_lamb_takes_the_zero0_steps(results, stage):
-    zero0, zero_n = results["stage0"], results[f"stage{stage}"]
-    moved = float((zero0["params"] - _initial_params()).abs().max())
-    assert moved > 1e-2, "training barely moved the weights; the comparison would be vacuous"
-    # Same per-layer ratio on every stage: equal up to the summation order of the layer norms.
-    torch.testing.assert_close(zero_n["params"], zero0["params"], rtol=1e-5, atol=1e-6)
-    # LAMB's own clipping was active, and DeepSpeed's global norm fed it the same factor as ZeRO-0's.
-    assert all(s < 1.0 for s in zero0["grad_scales"])
-    assert zero_n["grad_scales"] == pytest.approx(zero0["grad_scales"], rel=1e-5)
-    assert zero_n["lr"] == pytest.approx(zero0["lr"])
-    assert zero_n["attached"] and zero0["attached"] == []  # layouts only where DeepSpeed flattened
+def test_zero_stages_take_the_same_lamb_steps(results):
+    """ZeRO-1/2 LAMB takes the ZeRO-0 steps (fp32; and bf16, pinned: ZeRO 0 through DeepSpeed's
+    FP16_UnfusedOptimizer, ZeRO 1/2 the partitioned optimizer, all on their fp32 masters), the per-shard trust ratio
+    control would differ, checkpoint resume is bit-exact at ZeRO 0 and 2: ``optim_zero_check.judge``'s checks
+    (``bench/gpu_check.sh`` runs them too)."""
+    expected = {"stage0", "stage1", "stage2", "per_shard", "resume0", "resume2", "bf16_per_shard"}
+    assert expected | {f"bf16_stage{stage}" for stage in optim_zero_check.BF16_STAGES} <= set(results)
+    failed = [f"{name} ({detail})" for name, ok, detail in optim_zero_check.judge(results, 2, STEPS) if not ok]
+    assert not failed, failed
 
 
 @pytest.mark.precision
@@ -70,50 +62,6 @@ def test_fused_kernel_takes_the_foreach_steps(results, run):
         assert other["fused_steps"] > 0, "the fused kernel was not used: the comparison would be vacuous"
     torch.testing.assert_close(other["params"], reference["params"], rtol=1e-5, atol=1e-6)
     assert other["grad_scales"] == pytest.approx(reference["grad_scales"], rel=1e-5)
-
-
-@pytest.mark.precision
-@pytest.mark.timeout(240)
-def test_per_shard_trust_ratio_would_differ(results):
-    """The control: ZeRO-1 with one trust ratio per flat shard (what a plain client LAMB gets)."""
-    gap = float((results["per_shard"]["params"] - results["stage0"]["params"]).abs().max())
-    assert gap > 1e-3
-
-
-@pytest.mark.precision
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("stage", [0, 2])
-def test_checkpoint_resume_is_bit_exact(results, stage):
-    straight, resumed = results[f"resume{stage}"]["straight"], results[f"resume{stage}"]["resumed"]
-    assert torch.equal(straight["params"], resumed["params"])
-    assert len(straight["state"]) == len(resumed["state"]) == 2
-    for a, b in zip(straight["state"], resumed["state"]):
-        assert torch.equal(a, b)
-    assert straight["lr"] == resumed["lr"] and straight["sched"] == resumed["sched"] == STEPS
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.precision
-@pytest.mark.parametrize("stage", [1, 2])
-def test_bf16_lamb_at_zero0_takes_the_zero12_steps(results, stage):
-    """bf16 (pinned): ZeRO 0 runs DeepSpeed's FP16_UnfusedOptimizer (fp32 copies, whole layers), ZeRO 1/2 the
-    partitioned optimizer; all take the same layer-wise steps on their fp32 masters."""
-    zero0, zero_n = results["bf16_stage0"], results[f"bf16_stage{stage}"]
-    if not ds_compat.available("engine.bf16_zero0"):  # DeepSpeed < 0.18: bf16 at ZeRO 0 is refused in one line
-        assert "hook engine.bf16_zero0 " in zero0["refused"] and "\n" not in zero0["refused"], zero0
-        assert zero_n["wrapper"] == "DeepSpeedZeroOptimizer" and zero_n["fragments"] > 0
-        return
-    assert zero0["wrapper"] == "FP16_UnfusedOptimizer" and zero0["fragments"] == 0
-    assert zero_n["wrapper"] == "DeepSpeedZeroOptimizer" and zero_n["fragments"] > 0
-    # DeepSpeed's zero-gradient state-initialisation step did not count as a step
-    assert zero0["steps"] == zero_n["steps"] == [STEPS]
-    moved = float((zero0["masters"] - _initial_params()).abs().max())
-    assert moved > 1e-2
-    gap = float((zero_n["masters"] - zero0["masters"]).abs().max())
-    control = float((results["bf16_per_shard"]["masters"] - zero0["masters"]).abs().max())
-    assert gap < 1e-4 < control, (gap, control)
-    assert zero_n["grad_scales"] == pytest.approx(zero0["grad_scales"], rel=1e-3)
-    assert torch.equal(zero0["params"], zero0["masters"].to(torch.bfloat16).float())  # params are the rounded masters
 
 
 @pytest.mark.slow

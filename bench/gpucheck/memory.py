@@ -48,12 +48,10 @@ def measure_memory(model, batch_size: int, seq: int, dtype, device, vocab: int) 
     """Warm-up step, peak reset, measured step (CUDA events), two more timed steps."""
     import torch
 
+    from ds_bertopt.wtacrs.memory import synthetic_batch
+
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1000 if vocab > 2000 else 1, vocab, (batch_size, seq), generator=gen)
-    labels = torch.randint(0, 2, (batch_size,), generator=gen)
-    batch = {"input_ids": ids, "attention_mask": torch.ones(batch_size, seq, dtype=torch.long), "labels": labels}
-    batch = {k: v.to(device) for k, v in batch.items()}
+    batch = {k: v.to(device) for k, v in synthetic_batch(batch_size, seq, vocab).items()}
 
     def step():
         with torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():

@@ -8,14 +8,17 @@
 * :func:`peak_cuda_memory` — ``torch.cuda.max_memory_allocated`` around a function (GPU peak).
 * :func:`torch_ops` — the torch ops a function calls, with the shapes of their tensor-list arguments (kernel counts).
 * :func:`environment` — versions, threads and machine, printed with every figure.
-* :func:`record_results` — structured results for ``bench/run_all.py`` (plots and the report).
+* :func:`record_results` — structured results for ``bench/run_all.py`` (plots and the report); :func:`record_name`
+  checks the name a ``--record-as`` gives it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from typing import Any, Callable, Mapping
@@ -94,12 +97,29 @@ def torch_ops(fn: Callable[[], Any]) -> list[tuple[str, list]]:
     return ops
 
 
+RECORD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+"""A record is one file in the report's raw directory: no separators, no leading dot (``.name.json.tmp`` is ours)."""
+
+
+def record_name(name: str) -> str:
+    """``name`` if it can name a record, else :class:`argparse.ArgumentTypeError` (a ``--record-as`` option's
+    ``type``: the run is refused before it measures, not after)."""
+    if not RECORD_NAME.fullmatch(name) or name.endswith(".json"):
+        raise argparse.ArgumentTypeError(
+            f"record name {name!r}: letters, digits, '_', '-' and '.' only, starting with a letter or digit, "
+            "without '.json' (it names bench/report/raw/<name>.json)"
+        )
+    return name
+
+
 def record_results(name: str, payload: Mapping[str, Any]) -> None:
     """Write ``payload`` (JSON-able) to ``$DS_BERTOPT_BENCH_OUT/<name>.json`` when run by ``bench/run_all.py``.
 
     Benchmarks call this with the numbers behind their printed lines; the report and its plots are
-    generated from these files, never typed in. A no-op when the variable is unset.
+    generated from these files, never typed in. A no-op when the variable is unset; a ``name`` that
+    :func:`record_name` refuses raises, set or not.
     """
+    record_name(name)
     out_dir = os.environ.get("DS_BERTOPT_BENCH_OUT")
     if not out_dir:
         return

@@ -225,6 +225,86 @@ def run_checks(out_dir: str, checks=ALL_CHECKS, steps: int = 4) -> None:
     torch.distributed.barrier()
 
 
+def judge(results: dict, world: int, steps: int) -> list[tuple[str, bool, str]]:
+    """The checks of ``tests/test_optim_zero.py`` (and of ``bench/gpu_check.sh``'s ``lamb_equal``) with their
+    tolerances, as ``(name, ok, detail)``, on the runs present in ``results`` (:func:`run_checks` on ``world`` ranks,
+    ``steps`` steps)."""
+    import math
+
+    from ds_bertopt.compat import deepspeed as ds_compat
+
+    initial = torch.cat([p.detach().reshape(-1) for p in tiny_bert().parameters()])
+    gap = lambda a, b: float((a - b).abs().max())
+    scales = lambda entry: [float(s) for s in entry["grad_scales"]]
+    same = lambda ours, theirs, rel: (  # pytest.approx (its default abs 1e-12 too) on lists of equal length
+        len(ours) == len(theirs) and all(abs(a - b) <= rel * abs(b) + 1e-12 for a, b in zip(ours, theirs))
+    )
+    present = lambda key, stages: [(s, results[key % s]) for s in stages if results.get(key % s) is not None]
+    out = []
+    zero0 = results.get("stage0")
+    if zero0 is not None:
+        moved, scales0 = gap(zero0["params"], initial), scales(zero0)
+        out.append(("zero0 moved the weights (> 1e-2)", moved > 1e-2, f"max move {moved:.3g}"))
+        out.append(("LAMB clipping active at ZeRO 0", all(s < 1.0 for s in scales0), f"scales {scales0}"))
+    # the same per-layer ratio on every stage: equal up to the summation order of the layer norms; DeepSpeed's global
+    # norm feeds LAMB's clipping the same factor as ZeRO-0's; layouts only where DeepSpeed flattened
+    for stage, zn in present("stage%d", (1, 2) if zero0 is not None else ()):
+        diff = (zn["params"] - zero0["params"]).abs()
+        ok = bool((diff <= 1e-6 + 1e-5 * zero0["params"].abs()).all())
+        out.append((f"ZeRO {stage} params = ZeRO 0 (rtol 1e-5, atol 1e-6)", ok, f"max diff {float(diff.max()):.3g}"))
+        ok, detail = same(scales(zn), scales0, 1e-5), f"{scales(zn)} vs {scales0}"
+        out.append((f"ZeRO {stage} clip factors = ZeRO 0 (rel 1e-5)", ok, detail))
+        ok = same([zn["lr"]], [zero0["lr"]], 1e-6)
+        out.append((f"ZeRO {stage} lr = ZeRO 0", ok, f"{zn['lr']} vs {zero0['lr']}"))
+        ok, detail = bool(zn["attached"]) and zero0["attached"] == [], f"{zn['attached']} / {zero0['attached']}"
+        out.append((f"ZeRO {stage} layouts attached (ZeRO 0 none)", ok, detail))
+    if zero0 is not None and "per_shard" in results:  # the control: one trust ratio per flat shard
+        control = gap(results["per_shard"]["params"], zero0["params"])
+        out.append(("per-shard trust ratio control differs (> 1e-3)", control > 1e-3, f"gap {control:.3g}"))
+    for stage, entry in present("resume%d", (0, 2)):
+        straight, resumed = entry["straight"], entry["resumed"]
+        same_params = torch.equal(straight["params"], resumed["params"])
+        states_ok = len(straight["state"]) == len(resumed["state"]) == world and all(
+            torch.equal(a, b) for a, b in zip(straight["state"], resumed["state"])
+        )
+        sched_ok = straight["lr"] == resumed["lr"] and straight["sched"] == resumed["sched"] == steps
+        detail = "" if same_params else f"max param diff {gap(straight['params'], resumed['params']):.3g}"
+        detail = detail or f"params, {len(resumed['state'])} optimizer shards, lr and schedule equal"
+        out.append((f"ZeRO {stage} checkpoint resume bit-exact", same_params and states_ok and sched_ok, detail))
+    zero0 = results.get("bf16_stage0")
+    if zero0 is None:
+        return out
+    if not ds_compat.available("engine.bf16_zero0"):  # DeepSpeed < 0.18: bf16 at ZeRO 0 is refused in one line
+        refused = zero0.get("refused", "")
+        ok = "hook engine.bf16_zero0 " in refused and "\n" not in refused
+        out.append(("bf16 ZeRO 0 refused in one line", ok, refused))
+        for stage, zn in present("bf16_stage%d", (1, 2)):
+            ok, detail = zn["wrapper"] == "DeepSpeedZeroOptimizer" and zn["fragments"] > 0, zn.get("fragments")
+            out.append((f"bf16 ZeRO {stage}: DeepSpeedZeroOptimizer with fragments", ok, f"{zn['wrapper']}, {detail}"))
+        return out
+    ok = zero0["wrapper"] == "FP16_UnfusedOptimizer" and zero0["fragments"] == 0
+    detail = f"{zero0['wrapper']}, {zero0['fragments']} fragments"
+    out.append(("bf16 ZeRO 0 runs FP16_UnfusedOptimizer, no fragments", ok, detail))
+    moved = gap(zero0["masters"], initial)
+    out.append(("bf16 ZeRO 0 moved the masters (> 1e-2)", moved > 1e-2, f"max move {moved:.3g}"))
+    ok = torch.equal(zero0["params"], zero0["masters"].to(torch.bfloat16).float())
+    out.append(("bf16 ZeRO 0 params are the rounded masters", ok, ""))
+    per_shard = results.get("bf16_per_shard")
+    control = gap(per_shard["masters"], zero0["masters"]) if per_shard is not None else math.inf
+    # DeepSpeed's zero-gradient state-initialisation step does not count as a step
+    for stage, zn in present("bf16_stage%d", (1, 2)):
+        ok = zn["wrapper"] == "DeepSpeedZeroOptimizer" and zn["fragments"] > 0
+        ok = ok and zero0["steps"] == zn["steps"] == [steps]
+        detail = f"{zn['wrapper']}, {zn['fragments']} fragments, steps {zn['steps']} / {zero0['steps']}"
+        out.append((f"bf16 ZeRO {stage}: DeepSpeedZeroOptimizer with fragments, {steps} LAMB steps", ok, detail))
+        masters_gap = gap(zn["masters"], zero0["masters"])
+        detail = f"gap {masters_gap:.3g}, per-shard control {control:.3g}"
+        out.append((f"bf16 ZeRO {stage} masters = ZeRO 0 (gap < 1e-4 < control)", masters_gap < 1e-4 < control, detail))
+        s0, sn = scales(zero0), scales(zn)
+        out.append((f"bf16 ZeRO {stage} clip factors (rel 1e-3)", same(sn, s0, 1e-3), f"{sn} vs {s0}"))
+    return out
+
+
 def spawn_worker(rank: int, world: int, port: int, out_dir: str, checks, steps: int) -> None:
     os.environ.update(
         RANK=str(rank),
