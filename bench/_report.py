@@ -19,6 +19,9 @@ from pathlib import Path
 RATIO = re.compile(r"\d+(\.\d+)?x \((median|mean) of \d+")
 VERDICT = re.compile(r"\bNOT met\b|\bmet\b|NOT reachable")
 ROOT = Path(__file__).resolve().parents[1]
+BASELINE_PREFIX = "mfu_baseline"
+"""Records named so measured an older commit's code as a later run's baseline (``bench/mfu.py --baseline``): their
+verdicts are that code's, so they stay on their page and out of the index's shortfalls."""
 DOC = ROOT / "docs" / "benchmarks.md"
 CAPABILITIES = (  # (record name prefix, heading): the pages of docs/benchmarks/, in this order
     ("time_to_train", "Time to train (ours vs Hugging Face Trainer + DeepSpeed)"),
@@ -184,8 +187,12 @@ def _paginate(head: list[str], blocks: list[tuple[str, list[str]]]) -> list[tupl
     return pages
 
 
-def _verdict_row(name: str, record: dict, line: str, link: str = "") -> str:
-    run = f"[{name}]({link})" if link else f"`{name}`"
+def _baseline(name: str) -> bool:
+    return name.startswith(BASELINE_PREFIX)
+
+
+def _verdict_row(name: str, record: dict, line: str, link: str = "", baseline: bool = False) -> str:
+    run = (f"[{name}]({link})" if link else f"`{name}`") + (" (a baseline: older code)" if baseline else "")
     return f"| {run} | {record.get('time', '?')[:10]} | {line.replace('|', '/')} |"
 
 
@@ -225,7 +232,7 @@ def benchmarks_docs(raw: Path, runs: dict) -> dict[str, str]:
             blocks.append((name, block))
         head = [f"# {heading}", "", *generated, "Shortfalls of every run: [benchmarks.md](../benchmarks.md).", ""]
         head.append(f"Machine and stack, unless a run says otherwise: {common}.")
-        rows = [_verdict_row(n, records[n], line) for n in names for line in verdicts[n]]
+        rows = [_verdict_row(n, records[n], line, baseline=_baseline(n)) for n in names for line in verdicts[n]]
         table = ["", "## Verdicts", "", "| run | recorded | line |", "|---|---|---|", *rows] if rows else []
         pages = _paginate(head, [("", table), *blocks])
         for part, (held, lines) in enumerate(pages, 1):
@@ -259,7 +266,7 @@ def benchmarks_docs(raw: Path, runs: dict) -> dict[str, str]:
         "| run | recorded | line |",
         "|---|---|---|",
     ]
-    for name in order:
+    for name in (n for n in order if not _baseline(n)):
         for line in verdicts[name]:
             if NOT_MET.search(line):
                 out.append(_verdict_row(name, records[name], line, f"benchmarks/{page_of[name]}#{name}"))

@@ -37,6 +37,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 from bench._common import bert_sizes, cpu_kind, figure, gemm_peak, interleaved, median, padded_batch, record, say
 from bench._common import bar_figure, record_name, status, sync
+from bench._report import BASELINE_PREFIX
 from ds_bertopt.data.collate import pack_sequences
 from ds_bertopt.data.config import DataConfig
 from ds_bertopt.data.corpus import load_documents
@@ -230,8 +231,10 @@ def main(argv=None) -> None:
     pair = f"{FUSED} {non_gemm[FUSED]:.0f} vs {OURS} {non_gemm[OURS]:.0f} us = {non_gemm[FUSED] / non_gemm[OURS]:.2f}x"
     say(f"non-GEMM time per real token, fp32, this run: {pair} (median of {args.repeats})")
     if args.baseline is None:  # the step before issue 40's work, recorded on this kind of CPU where it was
-        mine = (p.stem for p in sorted(RAW.glob("mfu_baseline*.json")) if json.loads(p.read_text())["device"] == where)
-        args.baseline = next(mine, "mfu_baseline")
+        mine = (
+            p.stem for p in sorted(RAW.glob(f"{BASELINE_PREFIX}*.json")) if json.loads(p.read_text())["device"] == where
+        )
+        args.baseline = next(mine, BASELINE_PREFIX)
     baseline = RAW / f"{args.baseline}.json"  # its eager unpadded fp32 step
     if args.baseline == args.record_as or not baseline.is_file():
         say(f"non-GEMM time per real token, fp32, {OURS} (eager): {non_gemm[OURS]:.0f} us (no recorded baseline "

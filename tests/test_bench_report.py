@@ -106,3 +106,19 @@ def test_a_record_name_that_is_not_one_file_is_refused_before_anything_is_writte
                 options[path.name] = next((ast.unparse(k.value) for k in node.keywords if k.arg == "type"), None)
     assert len(options) >= 6, options
     assert set(options.values()) == {"record_name"}, options
+
+
+def test_a_baseline_records_older_code_so_its_shortfalls_stay_on_its_page(tmp_path):
+    """``mfu_baseline*`` records measured an older commit (``bench/mfu.py --baseline``): the index's shortfalls leave
+    them out, their page lists them marked as a baseline; a run of today's code with the same line stays listed."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    line = "fp32 MFU, ours unpadded: 0.77 (target >= 0.85: NOT met)"
+    for name in (f"{_report.BASELINE_PREFIX}_probe", "mfu_probe"):
+        (raw / f"{name}.json").write_text(json.dumps({"name": name, "time": "2026-01-02", "summary": [line]}))
+    docs = _report.benchmarks_docs(raw, {})
+    shortfalls = docs["benchmarks.md"].split("## Verdicts", 1)[1]
+    assert "[mfu_probe]" in shortfalls and _report.BASELINE_PREFIX not in shortfalls
+    page = docs["benchmarks/other.md"]
+    assert f"| `{_report.BASELINE_PREFIX}_probe` (a baseline: older code) | 2026-01-02 | {line} |" in page
+    assert f"| `mfu_probe` | 2026-01-02 | {line} |" in page
