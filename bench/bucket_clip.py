@@ -50,16 +50,27 @@ WIKI = ROOT.parent / "shared" / "data" / "wiki_sample.jsonl"  # --convergence's 
 
 
 # worker: one rank (started by run_ranks, in this namespace or in its own)
-def build_engine(name: str, stage: int, variant: str, bucket_size: int):
+def build_engine(sizes: dict, micro: int, stage: int, variant: str, bucket_size: int, precision: str = ""):
+    """A ``BertForMaskedLM`` of ``sizes`` in our engine, clipped by ``variant`` (``bench/gpucheck``'s clip worker too);
+    ``precision``: ``bertopt.train.precision`` where given."""
     torch.manual_seed(0)
-    model = BertForMaskedLM(BertConfig(**MODELS[name][0], attn_implementation="sdpa"))
+    model = BertForMaskedLM(BertConfig(**sizes, attn_implementation="sdpa"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": bucket_size}
-    cfg = {"train_micro_batch_size_per_gpu": MODELS[name][1], "gradient_accumulation_steps": 1}
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1}
     cfg.update(gradient_clipping=1.0, steps_per_print=10**9, zero_optimization=zero)
+    bertopt = {"train": {"precision": precision}} if precision else {}
     if variant == "bucket_clip":
-        cfg["bertopt"] = {"bucket_clip": {"enabled": True, "max_norm": 1.0, "bucket_size": bucket_size}}
-    return initialize(config=cfg, model=model, optimizer=optimizer)[0]
+        bertopt["bucket_clip"] = {"enabled": True, "max_norm": 1.0, "bucket_size": bucket_size}
+    return initialize(config={**cfg, "bertopt": bertopt} if bertopt else cfg, model=model, optimizer=optimizer)[0]
+
+
+def mlm_batch(vocab: int, micro: int, seq: int) -> dict:
+    """This rank's random MLM batch: ids from ``5..vocab``, 15 % of the positions labelled."""
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    input_ids = torch.randint(5, vocab, (micro, seq), generator=gen)
+    labels = torch.where(torch.rand(micro, seq, generator=gen) < 0.15, input_ids, torch.full_like(input_ids, -100))
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
 
 
 def timed(timings: dict[str, list[float]], fn, key: str):
@@ -76,15 +87,13 @@ def timed(timings: dict[str, list[float]], fn, key: str):
 
 
 def measure(name: str, stage: int, bucket_size: int, repeats: int, warmup: int) -> dict:
-    micro, engines = MODELS[name][1], {v: build_engine(name, stage, v, bucket_size) for v in VARIANTS}
+    sizes, micro = MODELS[name][:2]
+    engines = {v: build_engine(sizes, micro, stage, v, bucket_size) for v in VARIANTS}
     timings: dict[str, dict[str, list[float]]] = {variant: {"exposed": [], "reduce": []} for variant in VARIANTS}
     for variant, engine in engines.items():
         wrap_reductions(engine, functools.partial(timed, timings[variant]))
     module = engines[VARIANTS[0]].module
-    gen = torch.Generator().manual_seed(100 + dist.get_rank())
-    input_ids = torch.randint(5, module.config.vocab_size, (micro, SEQ), generator=gen)
-    labels = torch.where(torch.rand(micro, SEQ, generator=gen) < 0.15, input_ids, torch.full_like(input_ids, -100))
-    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+    batch = mlm_batch(module.config.vocab_size, micro, SEQ)
 
     def step(variant: str) -> float:
         dist.barrier()  # start together, outside the timed region

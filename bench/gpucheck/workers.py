@@ -99,33 +99,16 @@ def worker_clip(argv: list) -> int:
     args, accelerator = _start(argv, rounds=dict(type=int, required=True), tiny=dict(action="store_true"))
     import torch
     import torch.distributed as dist
-    from transformers import BertConfig, BertForMaskedLM
 
     from bench._common import interleaved
-    from ds_bertopt.engine import initialize
+    from bench.bucket_clip import VARIANTS, build_engine, mlm_batch
 
     device = torch.device(accelerator.current_device_name())
     sizes = {**TINY_BERT, "num_hidden_layers": 1} if args.tiny else {}  # {}: BERT-base
     micro, seq, bucket = (2, 16, 10_000) if args.tiny else (16, 128, 5_000_000)
     precision, stage = "bf16" if device.type != "cpu" else "fp32", 0
-
-    def engine(hook: bool):
-        torch.manual_seed(0)
-        model = BertForMaskedLM(BertConfig(**sizes, attn_implementation="sdpa"))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-        zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": bucket}
-        cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
-        cfg.update(steps_per_print=10**9, zero_optimization=zero, bertopt={"train": {"precision": precision}})
-        if hook:
-            cfg["bertopt"]["bucket_clip"] = {"enabled": True, "max_norm": 1.0, "bucket_size": bucket}
-        return initialize(config=cfg, model=model, optimizer=optimizer)[0]
-
-    engines = {"bucket_clip": engine(True), "deepspeed_clip": engine(False)}
-    gen = torch.Generator().manual_seed(100 + dist.get_rank())
-    ids = torch.randint(5, engines["bucket_clip"].module.config.vocab_size, (micro, seq), generator=gen)
-    labels = torch.where(torch.rand(micro, seq, generator=gen) < 0.15, ids, torch.full_like(ids, -100))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-    batch = {k: v.to(device) for k, v in batch.items()}
+    engines = {name: build_engine(sizes, micro, stage, name, bucket, precision) for name in VARIANTS}
+    batch = {k: v.to(device) for k, v in mlm_batch(engines["bucket_clip"].module.config.vocab_size, micro, seq).items()}
 
     def step(eng) -> None:
         eng.backward(eng(**batch).loss)
