@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ds_bertopt.testing.measure import environment_line, interleaved, median, ratio_line, record_name, record_results  # noqa: E402,F401
+from ds_bertopt.testing.measure import RecordAs, environment_line, interleaved, median, ratio_line, record_name  # noqa: E402,F401
+from ds_bertopt.testing.measure import record_results  # noqa: E402
 
 SUMMARY: list[str] = []
 """The lines this benchmark said (its report section's summary)."""
@@ -55,6 +56,13 @@ def bar_figure(file: str, title: str, key: str, values: dict, unit: str, **field
 def record(name: str, note: str, **payload) -> None:
     """Record this benchmark's summary and figures, then ``payload``, then ``note`` (``record_results``)."""
     record_results(name, {"summary": SUMMARY, "figures": FIGURES, **payload, "note": note})
+
+
+def add_record_as(parser, default: str) -> None:
+    """Every bench's ``--record-as``: the record's name (``record_name``), refused before the run where nothing would be
+    recorded (``RecordAs``)."""
+    what = "name of the recorded results (report section; needs DS_BERTOPT_BENCH_OUT, as bench/run_all.py sets it)"
+    parser.add_argument("--record-as", type=record_name, action=RecordAs, default=default, help=what)
 
 
 def status(ok: bool) -> str:

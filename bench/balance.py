@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import bar_figure, bert_overrides, config_overrides, deepspeed_launcher, failed_nodes, figure
 from bench._common import environment_line, interleaved, maybe_lock, median, pretrain_argv, ratio_line, read_metrics
-from bench._common import ROOT, record, record_name, run_checked, say, status
+from bench._common import ROOT, record, run_checked, say, status, add_record_as
 from ds_bertopt.cli.balance import corpus_lengths, format_table
 from ds_bertopt.data.config import PEER_STRATEGIES, STRATEGIES as STRATEGIES_ALL, SamplerConfig
 from ds_bertopt.data.cost import CostModel, padding_fraction, slot_lengths
@@ -399,9 +399,7 @@ def main() -> int:
     p.add_argument("--peer-budget", type=float, default=60.0, help=budget)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--lock", help="flock this file around every timed run (shared machines)")
-    p.add_argument(
-        "--record-as", type=record_name, default="balance", help="name of the recorded results (report section)"
-    )
+    add_record_as(p, "balance")
     args = p.parse_args()
     print(environment_line(), flush=True)
     parts = args.part or (["planner", "packed", "ranks"] if args.quick else ALL_PARTS)

@@ -39,7 +39,7 @@ from transformers import AutoTokenizer, HfArgumentParser, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import bar_figure, ROOT, cpu_kind, deepspeed_launcher, environment_line, median, record, run_checked
-from bench._common import argv, gemm_peak, record_name, say, status, trainer_ds_config
+from bench._common import argv, gemm_peak, say, status, trainer_ds_config, add_record_as
 from ds_bertopt.model.local import default_model_dir
 from ds_bertopt.train.finetune_memory import task_variant
 from ds_bertopt.wtacrs.memory import measure_step_in_child
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--boolq-train", type=int, help="train BoolQ on its first N examples (every contender)")
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage of every contender")
     parser.add_argument("--ner-seeds", type=int, nargs="+", default=[42, 43], help="NER: one run per seed, averaged")
-    parser.add_argument("--record-as", type=record_name, default="finetune_tasks")
+    add_record_as(parser, "finetune_tasks")
     args = parser.parse_args(argv)
     if not SHARED.is_dir():
         print(f"skipped: {SHARED} is absent")

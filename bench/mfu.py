@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import BertConfig, BertForMaskedLM
 
 from bench._common import bert_sizes, cpu_kind, figure, gemm_peak, interleaved, median, padded_batch, record, say
-from bench._common import bar_figure, record_name, status, sync
+from bench._common import bar_figure, status, sync, add_record_as
 from bench._report import BASELINE_PREFIX
 from ds_bertopt.data.collate import pack_sequences
 from ds_bertopt.data.config import DataConfig
@@ -178,9 +178,7 @@ def main(argv=None) -> None:
     what = "recorded run whose non-GEMM time is the baseline (default: the mfu_baseline* record of this CPU kind)"
     parser.add_argument("--baseline", help=what)
     parser.add_argument("--epoch-batches", type=int, default=0, help="cap the epoch's micro-batches (0: all)")
-    parser.add_argument(
-        "--record-as", type=record_name, default="mfu", help="name of the recorded results (report section)"
-    )
+    add_record_as(parser, "mfu")
     args = parser.parse_args(argv)
     if args.baseline not in (None, args.record_as) and not (RAW / f"{args.baseline}.json").is_file():
         parser.error(f"--baseline {args.baseline}: no record {RAW / args.baseline}.json")

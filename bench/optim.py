@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import bert_overrides, bert_sizes, checkpoint_weights, cpu_env, deepspeed_launcher, figure
 from bench._common import environment_line, first_crossing, interleaved, md_table, median, pretrain_argv, ratio_line
-from bench._common import ROOT, config_overrides, md_row, read_metrics, record, record_name, say, status
+from bench._common import ROOT, config_overrides, md_row, read_metrics, record, say, status, add_record_as
 from ds_bertopt.config import load_config
 from ds_bertopt.data.collate import MLMCollator, step_generator
 from ds_bertopt.data.pipeline import build_pretrain_data
@@ -415,7 +415,7 @@ def main() -> None:
     add("--write-presets", action="store_true", help="write ds_configs/bert_large_batch_{adamw,lamb}.json")
     add("--skip-convergence", action="store_true")
     add("--skip-step-time", action="store_true")
-    add("--record-as", type=record_name, default="optim", help="name of the recorded results (report section)")
+    add_record_as(parser, "optim")
     args = parser.parse_args()
     vars(args).update({k: v for k, v in (QUICK if args.quick else FULL).items() if getattr(args, k) is None})
     print(environment_line(), flush=True)

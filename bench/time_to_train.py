@@ -2,6 +2,7 @@
 
     python bench/time_to_train.py --quick          # ~7 min on 2 cores: wiki seq 128, 1 seed, 300 steps, 3 contenders
     python bench/time_to_train.py                  # full: 4 scenarios, 2 seeds (~3 h on 2 cores; docs/time_to_train.md)
+    DS_BERTOPT_BENCH_OUT=bench/report/raw \
     python bench/time_to_train.py --scenarios continued128 --seeds 1 2 --points 6 --record-as time_to_train_continued
 
 Method (contenders, baseline, step budget, tokenizer, held-out documents, yardstick, wall time, scenarios, targets):
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import time_to_train_runs as ttt
 from bench._common import TABLES, bar_figure, environment_line, figure, interleaved, median, ratio_line, record, say
-from bench._common import first_crossing, record_name, status
+from bench._common import first_crossing, status, add_record_as
 from ds_bertopt.testing.netns import NetNamespaces, netns_unavailable_reason, remove_stale
 
 
@@ -236,12 +237,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--work-dir", help="keep runs and logs here (default: a temporary directory, removed)")
     resume = "with --work-dir: reuse every run an interrupted invocation finished there (same command line, yardstick)"
     p.add_argument("--resume", action="store_true", help=resume)
-    p.add_argument(
-        "--record-as",
-        type=record_name,
-        default="time_to_train",
-        help="the name of the recorded results (report section)",
-    )
+    add_record_as(p, "time_to_train")
     args = p.parse_args(argv)
     if args.resume and not args.work_dir:
         p.error("--resume needs --work-dir (the runs of the interrupted invocation are kept there)")

@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import figure, ROOT, TABLES, argv, bert_sizes, cpu_env, cpu_kind, environment_line, md_row, median
-from bench._common import md_table, ratio_line, read_metrics, record, record_name, run_checked, say, status
+from bench._common import md_table, ratio_line, read_metrics, record, run_checked, say, status, add_record_as
 from bench.wtacrs_frontier import EMULATED_BF16_TOKENS, FRONTIER_CELLS, FRONTIER_QUICK, QUICK_CELLS, budget_section
 from bench.wtacrs_frontier import frontier_section, locked, measured, minilm_cells, timed
 from ds_bertopt.model.local import default_model_dir
@@ -306,9 +306,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="accuracy: seeds")
     parser.add_argument("--epochs", type=int, default=2, help="accuracy: epochs")
     parser.add_argument("--max-train", type=int, default=None, help="accuracy: first N training examples (default all)")
-    parser.add_argument(
-        "--record-as", type=record_name, default="wtacrs", help="name of the recorded results (bench/run_all.py)"
-    )
+    add_record_as(parser, "wtacrs")
     args = parser.parse_args()
     accuracy_names = args.accuracy_variants.split(",") if args.accuracy_variants else list(ACCURACY_VARIANTS)
     unknown = [n for n in accuracy_names if n not in ACCURACY_VARIANTS]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import cpu_kind, maybe_lock, record, record_name, run_streamed, say, status
+from bench._common import cpu_kind, maybe_lock, record, run_streamed, say, status, add_record_as
 
 COMMAND = ["memory", "--budget-gb", "2", "--seq", "64", "--compare"]
 TARGET_S = 180.0
@@ -44,9 +44,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1, help="runs of the fast search")
     parser.add_argument("--exhaustive", action="store_true", help="also run the reference (every setup timed)")
     parser.add_argument("--lock", default="", help="hold this flock around each run (a shared machine)")
-    parser.add_argument(
-        "--record-as", type=record_name, default="wtacrs_budget", help="name of the recorded results (report section)"
-    )
+    add_record_as(parser, "wtacrs_budget")
     args = parser.parse_args()
     cpu, command = cpu_kind(), f"ds-bertopt {' '.join(COMMAND)}"
     runs = [answer([], args.lock) for _ in range(args.repeats)]

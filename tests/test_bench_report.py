@@ -83,29 +83,38 @@ def test_a_capability_with_many_runs_continues_on_more_pages(tmp_path):
     assert "(benchmarks/optim_2.md)" in index
 
 
-def test_a_record_name_that_is_not_one_file_is_refused_before_anything_is_written(tmp_path, monkeypatch):
-    """``--record-as`` names ``<raw>/<name>.json``: a path (``../x``, ``a/b``), a hidden or ``.json`` name is refused
-    by the option's type (before a bench measures) and by ``record_results`` itself; every bench's option uses it."""
+def test_a_record_as_that_would_not_be_one_recorded_file_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """``--record-as`` names ``<raw>/<name>.json``: a path (``../x``, ``a/b``), a hidden or ``.json`` name is refused by
+    the option (before a bench measures) and by ``record_results`` itself; so is a ``--record-as`` while
+    ``DS_BERTOPT_BENCH_OUT`` is unset (nothing would be recorded), in one line; every bench takes the shared option."""
     import argparse
-    import ast
+    import re
 
-    from ds_bertopt.testing.measure import record_name, record_results
+    from bench._common import add_record_as
+    from ds_bertopt.testing.measure import record_results
 
+    parser = argparse.ArgumentParser(prog="bench")
+    add_record_as(parser, "probe")
+    monkeypatch.delenv("DS_BERTOPT_BENCH_OUT", raising=False)
+    assert parser.parse_args([]).record_as == "probe"  # the default: a smoke run, nothing recorded, not refused
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--record-as", "mine"])
+    refusal = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--record-as mine: nothing is recorded while DS_BERTOPT_BENCH_OUT is unset" in refusal
     monkeypatch.setenv("DS_BERTOPT_BENCH_OUT", str(tmp_path / "raw"))
+    assert parser.parse_args(["--record-as", "mine"]).record_as == "mine"
     for bad in ("../escaped", "a/b", ".hidden", "mfu.json", ""):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--record-as", bad])
+        assert "record name" in capsys.readouterr().err
         with pytest.raises(argparse.ArgumentTypeError, match="record name"):
             record_results(bad, {"summary": []})
     assert not (tmp_path / "raw").exists() and not (tmp_path / "escaped.json").exists()
-    record_results(record_name("mfu_native_bf16"), {"summary": ["a line"]})
+    record_results("mfu_native_bf16", {"summary": ["a line"]})
     assert json.loads((tmp_path / "raw" / "mfu_native_bf16.json").read_text())["summary"] == ["a line"]
-    options = {}  # bench file -> the type of its --record-as option
-    for path in (REPO / "bench").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            first = node.args[0] if isinstance(node, ast.Call) and node.args else None
-            if isinstance(first, ast.Constant) and first.value == "--record-as":
-                options[path.name] = next((ast.unparse(k.value) for k in node.keywords if k.arg == "type"), None)
-    assert len(options) >= 6, options
-    assert set(options.values()) == {"record_name"}, options
+    named = {p.name: p.read_text() for p in (REPO / "bench").glob("*.py") if "args.record_as" in p.read_text()}
+    assert len(named) >= 6 and all("add_record_as(" in text for text in named.values()), sorted(named)
+    assert not any(re.search(r"add_argument\(\s*[\"']--record-as", t) for t in named.values())
 
 
 def test_a_baseline_records_older_code_so_its_shortfalls_stay_on_its_page(tmp_path):

@@ -9,7 +9,7 @@
 * :func:`torch_ops` — the torch ops a function calls, with the shapes of their tensor-list arguments (kernel counts).
 * :func:`environment` — versions, threads and machine, printed with every figure.
 * :func:`record_results` — structured results for ``bench/run_all.py`` (plots and the report); :func:`record_name`
-  checks the name a ``--record-as`` gives it.
+  checks the name a ``--record-as`` gives it, :class:`RecordAs` that it will be recorded.
 """
 
 from __future__ import annotations
@@ -112,6 +112,24 @@ def record_name(name: str) -> str:
     return name
 
 
+OUT_ENV = "DS_BERTOPT_BENCH_OUT"
+"""The raw directory records go to (``bench/run_all.py`` sets it); unset, nothing is recorded."""
+
+
+class RecordAs(argparse.Action):
+    """A ``--record-as`` given on the command line where :data:`OUT_ENV` is unset is refused in one line, before the
+    bench measures: nothing would be recorded, and that would show only after the run (defaults are not checked:
+    smoke runs record nothing on purpose)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if not os.environ.get(OUT_ENV):
+            parser.error(
+                f"{option_string} {values}: nothing is recorded while {OUT_ENV} is unset (bench/run_all.py sets it; "
+                f"by hand: {OUT_ENV}=bench/report/raw)"
+            )
+        setattr(namespace, self.dest, values)
+
+
 def record_results(name: str, payload: Mapping[str, Any]) -> None:
     """Write ``payload`` (JSON-able) to ``$DS_BERTOPT_BENCH_OUT/<name>.json`` when run by ``bench/run_all.py``.
 
@@ -120,7 +138,7 @@ def record_results(name: str, payload: Mapping[str, Any]) -> None:
     :func:`record_name` refuses raises, set or not.
     """
     record_name(name)
-    out_dir = os.environ.get("DS_BERTOPT_BENCH_OUT")
+    out_dir = os.environ.get(OUT_ENV)
     if not out_dir:
         return
     os.makedirs(out_dir, exist_ok=True)
