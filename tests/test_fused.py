@@ -91,18 +91,37 @@ def test_determinism_under_manual_seed_and_an_explicit_generator():
     assert torch.equal(fused.keep_mask((1000,), 0.1, generator=generator), first)
 
 
-def test_dropout_add_is_residual_plus_dropout_and_its_gradient_is_the_mask():
-    x = torch.randn(512, 16, requires_grad=True)
-    residual = torch.randn(512, 16, requires_grad=True)
+BOTH_DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.precision)], ids=["fp32", "bf16"]
+)
+
+
+@BOTH_DTYPES
+def test_keep_factors_are_the_masks_decisions_in_the_activations_dtype(dtype):
+    torch.manual_seed(5)
+    keep = fused.keep_mask((4099,), 0.1)  # not a whole number of 64-bit words
+    torch.manual_seed(5)
+    factors = fused.keep_factors((4099,), 0.1, dtype)
+    assert factors.dtype == dtype and torch.equal(factors, keep.to(dtype))
+    assert torch.equal(fused.keep_factors((8,), 0.0, dtype), torch.ones(8, dtype=dtype))
+
+
+@BOTH_DTYPES
+def test_dropout_add_is_residual_plus_dropout_and_its_gradient_is_the_mask(dtype):
+    """The forward to its dtype's rounding of the exact sum; the gradient exactly the kept values times the exact
+    scale (autograd's own addcmul backward would round the scale to bf16 first)."""
+    x = torch.randn(512, 16).to(dtype).requires_grad_(True)
+    residual = torch.randn(512, 16).to(dtype).requires_grad_(True)
     torch.manual_seed(4)
     out = fused.dropout_add(x, residual, 0.2)
     torch.manual_seed(4)
     keep = fused.keep_mask(x.shape, 0.2)
     scale = fused.keep_scale(0.2)
-    torch.testing.assert_close(out, residual + torch.where(keep, x, 0) * scale)
+    exact = residual.double() + torch.where(keep, x.double(), 0) * scale
+    torch.testing.assert_close(out, exact.to(dtype))
     grad = torch.randn_like(out)
     out.backward(grad)
-    torch.testing.assert_close(x.grad, torch.where(keep, grad, 0) * scale)
+    assert torch.equal(x.grad, torch.where(keep, grad, 0) * scale) and x.grad.dtype == dtype
     assert torch.equal(residual.grad, grad)
 
 
