@@ -8,6 +8,9 @@ the step's time goes (GEMMs, attention, the rest), in fp32 and, with native bf16
 masked; a random-init BERT-base-shaped ``BertForMaskedLM``, every core: **HF padded** (SDPA, the MLM head on every
 position: what ``Trainer`` runs), **ours unpadded** (``UnpaddedMLM``: packed, the head on masked positions only),
 **fused dropout** and **compiled** (``model.fused_dropout``; ``model.compile`` too, compared round by round).
+bf16 is DeepSpeed's bf16 step, what the launcher runs: parameters cast to bf16 (``DeepSpeedEngine.
+_configure_distributed_model``), no autocast; autocast over fp32 weights (``Trainer``'s bf16 without DeepSpeed) adds a
+cast of every weight in each forward and measured 0.3 s more per step on a Zen 5 AVX512-BF16 CPU.
 **MFU** = model FLOPs (``3 × [layers × (2·T·(4h² + 2h·ffn) + 4h·ΣL²) + M·(2h² + 2h·vocab)]``, T real tokens, L the
 lengths, M masked) / step time / the GEMM peak measured in the same run and precision (the best rate of ``mm`` and
 ``F.linear`` probes before and after the steps and of the steps' own GEMMs in the profile); medians of ``--repeats``
@@ -91,14 +94,11 @@ def bert(layers: int, device: torch.device, sizes: dict = BASE):
 def measure(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.device, repeats: int) -> dict:
     """The contenders' training steps (forward + backward, gradients dropped): medians of ``repeats`` interleaved
     steps, then of ``repeats`` profiled steps' splits."""
-    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     padded = padded_batch(samples, device)
     packed = {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack_sequences(samples).items()}
 
     def train_step(model, batch):
-        with torch.autocast(**autocast):
-            loss = model(**batch).loss
-        loss.backward()
+        model(**batch).loss.backward()
         model.zero_grad(set_to_none=True)
 
     def timed(step) -> float:
@@ -109,10 +109,10 @@ def measure(samples: list[dict], layers: int, dtype: torch.dtype, device: torch.
         sync(device)
         return time.perf_counter() - start
 
-    steps = {HF: functools.partial(train_step, bert(layers, device), padded)}
+    steps = {HF: functools.partial(train_step, bert(layers, device).to(dtype), padded)}
     options = {OURS: {}, FUSED: {"fused_dropout": True}, COMPILED: {"fused_dropout": True, "compile": True}}
     for name, kwargs in options.items():
-        model = UnpaddedMLM(bert(layers, device), **kwargs)
+        model = UnpaddedMLM(bert(layers, device).to(dtype), **kwargs)
         model.choose_attention(device, dtype)
         steps[name] = functools.partial(train_step, model, packed)
     warm = {name: timed(step) for name, step in steps.items()}  # warm-up; the compiled contender compiles here
