@@ -187,6 +187,20 @@ def _paginate(head: list[str], blocks: list[tuple[str, list[str]]]) -> list[tupl
     return pages
 
 
+def _verdict_tables(rows: list[str]) -> list[tuple[str, list[str]]]:
+    """The verdicts table as blocks that each fit a page beside its head: a long one goes on over the next pages,
+    its header again."""
+    chunks: list[list[str]] = []
+    for row in rows:
+        if not chunks or len("\n".join([*chunks[-1], row]).encode()) > PAGE_BYTES - 1024:
+            chunks.append([])
+        chunks[-1].append(row)
+    heading = ["", "## Verdicts", "", "| run | recorded | line |", "|---|---|---|"]
+    return [
+        ("", [*heading[:1], heading[1] + (" (continued)" if i else ""), *heading[2:], *c]) for i, c in enumerate(chunks)
+    ]
+
+
 def _baseline(name: str) -> bool:
     return name.startswith(BASELINE_PREFIX)
 
@@ -233,8 +247,7 @@ def benchmarks_docs(raw: Path, runs: dict) -> dict[str, str]:
         head = [f"# {heading}", "", *generated, "Shortfalls of every run: [benchmarks.md](../benchmarks.md).", ""]
         head.append(f"Machine and stack, unless a run says otherwise: {common}.")
         rows = [_verdict_row(n, records[n], line, baseline=_baseline(n)) for n in names for line in verdicts[n]]
-        table = ["", "## Verdicts", "", "| run | recorded | line |", "|---|---|---|", *rows] if rows else []
-        pages = _paginate(head, [("", table), *blocks])
+        pages = _paginate(head, [*_verdict_tables(rows), *blocks])
         for part, (held, lines) in enumerate(pages, 1):
             for name in held:
                 page_of[name] = _page(prefix, part)

@@ -83,6 +83,22 @@ def test_a_capability_with_many_runs_continues_on_more_pages(tmp_path):
     assert "(benchmarks/optim_2.md)" in index
 
 
+def test_a_verdicts_table_longer_than_a_page_goes_on_over_the_next_pages(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for run in range(40):  # 120 verdict rows of ~230 bytes: a table of ~27 KB, each run's own block small
+        summary = [f"verdict {run}.{i}: 1.1x " + "y" * 150 + " (target >= 1.5x: NOT met)" for i in range(3)]
+        (raw / f"optim_r{run:02}.json").write_text(
+            json.dumps({"name": f"optim_r{run:02}", "time": "2026-01-01", "summary": summary})
+        )
+    docs = _report.benchmarks_docs(raw, {})
+    pages = sorted(name for name in docs if name.startswith("benchmarks/"))
+    assert len(pages) >= 2 and all(len(docs[name].encode()) <= 15 * 1024 for name in pages)
+    tables = "".join(docs[name].split("\n## optim_r", 1)[0] for name in pages)
+    assert all(tables.count(f"verdict {run}.{i}: ") == 1 for run in range(40) for i in range(3))  # every row once
+    assert "## Verdicts (continued)" in tables
+
+
 def test_a_record_as_that_would_not_be_one_recorded_file_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
     """``--record-as`` names ``<raw>/<name>.json``: a path (``../x``, ``a/b``), a hidden or ``.json`` name is refused by
     the option (before a bench measures) and by ``record_results`` itself; so is a ``--record-as`` while
