@@ -14,8 +14,8 @@ item, then LayerNorm, GELU, adds and copies.
   checkpointing (``torch.utils.checkpoint`` restores the CPU/device RNG state before recomputing).
 * :func:`keep_factors` — the same decisions as 1/0 in the activations' dtype, compared straight into it: what the
   eager dropout multiplies by and keeps for backward (as stock CPU dropout keeps its noise). A bool mask costs 1 byte
-  where this costs 2 (bf16) or 4, but ``where`` and a multiply by a bool run a scalar loop on the CPU: on [1567, 768]
-  (2 threads, torch 2.13) ``where`` took 0.66 ms and a multiply by the factors 0.08.
+  where this costs 2 (bf16) or 4, but ``where`` and a multiply by a bool are slow on the CPU: on [1567, 768]
+  (2 threads, torch 2.13) ``where`` took 0.66 ms, a multiply by a bool 0.28 (fp32), and one by the factors 0.08.
 * :func:`dropout_add` — ``residual + dropout(x)`` as one ``addcmul`` (the dropout scale its ``value``), and a
   backward of one multiply and one scale: on [1567, 768] bf16 0.1 ms forward where ``where`` + ``add`` took 0.8.
 * :func:`fuse_encoder` — every ``nn.Dropout`` of the model becomes :class:`PackedBitsDropout`, and the family's
