@@ -25,8 +25,9 @@ item, then LayerNorm, GELU, adds and copies.
   In eval mode (or ``p = 0``) a fused block computes exactly what the stock one does.
 
 Under ``model.compile`` the mask is one custom op (:func:`packed_keep_mask_op`, the same draws as eager) and Inductor
-fuses the ``where``, add and LayerNorm around it. Attention dropout on the CPU draws these bits too, inside
-:mod:`.cpu_attention` (one draw for every score of a micro-batch); on CUDA it stays inside the attention kernels.
+fuses the mask's cast, the multiply-add and LayerNorm around it. Attention dropout on the CPU draws these bits too,
+inside :mod:`.cpu_attention` (one draw for every score of a micro-batch); on CUDA it stays inside the attention
+kernels.
 Bias + GELU stay in ``addmm`` + GELU unless compiled.
 """
 
@@ -89,10 +90,11 @@ def keep_factors(shape, p: float, dtype: torch.dtype, device=None) -> torch.Tens
 @torch.library.custom_op("ds_bertopt::packed_keep_mask_v1", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def packed_keep_mask_op(like: torch.Tensor, p: float) -> torch.Tensor:
     """:func:`keep_mask` for ``like``'s shape and device as one graph node (``model.compile``): the packed bits are
-    drawn eagerly from the default generator, the same draws as eager, while Inductor fuses the ``where``, add and
-    LayerNorm around the mask. Inductor's own lowering of a random draw is a scalar ``normalized_rand_cpu`` per
-    element on a CPU: a dropout + add + LayerNorm block of [1567, 768] took 22.7 ms forward with it, against
-    eager's 15.6 ms (2 threads, fp32). ``nondeterministic_seeded``: never reordered or deduplicated."""
+    drawn eagerly from the default generator, the same draws as eager, while Inductor fuses the mask's cast, the
+    multiply-add and LayerNorm around it. Inductor's own lowering of a random draw is a scalar
+    ``normalized_rand_cpu`` per element on a CPU: a dropout + add + LayerNorm block of [1567, 768] took 22.7 ms
+    forward with it, against eager's 15.6 ms (2 threads, fp32). ``nondeterministic_seeded``: never reordered or
+    deduplicated."""
     return keep_mask(like.shape, p, like.device)  # run eagerly: not compiling here
 
 
